@@ -1,0 +1,3 @@
+from rollout_proxy.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The application factory: settings in, a ready ``web.Application`` out.
+
+Each resource (store, engines) is opened and closed by its own ``cleanup_ctx``;
+tests inject their own store or engines instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import structlog
+from aiohttp import web
+
+from rollout_proxy import keys
+from rollout_proxy.core.chat import ChatService
+from rollout_proxy.core.sessions import SessionService
+from rollout_proxy.core.turns import TurnRunner
+from rollout_proxy.metrics import Metrics
+from rollout_proxy.proxy.auth import SessionTokens
+from rollout_proxy.proxy.engines.base import Engine
+from rollout_proxy.proxy.engines.pool import EnginePool
+from rollout_proxy.proxy.engines.vllm_http import VLLMEngine
+from rollout_proxy.proxy.handlers import chat, meta, sessions, trajectories
+from rollout_proxy.proxy.middleware import request_middleware
+from rollout_proxy.settings import Settings
+from rollout_proxy.state.memory import MemoryStore
+from rollout_proxy.state.store import StateStore
+from rollout_proxy.tokenization.parsers import OutputParser
+
+log = structlog.get_logger(__name__)
+
+
+async def open_store(url: str) -> StateStore:
+    if url == "memory":
+        return MemoryStore()
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from rollout_proxy.state.redis import RedisStore
+
+        return await RedisStore.connect(url)
+    raise ValueError(f"unknown store {url!r}: use 'memory' or a redis://HOST:PORT/DB URL")
+
+
+def create_app(
+    settings: Settings,
+    *,
+    store: StateStore | None = None,
+    engines: Sequence[Engine] | None = None,
+) -> web.Application:
+    if not settings.admin_key:
+        raise ValueError("an admin key is required (--admin-key or ROLLOUT_PROXY_ADMIN_KEY)")
+    parser = OutputParser.named(settings.tool_parser, settings.reasoning_parser)
+    app = web.Application(middlewares=[request_middleware], client_max_size=settings.max_body_bytes)
+    app[keys.SETTINGS] = settings
+    app[keys.METRICS] = Metrics()
+    app[keys.TOKENS] = SessionTokens(settings.token_secret)
+
+    async def store_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[keys.STORE] = store if store is not None else await open_store(settings.store)
+        yield
+        if store is None:
+            await app[keys.STORE].close()
+
+    async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
+        clients = list(engines) if engines is not None else [
+            VLLMEngine(url, request_timeout=settings.engine_timeout) for url in settings.engines
+        ]
+        pool = EnginePool(clients, max_inflight=settings.engine_max_inflight)
+        app[keys.ENGINES] = pool
+        yield
+        if engines is None:
+            await pool.close()
+
+    async def services_ctx(app: web.Application) -> AsyncIterator[None]:
+        turns = TurnRunner(store=app[keys.STORE], engines=app[keys.ENGINES], parser=parser, metrics=app[keys.METRICS])
+        app[keys.TURNS] = turns
+        app[keys.SESSIONS] = SessionService(store=app[keys.STORE], engines=app[keys.ENGINES], ttl=settings.session_ttl)
+        app[keys.CHAT] = ChatService(store=app[keys.STORE], turns=turns, metrics=app[keys.METRICS])
+        yield
+
+    app.cleanup_ctx.extend([store_ctx, engines_ctx, services_ctx])
+    add_routes(app)
+    return app
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/healthz", meta.healthz)
+    app.router.add_get("/readyz", meta.readyz)
+    app.router.add_get("/metrics", meta.metrics)
+    app.router.add_get("/v1/models", meta.models)
+    app.router.add_post("/v1/sessions", sessions.create_session)
+    app.router.add_get("/v1/sessions/{session_id}", sessions.get_session)
+    app.router.add_get("/v1/sessions/{session_id}/trajectory", trajectories.session_trajectory)
+    app.router.add_post("/v1/chat/completions", chat.chat_completions)
+    app.router.add_get("/v1/responses/{response_id}/trajectory", trajectories.response_trajectory)

@@ -1,0 +1,85 @@
+"""Assemble a trajectory from a root-to-leaf path, in one pass over its nodes.
+
+Loss weight is 1.0 exactly on tokens the policy sampled and 0.0 elsewhere (prompt,
+bridge, injected messages); the logprob is the sampling logprob where the weight is
+1 and 0.0 elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rollout_proxy.core.types import NodeKind, ResponseNode
+
+
+@dataclass(slots=True)
+class Trajectory:
+    response_id: str
+    session_id: str
+    messages: list[dict[str, Any]]
+    finish_reason: str | None
+    usage: dict[str, int]
+    extra: dict[str, Any]
+    total_token_ids: np.ndarray  # int32
+    total_loss_weight: np.ndarray  # float32
+    total_token_logprobs: np.ndarray  # float32
+    routed_experts: Any = None
+    turns: int = 0
+    forks: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "response_id": self.response_id,
+            "session_id": self.session_id,
+            "messages": self.messages,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+            "extra": self.extra,
+            "total_token_ids": self.total_token_ids,
+            # float32 values widened exactly, so they print as the engine reported them
+            "total_loss_weight": self.total_loss_weight.astype(np.float64),
+            "total_token_logprobs": self.total_token_logprobs.astype(np.float64),
+            "routed_experts": self.routed_experts,
+            "turns": self.turns,
+            "forks": self.forks,
+        }
+
+
+def assemble(session_id: str, path: Sequence[ResponseNode], *, extra: dict[str, Any] | None = None) -> Trajectory:
+    ids, weights, logprobs, messages = [], [], [], []
+    forks = []
+    for node in path:
+        ids += [node.prompt_ids, node.output_ids]
+        weights.append(np.zeros(len(node.prompt_ids), dtype=np.float32))
+        logprobs.append(np.zeros(len(node.prompt_ids), dtype=np.float32))
+        if node.kind is NodeKind.GENERATED:
+            weights.append(np.ones(len(node.output_ids), dtype=np.float32))
+            logprobs.append(node.output_logprobs)
+        messages += node.messages
+        if node.fork:
+            forks.append({"response_id": node.id, **node.fork})
+    total_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
+    generated = [node for node in path if node.kind is NodeKind.GENERATED]
+    completion_tokens = sum(len(node.output_ids) for node in generated)
+    leaf = path[-1]
+    return Trajectory(
+        response_id=leaf.id,
+        session_id=session_id,
+        messages=messages,
+        finish_reason=leaf.finish_reason,
+        usage={
+            "prompt_tokens": len(total_ids) - completion_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(total_ids),
+        },
+        extra=extra or {},
+        total_token_ids=total_ids.astype(np.int32, copy=False),
+        total_loss_weight=np.concatenate(weights) if weights else np.zeros(0, dtype=np.float32),
+        total_token_logprobs=np.concatenate(logprobs) if logprobs else np.zeros(0, dtype=np.float32),
+        turns=len(generated),
+        forks=forks,
+    )

@@ -1,0 +1,129 @@
+"""Plain data types of the response tree (no HTTP, no Redis, no pydantic).
+
+A session is one rollout: the sample it started from, the generation settings it
+pins, and a tree of ``ResponseNode``s. Each node is one model call (or one batch of
+messages injected from outside the policy) and stores only what it adds to its
+parent: a trajectory is the concatenation of the nodes on its root-to-leaf path.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+EMPTY_IDS = np.zeros(0, dtype=np.int32)
+EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationConfig:
+    """Sampling settings pinned by the session; plugins cannot override them."""
+
+    max_new_tokens: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled, as in the seed's GenerationConfig
+    seed: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationConfig:
+        return cls(**data)
+
+
+class SessionStatus(str, enum.Enum):
+    OPEN = "open"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    extra: dict[str, Any]
+    generation: GenerationConfig
+    context: dict[str, Any]
+    created_at: float
+    expires_at: float
+    engine: str | None = None  # sticky engine (its base URL)
+    n_sample: int | None = None  # set for group rollouts
+    status: SessionStatus = SessionStatus.OPEN
+    result: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "messages": self.messages,
+            "tools": self.tools,
+            "extra": self.extra,
+            "generation": self.generation.to_dict(),
+            "context": self.context,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "engine": self.engine,
+            "n_sample": self.n_sample,
+            "status": self.status.value,
+            "result": self.result,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SessionRecord:
+        data = dict(data)
+        data["generation"] = GenerationConfig.from_dict(data["generation"])
+        data["status"] = SessionStatus(data["status"])
+        return cls(**data)
+
+    def ttl(self, now: float | None = None) -> float:
+        return self.expires_at - (time.time() if now is None else now)
+
+
+class NodeKind(str, enum.Enum):
+    GENERATED = "generated"  # a model call: output tokens carry loss weight 1
+    INJECTED = "injected"  # messages the policy did not generate: weight 0
+
+
+@dataclass(slots=True)
+class ResponseNode:
+    """One node of a session's response tree; it stores only what it adds.
+
+    ``prompt_ids`` are the tokens added before generation (bridge tokens for the new
+    messages and the generation prompt); ``output_ids`` / ``output_logprobs`` are what
+    the engine sampled. For an injected node ``prompt_ids`` holds the rendered
+    messages and the outputs are empty.
+    """
+
+    id: str
+    parent_id: str | None
+    kind: NodeKind
+    api: str  # "chat" | "responses" | "messages"
+    messages: list[dict[str, Any]]  # messages this node adds (inputs, then the output)
+    n_input_messages: int  # how many of ``messages`` were inputs
+    prompt_ids: np.ndarray = field(default_factory=lambda: EMPTY_IDS)
+    output_ids: np.ndarray = field(default_factory=lambda: EMPTY_IDS)
+    output_logprobs: np.ndarray = field(default_factory=lambda: EMPTY_LOGPROBS)
+    finish_reason: str | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    path_hash: str = ""
+    created_at: float = 0.0
+    model: str | None = None
+    fork: dict[str, Any] | None = None  # provenance when the request rewrote history
+    meta: dict[str, Any] = field(default_factory=dict)  # api-specific extras (e.g. Responses fields)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)

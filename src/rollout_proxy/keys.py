@@ -1,0 +1,23 @@
+"""Every ``web.AppKey`` of the application, in one place."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from rollout_proxy.core.chat import ChatService
+from rollout_proxy.core.sessions import SessionService
+from rollout_proxy.core.turns import TurnRunner
+from rollout_proxy.metrics import Metrics
+from rollout_proxy.proxy.auth import SessionTokens
+from rollout_proxy.proxy.engines.pool import EnginePool
+from rollout_proxy.settings import Settings
+from rollout_proxy.state.store import StateStore
+
+SETTINGS = web.AppKey("settings", Settings)
+METRICS = web.AppKey("metrics", Metrics)
+TOKENS = web.AppKey("tokens", SessionTokens)
+STORE = web.AppKey("store", StateStore)
+ENGINES = web.AppKey("engines", EnginePool)
+TURNS = web.AppKey("turns", TurnRunner)
+SESSIONS = web.AppKey("sessions", SessionService)
+CHAT = web.AppKey("chat", ChatService)

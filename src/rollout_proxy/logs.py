@@ -1,0 +1,47 @@
+"""structlog set-up: JSON lines in production, readable lines on a terminal.
+
+Context (request id, session id, response id) is bound with contextvars by the
+middleware and the handlers, so every line of a request carries it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import orjson
+import structlog
+
+LOG_FORMATS = ("auto", "json", "console")
+
+
+def _dumps(data: object, default=None) -> str:
+    return orjson.dumps(data, default=default or str).decode()
+
+
+def configure_logging(log_format: str = "auto", level: str = "info") -> None:
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
+    if log_format == "auto":
+        log_format = "console" if sys.stderr.isatty() else "json"
+    renderer = (
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        if log_format == "console"
+        else structlog.processors.JSONRenderer(serializer=_dumps)
+    )
+    numeric_level = logging.getLevelName(level.upper())
+    if not isinstance(numeric_level, int):
+        raise ValueError(f"unknown log level {level!r}")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )

@@ -1,0 +1,66 @@
+"""``POST /v1/chat/completions`` for plugins (session token)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from rollout_proxy import keys
+from rollout_proxy.core.turns import TurnResult
+from rollout_proxy.errors import InvalidRequest
+from rollout_proxy.proxy.handlers.common import plugin_session
+from rollout_proxy.proxy.http import json_response, read_json_object, validate
+from rollout_proxy.proxy.schemas import ChatRequest, refuse_pinned
+from rollout_proxy.tokenization.messages import normalize_messages, normalize_tools
+
+
+def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | None) -> dict[str, Any]:
+    node, view = result.node, result.view
+    message: dict[str, Any] = {"role": "assistant", "content": view.content}
+    if view.tool_calls:
+        message["tool_calls"] = view.tool_calls
+    if view.reasoning:
+        message["reasoning_content"] = view.reasoning
+        message["reasoning"] = view.reasoning
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "finish_reason": node.finish_reason,
+        "logprobs": None,
+        "token_ids": node.output_ids,
+    }
+    if logprobs:
+        choice["logprobs"] = {
+            "content": [
+                {"token": f"token_id:{token}", "logprob": float(logprob), "bytes": None, "top_logprobs": []}
+                for token, logprob in zip(node.output_ids.tolist(), node.output_logprobs.tolist(), strict=True)
+            ]
+        }
+    return {
+        "id": node.id,
+        "object": "chat.completion",
+        "created": int(node.created_at),
+        "model": model or node.model,
+        "choices": [choice],
+        "usage": node.usage,
+        "prompt_token_ids": result.prompt_ids,
+        "system_fingerprint": None,
+    }
+
+
+async def chat_completions(request: web.Request) -> web.Response:
+    session = await plugin_session(request)
+    payload = await read_json_object(request)
+    refuse_pinned(payload)
+    body = validate(ChatRequest, payload)
+    if body.stream:
+        raise InvalidRequest("stream=true is not supported yet; call without streaming", param="stream")
+    if body.top_logprobs:
+        raise InvalidRequest("top_logprobs is not supported; logprobs=true returns the sampled ones", param="top_logprobs")
+    messages = normalize_messages(body.messages)
+    tools = normalize_tools(body.tools)
+    result = await request.app[keys.CHAT].complete(session, messages, tools=tools, stop=body.stop_list())
+    structlog.contextvars.bind_contextvars(response_id=result.node.id)
+    return json_response(completion_body(result, model=body.model, logprobs=body.logprobs))

@@ -1,0 +1,30 @@
+"""What every handler needs first: who is calling, and for plugins, their session."""
+
+from __future__ import annotations
+
+import structlog
+from aiohttp import web
+
+from rollout_proxy import keys
+from rollout_proxy.core.types import SessionRecord, SessionStatus
+from rollout_proxy.errors import AuthenticationFailed, Conflict
+from rollout_proxy.proxy.auth import Caller, authenticate
+
+
+def request_caller(request: web.Request, *, admin_only: bool = False) -> Caller:
+    app = request.app
+    found = authenticate(request, admin_key=app[keys.SETTINGS].admin_key, tokens=app[keys.TOKENS], admin_only=admin_only)
+    if found.session_id is not None:
+        structlog.contextvars.bind_contextvars(session_id=found.session_id)
+    return found
+
+
+async def plugin_session(request: web.Request) -> SessionRecord:
+    """The open session named by the caller's token (plugin routes need one)."""
+    found = request_caller(request)
+    if found.session_id is None:
+        raise AuthenticationFailed("this endpoint needs a session token, not the admin key")
+    session = await request.app[keys.SESSIONS].get(found.session_id)
+    if session.status is not SessionStatus.OPEN:
+        raise Conflict(f"session {session.id!r} is already finished", param="session")
+    return session

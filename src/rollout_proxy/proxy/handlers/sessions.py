@@ -1,0 +1,47 @@
+"""Trainer-side session routes (admin key)."""
+
+from __future__ import annotations
+
+import structlog
+from aiohttp import web
+
+from rollout_proxy import keys
+from rollout_proxy.proxy.handlers.common import request_caller
+from rollout_proxy.proxy.http import json_response, read_json_object, validate
+from rollout_proxy.proxy.schemas import SessionCreate
+from rollout_proxy.tokenization.messages import normalize_messages, normalize_tools
+
+
+def plugin_base_url(request: web.Request) -> str:
+    public = request.app[keys.SETTINGS].public_url
+    return (public.rstrip("/") if public else f"{request.scheme}://{request.host}") + "/v1"
+
+
+async def create_session(request: web.Request) -> web.Response:
+    request_caller(request, admin_only=True)
+    body = validate(SessionCreate, await read_json_object(request))
+    session = await request.app[keys.SESSIONS].create(
+        messages=normalize_messages(body.sample.messages, param="sample.messages"),
+        tools=normalize_tools(body.sample.tools, param="sample.tools"),
+        extra=body.sample.extra,
+        generation=body.generation.to_config(body.sample.thinking),
+        context=body.context,
+        n_sample=body.n_sample,
+    )
+    structlog.contextvars.bind_contextvars(session_id=session.id)
+    return json_response(
+        {
+            "session_id": session.id,
+            "base_url": plugin_base_url(request),
+            "api_key": request.app[keys.TOKENS].issue(session.id, session.expires_at),
+            "expires_at": int(session.expires_at),
+        },
+        status=201,
+    )
+
+
+async def get_session(request: web.Request) -> web.Response:
+    session_id = request.match_info["session_id"]
+    request_caller(request).require_session(session_id)
+    session = await request.app[keys.SESSIONS].get(session_id)
+    return json_response(session.to_dict())

@@ -1,0 +1,67 @@
+"""The request middleware: context for logs, and the one place errors become HTTP.
+
+Errors are OpenAI-style bodies (``{"error": {"message", "type", "param", "code"}}``):
+our ``ProxyError`` tree by its status, aiohttp's own HTTP errors (unknown route,
+body too large) in the same shape, anything else as a logged 500 (always a bug).
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+from aiohttp import web
+
+from rollout_proxy.errors import NotFound, PayloadTooLarge, ProxyError
+from rollout_proxy.ids import new_request_id
+from rollout_proxy.proxy.http import json_response
+
+log = structlog.get_logger(__name__)
+
+_HTTP_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
+
+
+def _http_error(exc: web.HTTPException) -> ProxyError:
+    if exc.status == 413:
+        return PayloadTooLarge(f"request body too large: {exc.text}")
+    if exc.status == 404:
+        return NotFound("no such endpoint")
+    error = ProxyError(exc.reason)
+    error.status = exc.status
+    error.type = _HTTP_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "server_error")
+    error.code = None
+    return error
+
+
+@web.middleware
+async def request_middleware(request: web.Request, handler) -> web.StreamResponse:
+    request_id = request.headers.get("X-Request-Id") or new_request_id()
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    started = time.perf_counter()
+    try:
+        response = await handler(request)
+    except ProxyError as exc:
+        response = _error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = _error_response(_http_error(exc))
+    except Exception:
+        log.exception("unhandled_error", path=request.path)
+        response = _error_response(ProxyError("internal error; see the proxy's log for the request id"))
+    response.headers["X-Request-Id"] = request_id
+    log.info(
+        "request",
+        method=request.method,
+        path=request.path,
+        status=response.status,
+        ms=round((time.perf_counter() - started) * 1000, 1),
+    )
+    return response
+
+
+def _error_response(exc: ProxyError) -> web.Response:
+    if exc.status >= 500:
+        log.warning("request_failed", status=exc.status, error=exc.message)
+    return json_response(exc.to_body(), status=exc.status)

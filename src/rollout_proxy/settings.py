@@ -1,0 +1,64 @@
+"""Server settings: one dataclass, filled from the command line or ``ROLLOUT_PROXY_*``."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+ENV_PREFIX = "ROLLOUT_PROXY_"
+DEFAULT_ENGINE = "http://127.0.0.1:8000"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    engines: tuple[str, ...] = (DEFAULT_ENGINE,)
+    store: str = "memory"  # "memory" or a redis:// URL
+    host: str = "127.0.0.1"
+    port: int = 8080
+    admin_key: str = ""
+    jwt_secret: str = ""  # derived from the admin key when empty
+    public_url: str = ""  # base URL handed to plugins; derived from the request when empty
+    tool_parser: str = "hermes"
+    reasoning_parser: str = "think"
+    log_format: str = "auto"
+    log_level: str = "info"
+    session_ttl: float = 24 * 3600.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    engine_timeout: float = 600.0
+    engine_max_inflight: int = 256
+
+    @property
+    def token_secret(self) -> bytes:
+        """Key for session tokens; stable across restarts as long as the admin key is."""
+        if self.jwt_secret:
+            return self.jwt_secret.encode()
+        return hmac.new(self.admin_key.encode(), b"rollout-proxy session tokens", hashlib.sha256).digest()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Defaults, then ``ROLLOUT_PROXY_<FIELD>`` variables, then explicit overrides."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for spec in fields(cls):
+            raw = environ.get(ENV_PREFIX + spec.name.upper())
+            if spec.name == "engines":
+                raw = raw or environ.get(ENV_PREFIX + "ENGINE")
+            if raw is None or raw == "":
+                continue
+            values[spec.name] = _parse(spec.name, raw)
+        values.update({key: value for key, value in overrides.items() if value is not None})
+        return cls(**values)
+
+
+def _parse(name: str, raw: str) -> Any:
+    if name == "engines":
+        return tuple(url.strip() for url in raw.split(",") if url.strip())
+    if name in ("port", "max_body_bytes", "engine_max_inflight"):
+        return int(raw)
+    if name in ("session_ttl", "engine_timeout"):
+        return float(raw)
+    return raw

@@ -1,0 +1,65 @@
+"""A node as one packed blob: a small JSON header, then its arrays as raw bytes.
+
+    b"RPN1" | u32 header length | header (JSON) | array bytes, in header order
+
+Token ids are little-endian int32 and logprobs float32, so a node's size grows with
+the tokens it adds and nothing else; decoding is a few ``np.frombuffer`` views.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import orjson
+
+from rollout_proxy.core.types import NodeKind, ResponseNode
+
+MAGIC = b"RPN1"
+_LENGTH = struct.Struct("<I")
+#: node attribute -> little-endian dtype of its stored bytes
+ARRAYS: dict[str, str] = {"prompt_ids": "<i4", "output_ids": "<i4", "output_logprobs": "<f4"}
+_SCALARS = (
+    "id",
+    "parent_id",
+    "api",
+    "messages",
+    "n_input_messages",
+    "finish_reason",
+    "usage",
+    "path_hash",
+    "created_at",
+    "model",
+    "fork",
+    "meta",
+)
+
+
+def encode_node(node: ResponseNode) -> bytes:
+    header: dict[str, Any] = {name: getattr(node, name) for name in _SCALARS}
+    header["kind"] = node.kind.value
+    chunks = []
+    lengths = []
+    for name, dtype in ARRAYS.items():
+        array = np.ascontiguousarray(getattr(node, name), dtype=dtype)
+        lengths.append(len(array))
+        chunks.append(array.tobytes())
+    header["lengths"] = lengths
+    encoded = orjson.dumps(header)
+    return b"".join([MAGIC, _LENGTH.pack(len(encoded)), encoded, *chunks])
+
+
+def decode_node(blob: bytes) -> ResponseNode:
+    if blob[:4] != MAGIC:
+        raise ValueError("not a stored response node")
+    (size,) = _LENGTH.unpack_from(blob, 4)
+    start = 4 + _LENGTH.size
+    header = orjson.loads(blob[start : start + size])
+    offset = start + size
+    arrays = {}
+    for (name, dtype), length in zip(ARRAYS.items(), header.pop("lengths"), strict=True):
+        arrays[name] = np.frombuffer(blob, dtype=dtype, count=length, offset=offset).astype(dtype[1:], copy=False)
+        offset += length * np.dtype(dtype).itemsize
+    kind = NodeKind(header.pop("kind"))
+    return ResponseNode(kind=kind, **header, **arrays)

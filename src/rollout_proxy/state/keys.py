@@ -1,0 +1,45 @@
+"""The whole Redis key namespace.
+
+Every key of a session carries the session id as a cluster hash tag, so a session
+lives in one slot: multi-key transactions and the path-walking script stay legal
+on Redis Cluster, and a session's keys expire together.
+"""
+
+from __future__ import annotations
+
+PREFIX = "rp"
+
+
+def session_key(session_id: str) -> str:
+    """String: the session record (JSON)."""
+    return f"{PREFIX}:{{{session_id}}}:session"
+
+
+def nodes_key(session_id: str) -> str:
+    """Hash: response id -> packed node."""
+    return f"{PREFIX}:{{{session_id}}}:nodes"
+
+
+def parents_key(session_id: str) -> str:
+    """Hash: response id -> parent response id ("" for a child of the root)."""
+    return f"{PREFIX}:{{{session_id}}}:parents"
+
+
+def paths_key(session_id: str) -> str:
+    """Hash: message-path hash -> response id ("id" at a node's end, "id#k" inside it)."""
+    return f"{PREFIX}:{{{session_id}}}:paths"
+
+
+def latest_key(session_id: str) -> str:
+    """Hash: api name -> the latest response id created through it."""
+    return f"{PREFIX}:{{{session_id}}}:latest"
+
+
+def session_keys(session_id: str) -> list[str]:
+    return [
+        session_key(session_id),
+        nodes_key(session_id),
+        parents_key(session_id),
+        paths_key(session_id),
+        latest_key(session_id),
+    ]

@@ -1,0 +1,144 @@
+"""The Redis store: the response tree survives proxy restarts and is shared by replicas.
+
+Reads of a path are one round trip (a script walks the parent links server-side);
+a node write is one atomic script that also checks the session still exists and
+gives the new keys the session's remaining time to live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+
+import orjson
+from redis import asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from rollout_proxy.core.types import ResponseNode, SessionRecord
+from rollout_proxy.state import keys
+from rollout_proxy.state.codec import decode_node, encode_node
+
+#: A path deeper than this is refused (a cycle would otherwise loop in the script).
+MAX_DEPTH = 100_000
+
+_GET_PATH = """
+local ids = {}
+local current = ARGV[1]
+local limit = tonumber(ARGV[2])
+while current ~= "" do
+  if #ids >= limit then return redis.error_reply("path deeper than " .. limit) end
+  ids[#ids + 1] = current
+  local parent = redis.call("HGET", KEYS[1], current)
+  if not parent then return {} end
+  current = parent
+end
+local blobs = {}
+for i = #ids, 1, -1 do
+  blobs[#blobs + 1] = redis.call("HGET", KEYS[2], ids[i])
+end
+return blobs
+"""
+
+_PUT_NODE = """
+local ttl = redis.call("PTTL", KEYS[1])
+if ttl < 0 then return redis.error_reply("NOSESSION session expired or unknown") end
+redis.call("HSET", KEYS[2], ARGV[1], ARGV[2])
+redis.call("HSET", KEYS[3], ARGV[1], ARGV[3])
+local n_partial = tonumber(ARGV[5])
+local i = 6
+for _ = 1, n_partial do
+  redis.call("HSETNX", KEYS[4], ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+while i <= #ARGV do
+  redis.call("HSET", KEYS[4], ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+if ARGV[4] ~= "" then redis.call("HSET", KEYS[5], ARGV[4], ARGV[1]) end
+for k = 2, 5 do redis.call("PEXPIRE", KEYS[k], ttl) end
+return 1
+"""
+
+
+class RedisStore:
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._redis = client
+        self._get_path = client.register_script(_GET_PATH)
+        self._put_node = client.register_script(_PUT_NODE)
+
+    @classmethod
+    async def connect(cls, url: str, *, retries: int = 5, delay: float = 0.5) -> RedisStore:
+        """Connect and ping, retrying while the server comes up."""
+        client = aioredis.Redis.from_url(url, decode_responses=False)
+        for attempt in range(retries + 1):
+            try:
+                await client.ping()
+                return cls(client)
+            except (RedisConnectionError, OSError):
+                if attempt == retries:
+                    await client.aclose()
+                    raise
+                await asyncio.sleep(delay * (2**attempt))
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._redis.ping())
+        except (RedisConnectionError, OSError):
+            return False
+
+    async def create_session(self, session: SessionRecord) -> None:
+        await self._redis.set(
+            keys.session_key(session.id), orjson.dumps(session.to_dict()), pxat=int(session.expires_at * 1000)
+        )
+
+    async def get_session(self, session_id: str) -> SessionRecord | None:
+        raw = await self._redis.get(keys.session_key(session_id))
+        return None if raw is None else SessionRecord.from_dict(orjson.loads(raw))
+
+    async def save_session(self, session: SessionRecord) -> None:
+        await self._redis.set(keys.session_key(session.id), orjson.dumps(session.to_dict()), xx=True, keepttl=True)
+
+    async def put_node(
+        self,
+        session_id: str,
+        node: ResponseNode,
+        *,
+        paths: Mapping[str, str],
+        partial_paths: Mapping[str, str],
+        latest: str | None,
+    ) -> None:
+        args: list[str | bytes | int] = [node.id, encode_node(node), node.parent_id or "", latest or "", len(partial_paths)]
+        for entries in (partial_paths, paths):
+            for path_hash, value in entries.items():
+                args += [path_hash, value]
+        try:
+            await self._put_node(keys=keys.session_keys(session_id), args=args)
+        except ResponseError as exc:
+            if "NOSESSION" in str(exc):
+                raise KeyError(session_id) from exc
+            raise
+
+    async def get_node(self, session_id: str, node_id: str) -> ResponseNode | None:
+        blob = await self._redis.hget(keys.nodes_key(session_id), node_id)
+        return None if blob is None else decode_node(blob)
+
+    async def get_path(self, session_id: str, node_id: str) -> list[ResponseNode] | None:
+        blobs = await self._get_path(keys=[keys.parents_key(session_id), keys.nodes_key(session_id)], args=[node_id, MAX_DEPTH])
+        if not blobs:
+            return None
+        return [decode_node(blob) for blob in blobs]
+
+    async def match_paths(self, session_id: str, hashes: Sequence[str]) -> list[str | None]:
+        if not hashes:
+            return []
+        values = await self._redis.hmget(keys.paths_key(session_id), list(hashes))
+        return [None if value is None else value.decode() for value in values]
+
+    async def latest(self, session_id: str, api: str) -> str | None:
+        value = await self._redis.hget(keys.latest_key(session_id), api)
+        return None if value is None else value.decode()
