@@ -1,0 +1,218 @@
+"""Build the test checkpoints from the SmolLM2-135M-Instruct GGUF (runs in the engine venv).
+
+Standalone on purpose: it needs torch + transformers, which only the engine venv has, so it
+must not import rollout_proxy. Outputs:
+
+* dense: SmolLM2-135M-Instruct as a plain HF Llama checkpoint in float32 safetensors.
+  transformers dequantizes the GGUF on load but refuses to save a GGUF-quantized model, so
+  the state dict is copied into a fresh ``LlamaForCausalLM(config)`` first.
+* moe: a sparse upcycle into Mixtral (4 experts, top-2, random router with a fixed seed,
+  every expert = the dense MLP). Identical experts + renormalized top-k weights reproduce
+  the dense output exactly, so text stays coherent while routing decisions are real.
+  It is written with the classic Mixtral key names (``block_sparse_moe.experts.E.w1``),
+  which vLLM loads and transformers 5 converts on load.
+
+Greedy generation of both is compared with transformers at the end; a mismatch fails.
+Each output is built in a temp dir next to its target and renamed into place.
+
+    python build_checkpoints.py --gguf F.gguf --dense-out DIR --moe-out DIR [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NUM_EXPERTS = 4
+TOP_K = 2
+ROUTER_SEED = 0
+CHECK_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+CHECK_TOKENS = 12
+
+
+def log(msg: str) -> None:
+    print(f"[build_checkpoints] {msg}", file=sys.stderr, flush=True)
+
+
+def _atomic_dir(target: Path):
+    """A temp dir beside target; `_commit` renames it over target."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+
+
+def _commit(tmp: Path, target: Path) -> None:
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; the files inside may be 0600 too
+    for f in tmp.iterdir():
+        f.chmod(0o644)
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+
+
+def _save_tokenizer(tok, out: Path) -> None:
+    """Save the tokenizer with the chat template inside tokenizer_config.json.
+
+    transformers 5 writes the template to chat_template.jinja by default; older readers
+    and humans look in tokenizer_config.json, so keep a single copy there.
+    """
+    tok.save_pretrained(out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    jinja = out / "chat_template.jinja"
+    if jinja.exists():
+        cfg["chat_template"] = jinja.read_text()
+        jinja.unlink()
+    if not cfg.get("chat_template"):
+        raise RuntimeError("tokenizer has no chat template")
+    # transformers 5 records its generic "TokenizersBackend" class, which transformers 4
+    # cannot load; PreTrainedTokenizerFast (just tokenizer.json) loads in both.
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for junk in ("is_local", "local_files_only", "backend"):
+        cfg.pop(junk, None)
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _generation_config(tok) -> dict:
+    # Only token ids: vLLM fills unset sampling params from this file, and we want none.
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None
+            else tok.eos_token_id}
+
+
+def build_dense(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    t0 = time.monotonic()
+    log(f"loading + dequantizing {gguf.name}")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    config = quant.config
+    if config.model_type != "llama":
+        raise RuntimeError(f"expected a llama GGUF, got {config.model_type}")
+    for attr in ("quantization_config", "gguf_file"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config.dtype = torch.float32
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.load_state_dict(quant.state_dict(), strict=True)
+    model.eval()
+    tmp = _atomic_dir(out)
+    model.save_pretrained(tmp, safe_serialization=True)
+    cfg_path = tmp / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("_model_name_or_path", None)  # GGUF metadata noise
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    _save_tokenizer(tok, tmp)
+    (tmp / "generation_config.json").write_text(json.dumps(_generation_config(tok), indent=2))
+    _commit(tmp, out)
+    log(f"dense checkpoint in {time.monotonic() - t0:.0f}s: {out}")
+
+
+def _mixtral_config(dense: dict) -> dict:
+    """Mixtral config.json equivalent to the dense Llama config (no sliding window, no bias)."""
+    keep = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+            "max_position_embeddings", "initializer_range", "rms_norm_eps", "rope_theta",
+            "rope_parameters", "rope_scaling", "tie_word_embeddings", "bos_token_id",
+            "eos_token_id", "pad_token_id", "attention_dropout", "transformers_version"]
+    if dense.get("attention_bias") or dense.get("mlp_bias"):
+        raise RuntimeError("dense model has biases; Mixtral has none")
+    cfg = {k: dense[k] for k in keep if dense.get(k) is not None}
+    cfg.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K,
+                "router_aux_loss_coef": 0.0, "output_router_logits": False,
+                "sliding_window": None, "dtype": "float32", "use_cache": True})
+    return cfg
+
+
+def build_moe(dense_dir: Path, out: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    t0 = time.monotonic()
+    dense_cfg = json.loads((dense_dir / "config.json").read_text())
+    cfg = _mixtral_config(dense_cfg)
+    sd = load_file(dense_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(ROUTER_SEED)
+    hidden = cfg["hidden_size"]
+    out_sd: dict[str, torch.Tensor] = {}
+    mlp_map = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+    for name, t in sd.items():
+        parts = name.split(".")
+        if ".mlp." not in name:
+            out_sd[name] = t.contiguous()
+            continue
+        # model.layers.{i}.mlp.{proj}.weight -> block_sparse_moe.experts.{e}.{w}.weight
+        layer, proj = parts[2], parts[4]
+        for e in range(NUM_EXPERTS):
+            key = f"model.layers.{layer}.block_sparse_moe.experts.{e}.{mlp_map[proj]}.weight"
+            out_sd[key] = t.clone().contiguous()
+    for i in range(cfg["num_hidden_layers"]):
+        # Unit-scale router logits so top-2 choices and weights are far from uniform.
+        w = torch.randn(NUM_EXPERTS, hidden, generator=gen) / hidden ** 0.5
+        out_sd[f"model.layers.{i}.block_sparse_moe.gate.weight"] = w
+    tmp = _atomic_dir(out)
+    save_file(out_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in dense_dir.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    _commit(tmp, out)
+    log(f"moe checkpoint in {time.monotonic() - t0:.0f}s: {out}")
+
+
+def verify(dense_dir: Path, moe_dir: Path) -> None:
+    """Greedy tokens must match between dense and upcycled MoE (and the MoE must load fully)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(dense_dir)
+    ids = tok.apply_chat_template(CHECK_PROMPT, add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    results = {}
+    for name, d in (("dense", dense_dir), ("moe", moe_dir)):
+        model, info = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                                           output_loading_info=True)
+        bad = {k: v for k, v in info.items() if v}
+        if bad:
+            raise RuntimeError(f"{name} checkpoint did not load cleanly: {bad}")
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=CHECK_TOKENS, do_sample=False,
+                                 attention_mask=torch.ones_like(ids))
+            logits = model(ids).logits[0, -1]
+        results[name] = (out[0, ids.shape[1]:].tolist(), logits)
+        log(f"{name}: {tok.decode(results[name][0])!r}")
+    (dt, dl), (mt, ml) = results["dense"], results["moe"]
+    diff = (dl - ml).abs().max().item()
+    log(f"max logit diff dense vs moe: {diff:.2e}")
+    if dt != mt or diff > 1e-2:
+        raise SystemExit(f"FAIL: dense and moe differ: {dt} vs {mt} (max logit diff {diff})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", type=Path, required=True)
+    ap.add_argument("--dense-out", type=Path, required=True)
+    ap.add_argument("--moe-out", type=Path, required=True)
+    ap.add_argument("--force", action="store_true", help="rebuild existing outputs")
+    args = ap.parse_args()
+    built = False
+    if args.force or not (args.dense_out / "config.json").exists():
+        build_dense(args.gguf, args.dense_out)
+        built = True
+    if built or args.force or not (args.moe_out / "config.json").exists():
+        build_moe(args.dense_out, args.moe_out)
+    verify(args.dense_out, args.moe_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
