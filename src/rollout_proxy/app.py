@@ -13,14 +13,16 @@ from aiohttp import web
 
 from rollout_proxy import keys
 from rollout_proxy.core.chat import ChatService
+from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
+from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
 from rollout_proxy.proxy.engines.base import Engine
 from rollout_proxy.proxy.engines.pool import EnginePool
 from rollout_proxy.proxy.engines.vllm_http import VLLMEngine
-from rollout_proxy.proxy.handlers import chat, meta, sessions, trajectories
+from rollout_proxy.proxy.handlers import chat, meta, responses, sessions, trajectories
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.settings import Settings
 from rollout_proxy.state.memory import MemoryStore
@@ -30,14 +32,21 @@ from rollout_proxy.tokenization.parsers import OutputParser
 log = structlog.get_logger(__name__)
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def check_store_url(url: str) -> None:
+    if url != "memory" and not url.startswith(REDIS_SCHEMES):
+        raise ValueError(f"unknown store {url!r}: use 'memory' or a redis://HOST:PORT/DB URL")
+
+
 async def open_store(url: str) -> StateStore:
+    check_store_url(url)
     if url == "memory":
         return MemoryStore()
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from rollout_proxy.state.redis import RedisStore
+    from rollout_proxy.state.redis import RedisStore
 
-        return await RedisStore.connect(url)
-    raise ValueError(f"unknown store {url!r}: use 'memory' or a redis://HOST:PORT/DB URL")
+    return await RedisStore.connect(url)
 
 
 def create_app(
@@ -48,6 +57,7 @@ def create_app(
 ) -> web.Application:
     if not settings.admin_key:
         raise ValueError("an admin key is required (--admin-key or ROLLOUT_PROXY_ADMIN_KEY)")
+    check_store_url(settings.store)
     parser = OutputParser.named(settings.tool_parser, settings.reasoning_parser)
     app = web.Application(middlewares=[request_middleware], client_max_size=settings.max_body_bytes)
     app[keys.SETTINGS] = settings
@@ -74,7 +84,10 @@ def create_app(
         turns = TurnRunner(store=app[keys.STORE], engines=app[keys.ENGINES], parser=parser, metrics=app[keys.METRICS])
         app[keys.TURNS] = turns
         app[keys.SESSIONS] = SessionService(store=app[keys.STORE], engines=app[keys.ENGINES], ttl=settings.session_ttl)
-        app[keys.CHAT] = ChatService(store=app[keys.STORE], turns=turns, metrics=app[keys.METRICS])
+        tree = ResponseTree(store=app[keys.STORE], metrics=app[keys.METRICS])
+        app[keys.TREE] = tree
+        app[keys.CHAT] = ChatService(tree=tree, turns=turns)
+        app[keys.RESPONSES] = ResponsesService(tree=tree, turns=turns)
         yield
 
     app.cleanup_ctx.extend([store_ctx, engines_ctx, services_ctx])
@@ -90,5 +103,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/sessions", sessions.create_session)
     app.router.add_get("/v1/sessions/{session_id}", sessions.get_session)
     app.router.add_get("/v1/sessions/{session_id}/trajectory", trajectories.session_trajectory)
+    app.router.add_post("/v1/sessions/{session_id}/messages", sessions.append_messages)
+    app.router.add_post("/v1/sessions/{session_id}/finish", sessions.finish_session)
     app.router.add_post("/v1/chat/completions", chat.chat_completions)
+    app.router.add_post("/v1/responses", responses.create_response)
+    app.router.add_get("/v1/responses/{response_id}", responses.get_response)
     app.router.add_get("/v1/responses/{response_id}/trajectory", trajectories.response_trajectory)

@@ -71,13 +71,14 @@ def _serve(args: argparse.Namespace) -> int:
     generated_key = not settings.admin_key
     if generated_key:
         settings = Settings.from_env(**{**overrides, "admin_key": secrets.token_urlsafe(24)})
+    app = create_app(settings)
     print(f"rollout-proxy listening on http://{settings.host}:{settings.port}", file=sys.stderr)
     print(f"  engines: {', '.join(settings.engines)}", file=sys.stderr)
     print(f"  store:   {settings.store}", file=sys.stderr)
     print(f"  parsers: tools={settings.tool_parser} reasoning={settings.reasoning_parser}", file=sys.stderr)
     if generated_key:
         print(f"  admin key (generated, pass --admin-key to fix it): {settings.admin_key}", file=sys.stderr)
-    web.run_app(create_app(settings), host=settings.host, port=settings.port, print=None, access_log=None)
+    web.run_app(app, host=settings.host, port=settings.port, print=None, access_log=None)
     return 0
 
 

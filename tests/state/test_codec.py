@@ -1,0 +1,45 @@
+"""Nodes are stored as packed bytes whose size follows the tokens they add."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rollout_proxy.core.types import NodeKind, ResponseNode
+from rollout_proxy.state.codec import decode_node, encode_node
+
+
+def make_node(n_prompt: int, n_output: int, **fields) -> ResponseNode:
+    rng = np.random.default_rng(0)
+    return ResponseNode(
+        id="resp_" + "a" * 32,
+        parent_id="resp_" + "b" * 32,
+        kind=NodeKind.GENERATED,
+        api="chat",
+        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+        n_input_messages=1,
+        prompt_ids=rng.integers(0, 50000, n_prompt, dtype=np.int32),
+        output_ids=rng.integers(0, 50000, n_output, dtype=np.int32),
+        output_logprobs=-rng.random(n_output, dtype=np.float32),
+        finish_reason="stop",
+        usage={"prompt_tokens": n_prompt, "completion_tokens": n_output, "total_tokens": n_prompt + n_output},
+        path_hash="abc",
+        created_at=1.5,
+        model="m",
+        **fields,
+    )
+
+
+def test_roundtrip_is_exact():
+    node = make_node(37, 12, fork={"diverged_from": "x", "at_message": 1}, meta={"k": 1})
+    back = decode_node(encode_node(node))
+    for name in ("prompt_ids", "output_ids", "output_logprobs"):
+        assert np.array_equal(getattr(back, name), getattr(node, name))
+        assert getattr(back, name).dtype == getattr(node, name).dtype
+    for name in ("id", "parent_id", "kind", "api", "messages", "n_input_messages", "finish_reason", "usage", "fork", "meta"):
+        assert getattr(back, name) == getattr(node, name)
+
+
+def test_arrays_are_packed_bytes_not_json():
+    small, large = encode_node(make_node(10, 10)), encode_node(make_node(1010, 1010))
+    # 4 bytes per token id and per logprob; only a few digits of the header grow besides
+    assert 3 * 1000 * 4 <= len(large) - len(small) <= 3 * 1000 * 4 + 16

@@ -1,0 +1,164 @@
+"""The StateStore contract, run over every implementation (memory and a real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from rollout_proxy.core.types import GenerationConfig, NodeKind, ResponseNode, SessionRecord
+from rollout_proxy.ids import new_response_id, new_session_id
+from rollout_proxy.state.memory import MemoryStore
+
+
+def session_record(ttl: float = 60.0) -> SessionRecord:
+    now = time.time()
+    return SessionRecord(
+        id=new_session_id(),
+        messages=[{"role": "user", "content": "hi"}],
+        tools=None,
+        extra={"answer": 4},
+        generation=GenerationConfig(max_new_tokens=8),
+        context={"phase": "train"},
+        created_at=now,
+        expires_at=now + ttl,
+        engine="http://engine",
+    )
+
+
+def node(session_id: str, parent_id: str | None, n_tokens: int = 4, seed: int = 0) -> ResponseNode:
+    rng = np.random.default_rng(seed)
+    return ResponseNode(
+        id=new_response_id(session_id),
+        parent_id=parent_id,
+        kind=NodeKind.GENERATED,
+        api="chat",
+        messages=[{"role": "user", "content": f"q{seed}"}, {"role": "assistant", "content": f"a{seed}"}],
+        n_input_messages=1,
+        prompt_ids=rng.integers(0, 1000, n_tokens, dtype=np.int32),
+        output_ids=rng.integers(0, 1000, n_tokens, dtype=np.int32),
+        output_logprobs=-rng.random(n_tokens, dtype=np.float32),
+        path_hash=f"h{seed}",
+    )
+
+
+async def put(store, session_id, item, latest="chat", paths=None, partial=None):
+    await store.put_node(session_id, item, paths=paths or {item.path_hash: item.id}, partial_paths=partial or {}, latest=latest)
+
+
+async def test_sessions_roundtrip(store):
+    record = session_record()
+    await store.create_session(record)
+    assert (await store.get_session(record.id)).to_dict() == record.to_dict()
+    assert await store.get_session(new_session_id()) is None
+    finished = await store.finish_session(record.id, {"status": "success", "responses": []})
+    assert finished.status.value == "finished" and finished.result == {"status": "success", "responses": []}
+    assert (await store.get_session(record.id)).to_dict() == finished.to_dict()
+    # only once, and never for an unknown session
+    assert await store.finish_session(record.id, {"status": "failure"}) is None
+    assert await store.finish_session(new_session_id(), {"status": "success"}) is None
+
+
+async def test_concurrent_finishes_succeed_once(store):
+    record = session_record()
+    await store.create_session(record)
+    results = await asyncio.gather(*(store.finish_session(record.id, {"n": n}) for n in range(8)))
+    winners = [result for result in results if result is not None]
+    assert len(winners) == 1
+    assert (await store.get_session(record.id)).result == winners[0].result
+
+
+async def test_path_is_root_to_leaf_and_siblings_share_the_parent(store):
+    record = session_record()
+    await store.create_session(record)
+    root_child = node(record.id, None, seed=1)
+    await put(store, record.id, root_child)
+    left, right = node(record.id, root_child.id, seed=2), node(record.id, root_child.id, seed=3)
+    await put(store, record.id, left)
+    await put(store, record.id, right)
+    left_path = await store.get_path(record.id, left.id)
+    right_path = await store.get_path(record.id, right.id)
+    assert [n.id for n in left_path] == [root_child.id, left.id]
+    assert [n.id for n in right_path] == [root_child.id, right.id]
+    assert np.array_equal(left_path[0].output_ids, root_child.output_ids)
+    assert await store.latest(record.id, "chat") == right.id
+    assert await store.latest(record.id, "*") == right.id
+    assert await store.latest(record.id, "responses") is None
+    assert await store.get_path(record.id, new_response_id(record.id)) is None
+
+
+async def test_ids_are_scoped_to_their_session(store):
+    mine, other = session_record(), session_record()
+    await store.create_session(mine)
+    await store.create_session(other)
+    item = node(mine.id, None)
+    await put(store, mine.id, item)
+    assert await store.get_node(other.id, item.id) is None
+    assert await store.get_path(other.id, item.id) is None
+    assert await store.match_paths(other.id, [item.path_hash]) == [None]
+
+
+async def test_partial_path_entries_never_overwrite(store):
+    record = session_record()
+    await store.create_session(record)
+    first = node(record.id, None, seed=1)
+    await put(store, record.id, first, paths={"p-end": first.id}, partial={"p-mid": f"{first.id}#1"})
+    second = node(record.id, None, seed=2)
+    await put(store, record.id, second, paths={"p-other": second.id}, partial={"p-end": f"{second.id}#1", "p-mid": f"{second.id}#1"})
+    assert await store.match_paths(record.id, ["p-mid", "p-end", "p-other", "nope"]) == [
+        f"{first.id}#1",
+        first.id,
+        second.id,
+        None,
+    ]
+    # a full entry does overwrite
+    third = node(record.id, None, seed=3)
+    await put(store, record.id, third, paths={"p-end": third.id})
+    assert await store.match_paths(record.id, ["p-end"]) == [third.id]
+
+
+async def test_session_and_nodes_expire_together(store):
+    record = session_record(ttl=0.6)
+    await store.create_session(record)
+    item = node(record.id, None)
+    await put(store, record.id, item)
+    await asyncio.sleep(0.8)
+    assert await store.get_session(record.id) is None
+    assert await store.get_path(record.id, item.id) is None
+    assert await store.match_paths(record.id, [item.path_hash]) == [None]
+    with pytest.raises(KeyError):
+        await put(store, record.id, node(record.id, None, seed=5))
+
+
+async def test_deep_path_costs_one_round_trip_and_nodes_do_not_grow_with_depth(store):
+    """A 100-turn branch is one read; a node's size follows its tokens, not its depth."""
+    record = session_record()
+    await store.create_session(record)
+    parent_id = None
+    nodes = []
+    for depth in range(100):
+        item = node(record.id, parent_id, n_tokens=50, seed=depth)
+        await put(store, record.id, item)
+        nodes.append(item)
+        parent_id = item.id
+    calls = 0
+    if not isinstance(store, MemoryStore):
+        original = store._redis.execute_command
+
+        async def counting(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return await original(*args, **kwargs)
+
+        store._redis.execute_command = counting
+        path = await store.get_path(record.id, parent_id)
+        store._redis.execute_command = original
+        assert calls == 1
+        blob_sizes = [await store._redis.hstrlen(f"rp:{{{record.id}}}:nodes", item.id) for item in nodes]
+        deeper = blob_sizes[1:]  # the first has no parent id
+        assert max(deeper) - min(deeper) <= 8  # only message digits may differ
+    else:
+        path = await store.get_path(record.id, parent_id)
+    assert [n.id for n in path] == [n.id for n in nodes]

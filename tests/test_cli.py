@@ -1,0 +1,50 @@
+"""The command line: --help explains, env vars configure, bad values are refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rollout_proxy.cli import main
+from rollout_proxy.settings import Settings
+
+
+def test_serve_help_lists_every_option():
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout_proxy", "serve", "--help"], capture_output=True, text=True, check=True
+    )
+    for option in ("--engine", "--store", "--host", "--port", "--admin-key", "--tool-parser", "--reasoning-parser", "--log-format"):
+        assert option in result.stdout
+    assert "ROLLOUT_PROXY_" in result.stdout
+
+
+def test_settings_read_the_environment_and_flags_win():
+    env = {
+        "ROLLOUT_PROXY_ENGINES": "http://a:1, http://b:2",
+        "ROLLOUT_PROXY_STORE": "redis://r:6379/1",
+        "ROLLOUT_PROXY_PORT": "9000",
+        "ROLLOUT_PROXY_ADMIN_KEY": "from-env",
+        "ROLLOUT_PROXY_TOOL_PARSER": "none",
+    }
+    settings = Settings.from_env(env, port=9100, admin_key=None)
+    assert settings.engines == ("http://a:1", "http://b:2")
+    assert settings.store == "redis://r:6379/1"
+    assert settings.port == 9100
+    assert settings.admin_key == "from-env"
+    assert settings.tool_parser == "none"
+
+
+def test_session_token_secret_is_stable_for_an_admin_key():
+    assert Settings(admin_key="k").token_secret == Settings(admin_key="k").token_secret
+    assert Settings(admin_key="k").token_secret != Settings(admin_key="other").token_secret
+    assert Settings(admin_key="k", jwt_secret="s").token_secret == b"s"
+
+
+def test_unknown_store_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_PROXY_ADMIN_KEY", "k")
+    with pytest.raises(SystemExit) as raised:
+        main(["serve", "--store", "mongodb://x", "--port", "0", "--log-format", "json"])
+    assert raised.value.code == 2
+    assert "unknown store" in capsys.readouterr().err
