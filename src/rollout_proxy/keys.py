@@ -5,7 +5,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from rollout_proxy.core.chat import ChatService
+from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
+from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
@@ -20,4 +22,6 @@ STORE = web.AppKey("store", StateStore)
 ENGINES = web.AppKey("engines", EnginePool)
 TURNS = web.AppKey("turns", TurnRunner)
 SESSIONS = web.AppKey("sessions", SessionService)
+TREE = web.AppKey("tree", ResponseTree)
 CHAT = web.AppKey("chat", ChatService)
+RESPONSES = web.AppKey("responses", ResponsesService)

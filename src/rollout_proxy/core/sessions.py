@@ -6,8 +6,8 @@ import time
 from typing import Any
 
 from rollout_proxy.core.trajectory import Trajectory, assemble
-from rollout_proxy.core.types import GenerationConfig, SessionRecord
-from rollout_proxy.errors import NotFound
+from rollout_proxy.core.types import GenerationConfig, SessionRecord, SessionStatus
+from rollout_proxy.errors import Conflict, InvalidRequest, NotFound
 from rollout_proxy.ids import new_session_id, session_of_response
 from rollout_proxy.proxy.engines.pool import EnginePool
 from rollout_proxy.state.store import StateStore
@@ -61,6 +61,52 @@ class SessionService:
         if path is None:
             raise NotFound(f"response {response_id!r} not found", param="response_id")
         return assemble(owner, path, extra=_result_extra(session, response_id))
+
+    async def finish(
+        self,
+        session_id: str,
+        *,
+        status: str,
+        error: str | None,
+        extra: dict[str, Any],
+        responses: list[dict[str, Any]] | None,
+        config: dict[str, Any] | None,
+    ) -> tuple[SessionRecord, list[Trajectory]]:
+        """Record the rollout result once and return the trajectories it names.
+
+        Every response id must be in the session; a group session (``n_sample``) that
+        succeeds must name exactly ``n_sample``. Nothing is recorded when a check fails.
+        A single rollout that names none emits its latest response.
+        """
+        session = await self.get(session_id)
+        if session.status is not SessionStatus.OPEN:
+            raise Conflict(f"session {session_id!r} is already finished", param="session_id")
+        if responses is None:
+            latest = await self._store.latest(session_id, "*") if session.n_sample is None else None
+            responses = [{"id": latest, "extra": None}] if latest is not None and status == "success" else []
+        ids = [response["id"] for response in responses]
+        if session.n_sample is not None and status == "success" and len(ids) != session.n_sample:
+            raise InvalidRequest(
+                f"a group rollout must return exactly n_sample={session.n_sample} responses, got {len(ids)}",
+                param="responses",
+            )
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("the same response id is returned twice", param="responses")
+        paths = []
+        for index, response_id in enumerate(ids):
+            path = await self._store.get_path(session_id, response_id) if session_of_response(response_id) == session_id else None
+            if path is None:
+                raise InvalidRequest(f"response {response_id!r} is not in session {session_id!r}", param=f"responses[{index}].id")
+            paths.append(path)
+        result = {"status": status, "error": error, "extra": extra, "responses": responses, "config": config}
+        finished = await self._store.finish_session(session_id, result)
+        if finished is None:
+            raise Conflict(f"session {session_id!r} is already finished", param="session_id")
+        trajectories = [
+            assemble(session_id, path, extra=_result_extra(finished, response_id))
+            for response_id, path in zip(ids, paths, strict=True)
+        ]
+        return finished, trajectories
 
     async def latest_trajectory(self, session_id: str, api: str = "chat") -> Trajectory:
         await self.get(session_id)

@@ -57,15 +57,6 @@ class TurnRunner:
             renderer = self._renderers[engine.url] = ChatRenderer(engine)
         return renderer
 
-    async def load_path(self, session_id: str, node_id: str | None) -> list[ResponseNode]:
-        """The path to ``node_id`` (empty for the root); NotFound if it is not in the session."""
-        if node_id is None:
-            return []
-        path = await self._store.get_path(session_id, node_id)
-        if path is None:
-            raise NotFound(f"response {node_id!r} not found in this session", param="previous_response_id")
-        return path
-
     async def _prompt_delta(
         self,
         engine: Engine,

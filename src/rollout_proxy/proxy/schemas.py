@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +29,7 @@ PINNED_PARAMETERS = (
     "repetition_penalty",
     "logit_bias",
     "chat_template_kwargs",
+    "reasoning",
 )
 
 
@@ -100,3 +101,40 @@ class ChatRequest(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: Any = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    store: bool = True
+    stream: bool | None = False
+
+
+class AppendMessages(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[Any]
+    previous_response_id: str | None = None
+
+
+class ResponseRef(BaseModel):
+    id: str
+    extra: dict[str, Any] | None = None
+
+
+class FinishRequest(BaseModel):
+    """The rollout result, as the seed's RolloutResult / GroupRolloutResult carry it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["success", "failure", "discard", "retry"] = "success"
+    error: str | None = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+    responses: list[ResponseRef] | None = None
+    config: dict[str, Any] | None = None

@@ -6,11 +6,12 @@ dropped when touched and swept at most once a minute.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rollout_proxy.core.types import ResponseNode, SessionRecord
+from rollout_proxy.core.types import ResponseNode, SessionRecord, SessionStatus
 
 _SWEEP_EVERY = 60.0
 
@@ -52,10 +53,12 @@ class MemoryStore:
         state = self._state(session_id)
         return None if state is None else state.session
 
-    async def save_session(self, session: SessionRecord) -> None:
-        state = self._state(session.id)
-        if state is not None:
-            state.session = session
+    async def finish_session(self, session_id: str, result: dict) -> SessionRecord | None:
+        state = self._state(session_id)
+        if state is None or state.session.status is not SessionStatus.OPEN:
+            return None
+        state.session = dataclasses.replace(state.session, status=SessionStatus.FINISHED, result=result)
+        return state.session
 
     async def put_node(
         self,
@@ -74,7 +77,7 @@ class MemoryStore:
             state.paths.setdefault(path_hash, value)
         state.paths.update(paths)
         if latest is not None:
-            state.latest[latest] = node.id
+            state.latest[latest] = state.latest["*"] = node.id
 
     async def get_node(self, session_id: str, node_id: str) -> ResponseNode | None:
         state = self._state(session_id)

@@ -2,20 +2,22 @@
 
 Reads of a path are one round trip (a script walks the parent links server-side);
 a node write is one atomic script that also checks the session still exists and
-gives the new keys the session's remaining time to live.
+gives the new keys the session's remaining time to live; finishing a session is an
+optimistic (WATCH/MULTI) compare-and-set, so it happens once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import orjson
 from redis import asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ResponseError, WatchError
 
-from rollout_proxy.core.types import ResponseNode, SessionRecord
+from rollout_proxy.core.types import ResponseNode, SessionRecord, SessionStatus
 from rollout_proxy.state import keys
 from rollout_proxy.state.codec import decode_node, encode_node
 
@@ -55,11 +57,10 @@ while i <= #ARGV do
   redis.call("HSET", KEYS[4], ARGV[i], ARGV[i + 1])
   i = i + 2
 end
-if ARGV[4] ~= "" then redis.call("HSET", KEYS[5], ARGV[4], ARGV[1]) end
+if ARGV[4] ~= "" then redis.call("HSET", KEYS[5], ARGV[4], ARGV[1], "*", ARGV[1]) end
 for k = 2, 5 do redis.call("PEXPIRE", KEYS[k], ttl) end
 return 1
 """
-
 
 class RedisStore:
     def __init__(self, client: aioredis.Redis) -> None:
@@ -100,8 +101,25 @@ class RedisStore:
         raw = await self._redis.get(keys.session_key(session_id))
         return None if raw is None else SessionRecord.from_dict(orjson.loads(raw))
 
-    async def save_session(self, session: SessionRecord) -> None:
-        await self._redis.set(keys.session_key(session.id), orjson.dumps(session.to_dict()), xx=True, keepttl=True)
+    async def finish_session(self, session_id: str, result: dict) -> SessionRecord | None:
+        key = keys.session_key(session_id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        return None
+                    session = SessionRecord.from_dict(orjson.loads(raw))
+                    if session.status is not SessionStatus.OPEN:
+                        return None
+                    session = dataclasses.replace(session, status=SessionStatus.FINISHED, result=result)
+                    pipe.multi()
+                    pipe.set(key, orjson.dumps(session.to_dict()), keepttl=True)
+                    await pipe.execute()
+                    return session
+                except WatchError:
+                    continue  # someone else touched the session: read it again
 
     async def put_node(
         self,

@@ -23,8 +23,8 @@ class StateStore(Protocol):
 
     async def get_session(self, session_id: str) -> SessionRecord | None: ...
 
-    async def save_session(self, session: SessionRecord) -> None:
-        """Overwrite an existing session record (keeps its expiry)."""
+    async def finish_session(self, session_id: str, result: dict) -> SessionRecord | None:
+        """Atomically mark an open session finished with ``result``; None if it is not open."""
         ...
 
     async def put_node(
@@ -36,7 +36,8 @@ class StateStore(Protocol):
         partial_paths: Mapping[str, str],
         latest: str | None,
     ) -> None:
-        """Store a node. ``paths`` entries overwrite, ``partial_paths`` never do."""
+        """Store a node. ``paths`` entries overwrite, ``partial_paths`` never do; the
+        latest pointer is set for ``latest`` (an api name) and for ``"*"``."""
         ...
 
     async def get_node(self, session_id: str, node_id: str) -> ResponseNode | None: ...

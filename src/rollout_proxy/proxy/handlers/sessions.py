@@ -6,9 +6,11 @@ import structlog
 from aiohttp import web
 
 from rollout_proxy import keys
+from rollout_proxy.core.types import SessionStatus
+from rollout_proxy.errors import Conflict
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response, read_json_object, validate
-from rollout_proxy.proxy.schemas import SessionCreate
+from rollout_proxy.proxy.schemas import AppendMessages, FinishRequest, SessionCreate
 from rollout_proxy.tokenization.messages import normalize_messages, normalize_tools
 
 
@@ -45,3 +47,41 @@ async def get_session(request: web.Request) -> web.Response:
     request_caller(request).require_session(session_id)
     session = await request.app[keys.SESSIONS].get(session_id)
     return json_response(session.to_dict())
+
+
+async def append_messages(request: web.Request) -> web.Response:
+    """What the SDK's ``update_state_from_messages`` calls: messages the policy did not generate."""
+    session_id = request.match_info["session_id"]
+    request_caller(request).require_session(session_id)
+    body = validate(AppendMessages, await read_json_object(request))
+    session = await request.app[keys.SESSIONS].get(session_id)
+    if session.status is not SessionStatus.OPEN:
+        raise Conflict(f"session {session_id!r} is already finished", param="session_id")
+    node = await request.app[keys.RESPONSES].append_messages(
+        session, normalize_messages(body.messages), previous_response_id=body.previous_response_id
+    )
+    structlog.contextvars.bind_contextvars(response_id=node.id)
+    return json_response({"response_id": node.id, "session_id": session_id}, status=201)
+
+
+async def finish_session(request: web.Request) -> web.Response:
+    """The rollout result: validated, recorded once, answered with its trajectories."""
+    session_id = request.match_info["session_id"]
+    request_caller(request).require_session(session_id)
+    body = validate(FinishRequest, await read_json_object(request))
+    session, trajectories = await request.app[keys.SESSIONS].finish(
+        session_id,
+        status=body.status,
+        error=body.error,
+        extra=body.extra,
+        responses=None if body.responses is None else [ref.model_dump() for ref in body.responses],
+        config=body.config,
+    )
+    return json_response(
+        {
+            "session_id": session_id,
+            "status": body.status,
+            "error": body.error,
+            "trajectories": [trajectory.to_json() for trajectory in trajectories],
+        }
+    )

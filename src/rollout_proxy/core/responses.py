@@ -1,0 +1,96 @@
+"""The Responses API on the response tree: ``previous_response_id`` names the parent.
+
+Only the new input is rendered (as bridge tokens after the parent's exact tokens);
+nothing earlier is ever re-tokenized. Without ``previous_response_id`` the parent is
+the session's root: the sample's messages, then the input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rollout_proxy.core.tree import Placement, ResponseTree, with_sample
+from rollout_proxy.core.turns import TurnResult, TurnRunner
+from rollout_proxy.core.types import ResponseNode, SessionRecord
+from rollout_proxy.errors import InvalidRequest
+
+
+def root_instructions(path: Sequence[ResponseNode]) -> str | None:
+    return path[0].meta.get("instructions") if path else None
+
+
+class ResponsesService:
+    def __init__(self, *, tree: ResponseTree, turns: TurnRunner) -> None:
+        self._tree = tree
+        self._turns = turns
+
+    async def _place(
+        self,
+        session: SessionRecord,
+        messages: list[dict[str, Any]],
+        *,
+        previous_response_id: str | None,
+        instructions: str | None,
+        api: str,
+    ) -> Placement:
+        if previous_response_id is not None:
+            placement = await self._tree.after(session, previous_response_id, messages)
+            if instructions is not None and instructions != root_instructions(placement.parent):
+                raise InvalidRequest(
+                    "instructions differ from the ones this conversation started with; the policy already saw "
+                    "those, so they cannot change inside a conversation tree",
+                    param="instructions",
+                )
+            return placement
+        conversation = with_sample(session, messages)
+        if instructions:
+            conversation = [{"role": "system", "content": instructions}, *conversation]
+        return await self._tree.locate(session, conversation, api=api)
+
+    async def create(
+        self,
+        session: SessionRecord,
+        messages: list[dict[str, Any]],
+        *,
+        previous_response_id: str | None,
+        instructions: str | None,
+        tools: list[dict[str, Any]] | None,
+        store: bool,
+    ) -> tuple[TurnResult, list[ResponseNode]]:
+        """Generate one response; returns it and the path it extends."""
+        placement = await self._place(
+            session, messages, previous_response_id=previous_response_id, instructions=instructions, api="responses"
+        )
+        meta = {
+            "previous_response_id": previous_response_id,
+            "instructions": instructions if previous_response_id is None else root_instructions(placement.parent),
+            "store": store,
+        }
+        if tools is not None and tools != session.tools:
+            meta["tools"] = tools
+        result = await self._turns.generate(
+            session,
+            placement.parent,
+            placement.new_messages,
+            api="responses",
+            tools=tools if tools is not None else session.tools,
+            fork=placement.fork,
+            meta=meta,
+        )
+        return result, placement.parent
+
+    async def append_messages(
+        self, session: SessionRecord, messages: list[dict[str, Any]], *, previous_response_id: str | None
+    ) -> ResponseNode:
+        """Messages the policy did not generate, as a weight-0 node that can be extended."""
+        if not messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        placement = await self._place(
+            session, messages, previous_response_id=previous_response_id, instructions=None, api="messages"
+        )
+        if not placement.new_messages:
+            if placement.parent:  # all of it is already in the tree: that node is the answer
+                return placement.parent[-1]
+            raise InvalidRequest("messages add nothing to the conversation", param="messages")
+        return await self._turns.inject(session, placement.parent, placement.new_messages, api="messages", tools=session.tools)

@@ -1,0 +1,95 @@
+"""Where a request attaches to a session's response tree.
+
+Two ways to name a parent:
+
+- by content (Chat Completions, and Responses calls without ``previous_response_id``):
+  the deepest node whose message path is a prefix of the conversation, found with one
+  store read of the rolling path hashes. When the conversation agrees with part of an
+  existing node's messages and then differs, it rewrote history: the new node forks
+  there and records which node it diverged from and at which message, never
+  splicing silently;
+- by id (``previous_response_id``): that node, within the session.
+
+The root's conversation is the sample's messages; a request that starts without a
+parent gets them prepended unless it already starts with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from rollout_proxy.core.types import ResponseNode, SessionRecord
+from rollout_proxy.errors import InvalidRequest, NotFound
+from rollout_proxy.metrics import Metrics
+from rollout_proxy.state.store import StateStore
+from rollout_proxy.tokenization.messages import canonical_key, path_hashes, same_messages
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Placement:
+    parent: list[ResponseNode]  # root-to-parent path; empty for the root
+    new_messages: list[dict[str, Any]]
+    fork: dict[str, Any] | None = None
+
+
+def choose_parent(matches: Sequence[str | None], n_messages: int) -> tuple[str | None, int, dict[str, Any] | None]:
+    """(parent id, how many messages it covers, fork provenance or None).
+
+    ``matches[i]`` is the path-index entry for the first i+1 messages: ``"id"`` where
+    a node's path ends, ``"id#k"`` inside a node's messages.
+    """
+    parent_id, covered = None, 0
+    for index, value in enumerate(matches):
+        if value is not None and "#" not in value:
+            parent_id, covered = value, index + 1
+    for index in range(len(matches) - 1, covered - 1, -1):
+        value = matches[index]
+        if value is not None and "#" in value and index + 1 < n_messages:
+            return parent_id, covered, {"diverged_from": value.split("#", 1)[0], "at_message": index + 1}
+    return parent_id, covered, None
+
+
+def with_sample(session: SessionRecord, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation that starts at the root: the sample's messages, then ``messages``."""
+    sample = session.messages
+    if same_messages(messages[: len(sample)], sample):
+        return list(messages)
+    return [*sample, *messages]
+
+
+class ResponseTree:
+    def __init__(self, *, store: StateStore, metrics: Metrics) -> None:
+        self._store = store
+        self._metrics = metrics
+
+    async def path(self, session_id: str, response_id: str, *, param: str = "previous_response_id") -> list[ResponseNode]:
+        path = await self._store.get_path(session_id, response_id)
+        if path is None:
+            raise NotFound(f"response {response_id!r} not found in this session", param=param)
+        return path
+
+    async def locate(self, session: SessionRecord, messages: list[dict[str, Any]], *, api: str) -> Placement:
+        """Attach a whole conversation by content."""
+        if not messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        matches = await self._store.match_paths(session.id, path_hashes(messages))
+        parent_id, covered, fork = choose_parent(matches, len(messages))
+        if fork is not None:
+            self._metrics.inc("forks_total", api=api)
+            log.info("history_rewritten", parent_id=parent_id, **fork)
+        parent = [] if parent_id is None else await self.path(session.id, parent_id, param="messages")
+        return Placement(parent=parent, new_messages=messages[covered:], fork=fork)
+
+    async def after(self, session: SessionRecord, previous_response_id: str, messages: list[dict[str, Any]]) -> Placement:
+        """Attach new messages under a named node; an echo of its own output is dropped."""
+        parent = await self.path(session.id, previous_response_id)
+        own = parent[-1].messages[-1]
+        if messages and messages[0]["role"] == own["role"] and canonical_key(messages[0]) == canonical_key(own):
+            messages = messages[1:]
+        return Placement(parent=parent, new_messages=messages)

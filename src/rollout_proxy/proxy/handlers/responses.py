@@ -1,0 +1,55 @@
+"""``POST /v1/responses`` and ``GET /v1/responses/{id}`` for plugins."""
+
+from __future__ import annotations
+
+import structlog
+from aiohttp import web
+
+from rollout_proxy import keys
+from rollout_proxy.core.turns import path_tokens
+from rollout_proxy.errors import InvalidRequest, NotFound
+from rollout_proxy.ids import session_of_response
+from rollout_proxy.proxy.handlers.common import plugin_session, request_caller
+from rollout_proxy.proxy.http import json_response, read_json_object, validate
+from rollout_proxy.proxy.openai_responses import input_to_messages, response_body
+from rollout_proxy.proxy.schemas import ResponsesRequest, refuse_pinned
+from rollout_proxy.tokenization.messages import normalize_tools
+
+
+async def create_response(request: web.Request) -> web.Response:
+    session = await plugin_session(request)
+    payload = await read_json_object(request)
+    refuse_pinned(payload)
+    body = validate(ResponsesRequest, payload)
+    if body.stream:
+        raise InvalidRequest("stream=true is not supported yet; call without streaming", param="stream")
+    messages = input_to_messages(body.input)
+    tools = normalize_tools(body.tools)
+    result, _ = await request.app[keys.RESPONSES].create(
+        session,
+        messages,
+        previous_response_id=body.previous_response_id,
+        instructions=body.instructions,
+        tools=tools,
+        store=body.store,
+    )
+    structlog.contextvars.bind_contextvars(response_id=result.node.id)
+    return json_response(
+        response_body(result.node, prompt_ids=result.prompt_ids, session=session, tools=tools or session.tools, model=body.model)
+    )
+
+
+async def get_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    owner = session_of_response(response_id)
+    if owner is None:
+        raise NotFound(f"response {response_id!r} not found", param="response_id")
+    request_caller(request).require_session(owner)
+    session = await request.app[keys.SESSIONS].get(owner)
+    path = await request.app[keys.TREE].path(owner, response_id, param="response_id")
+    node = path[-1]
+    if node.api != "responses" or not node.meta.get("store", True):
+        raise NotFound(f"response {response_id!r} not found (not a stored Responses API response)", param="response_id")
+    prompt = path_tokens(path)[: -len(node.output_ids) or None]
+    tools = node.meta.get("tools", session.tools)
+    return json_response(response_body(node, prompt_ids=prompt, session=session, tools=tools))
