@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import rollout_proxy.devtools as devtools
+from rollout_proxy import devtools
 from rollout_proxy.devtools import vllm_server
 from rollout_proxy.devtools.vllm_server import VLLMServer
 
