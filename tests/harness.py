@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -46,6 +46,7 @@ class ProxyHarness:
     app: web.Application
     fake: FakeEngine | None
     http: aiohttp.ClientSession
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)
 
     @classmethod
     @asynccontextmanager
@@ -67,9 +68,12 @@ class ProxyHarness:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         async with aiohttp.ClientSession() as http:
+            harness = cls(url=f"http://127.0.0.1:{port}", app=app, fake=fake, http=http)
             try:
-                yield cls(url=f"http://127.0.0.1:{port}", app=app, fake=fake, http=http)
+                yield harness
             finally:
+                for client in harness.clients:
+                    await client.close()
                 await runner.cleanup()
 
     async def request(
@@ -106,8 +110,13 @@ class ProxyHarness:
             body["n_sample"] = n_sample
         status, body = await self.request("POST", "/v1/sessions", json=body)
         assert status == 201, body
-        client = openai.AsyncOpenAI(base_url=body["base_url"], api_key=body["api_key"], max_retries=0)
-        return Session(client=client, **body)
+        return Session(client=self.client(body["base_url"], body["api_key"]), **body)
+
+    def client(self, base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        """An openai client closed with the harness."""
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        self.clients.append(client)
+        return client
 
     async def trajectory(self, response_id: str) -> dict[str, Any]:
         status, body = await self.request("GET", f"/v1/responses/{response_id}/trajectory")

@@ -253,7 +253,7 @@ async def test_responses_tree_survives_a_restart(fake_engine, redis_url):
         session = await before_restart.create_session(SAMPLE)
         first = await session.client.responses.create(model="m", input="one")
     async with ProxyHarness.running(engine_urls=[fake_engine.url], store_url=redis_url) as after_restart:
-        client = openai.AsyncOpenAI(base_url=after_restart.url + "/v1", api_key=session.api_key, max_retries=0)
+        client = after_restart.client(after_restart.url + "/v1", session.api_key)
         second = await client.responses.create(model="m", input="two", previous_response_id=first.id)
         previous = prompt_ids(first) + output_ids(first)
         assert prompt_ids(second)[: len(previous)] == previous

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import openai
 
 from tests.harness import ProxyHarness
 
@@ -16,7 +15,7 @@ async def test_conversation_continues_after_restart(fake_engine, redis_url):
         first = await session.client.chat.completions.create(model="m", messages=USER)
     # the first proxy process is gone; a new one starts on the same Redis with the same admin key
     async with ProxyHarness.running(engine_urls=[fake_engine.url], store=None, store_url=redis_url) as second_proxy:
-        client = openai.AsyncOpenAI(base_url=second_proxy.url + "/v1", api_key=session.api_key, max_retries=0)
+        client = second_proxy.client(second_proxy.url + "/v1", session.api_key)
         history = [*USER, first.choices[0].message.model_dump(), {"role": "user", "content": "Go on."}]
         second = await client.chat.completions.create(model="m", messages=history)
         previous = fake_engine.prompts[0] + first.choices[0].model_extra["token_ids"]

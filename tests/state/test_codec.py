@@ -31,7 +31,9 @@ def make_node(n_prompt: int, n_output: int, **fields) -> ResponseNode:
 
 def test_roundtrip_is_exact():
     node = make_node(37, 12, fork={"diverged_from": "x", "at_message": 1}, meta={"k": 1})
-    back = decode_node(encode_node(node))
+    blob, routing = encode_node(node)
+    assert routing is None
+    back = decode_node(blob)
     for name in ("prompt_ids", "output_ids", "output_logprobs"):
         assert np.array_equal(getattr(back, name), getattr(node, name))
         assert getattr(back, name).dtype == getattr(node, name).dtype
@@ -40,6 +42,22 @@ def test_roundtrip_is_exact():
 
 
 def test_arrays_are_packed_bytes_not_json():
-    small, large = encode_node(make_node(10, 10)), encode_node(make_node(1010, 1010))
+    small, large = encode_node(make_node(10, 10))[0], encode_node(make_node(1010, 1010))[0]
     # 4 bytes per token id and per logprob; only a few digits of the header grow besides
     assert 3 * 1000 * 4 <= len(large) - len(small) <= 3 * 1000 * 4 + 16
+
+
+def test_routing_rows_are_a_separate_blob_and_the_header_keeps_their_span():
+    from rollout_proxy.routing import RoutingRows
+
+    experts = np.arange(6 * 4 * 2).reshape(6, 4, 2) % 8
+    valid = np.array([True, True, False, True, True, True])
+    node = make_node(4, 3).with_routing(RoutingRows.compact(2, experts, valid))
+    blob, routing = encode_node(node)
+    assert len(routing) == 6 * 4 * 2 + 1  # one byte per expert id, one bit per row
+    light = decode_node(blob)
+    assert light.routing is None and light.routing_span == node.routing_span
+    assert light.routing_span.last_observed == 2 + 5
+    full = decode_node(blob, routing)
+    assert np.array_equal(full.routing.experts, node.routing.experts)
+    assert np.array_equal(full.routing.valid, valid)

@@ -57,7 +57,7 @@ class SessionService:
         if owner is None or (session_id is not None and owner != session_id):
             raise NotFound(f"response {response_id!r} not found", param="response_id")
         session = await self.get(owner)
-        path = await self._store.get_path(owner, response_id)
+        path = await self._store.get_path(owner, response_id, routing=True)
         if path is None:
             raise NotFound(f"response {response_id!r} not found", param="response_id")
         return assemble(owner, path, extra=_result_extra(session, response_id))
@@ -94,7 +94,11 @@ class SessionService:
             raise InvalidRequest("the same response id is returned twice", param="responses")
         paths = []
         for index, response_id in enumerate(ids):
-            path = await self._store.get_path(session_id, response_id) if session_of_response(response_id) == session_id else None
+            path = (
+                await self._store.get_path(session_id, response_id, routing=True)
+                if session_of_response(response_id) == session_id
+                else None
+            )
             if path is None:
                 raise InvalidRequest(f"response {response_id!r} is not in session {session_id!r}", param=f"responses[{index}].id")
             paths.append(path)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from rollout_proxy.core.types import NodeKind, ResponseNode
+from rollout_proxy.routing import assemble_routing, routing_json
 
 
 @dataclass(slots=True)
@@ -27,9 +28,10 @@ class Trajectory:
     total_token_ids: np.ndarray  # int32
     total_loss_weight: np.ndarray  # float32
     total_token_logprobs: np.ndarray  # float32
-    routed_experts: Any = None
+    routed_experts: np.ndarray | None = None  # (T, layers, top_k) int16, -1 where unobserved
     turns: int = 0
     forks: list[dict[str, Any]] = field(default_factory=list)
+    routing_disagreements: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -43,9 +45,10 @@ class Trajectory:
             # float32 values widened exactly, so they print as the engine reported them
             "total_loss_weight": self.total_loss_weight.astype(np.float64),
             "total_token_logprobs": self.total_token_logprobs.astype(np.float64),
-            "routed_experts": self.routed_experts,
+            "routed_experts": routing_json(self.routed_experts),
             "turns": self.turns,
             "forks": self.forks,
+            "routing_disagreements": self.routing_disagreements,
         }
 
 
@@ -80,6 +83,8 @@ def assemble(session_id: str, path: Sequence[ResponseNode], *, extra: dict[str, 
         total_token_ids=total_ids.astype(np.int32, copy=False),
         total_loss_weight=np.concatenate(weights) if weights else np.zeros(0, dtype=np.float32),
         total_token_logprobs=np.concatenate(logprobs) if logprobs else np.zeros(0, dtype=np.float32),
+        routed_experts=assemble_routing(path, len(total_ids)),
         turns=len(generated),
         forks=forks,
+        routing_disagreements=sum(node.meta.get("routing_disagreements", 0) for node in path),
     )

@@ -20,8 +20,16 @@ from rollout_proxy.core.types import NodeKind, ResponseNode, SessionRecord
 from rollout_proxy.errors import ContextLengthExceeded, EngineError, NotFound
 from rollout_proxy.ids import new_response_id
 from rollout_proxy.metrics import Metrics
-from rollout_proxy.proxy.engines.base import Engine, SamplingParams
+from rollout_proxy.proxy.engines.base import Engine, EngineCompletion, SamplingParams
 from rollout_proxy.proxy.engines.pool import EnginePool
+from rollout_proxy.routing import (
+    RoutingFormatError,
+    RoutingRows,
+    align_turn,
+    decode_engine_routing,
+    first_row_position,
+    prompt_start,
+)
 from rollout_proxy.state.store import StateStore
 from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, path_hashes
 from rollout_proxy.tokenization.parsers import AssistantView, OutputParser, ToolParse
@@ -124,6 +132,7 @@ class TurnRunner:
             top_k=generation.top_k,
             seed=generation.seed,
             stop=tuple(stop),
+            routed_experts_prompt_start=prompt_start(parent) if engine.returns_routing else None,
         )
         async with self._engines.slot(engine):
             completion = await engine.complete(prompt, params)
@@ -132,6 +141,7 @@ class TurnRunner:
             raise EngineError("the engine reports having consumed other prompt tokens than the proxy sent")
         if completion.nonfinite_logprobs:
             self._metrics.inc("nonfinite_logprobs_total", completion.nonfinite_logprobs)
+        routing, disagreements = await self._routing(session, engine, parent, len(prompt), completion, params)
         view = self._parser.parse(completion.text)
         self._metrics.inc("tool_parse_total", outcome=view.tool_parse.value)
         if view.tool_parse is ToolParse.MALFORMED:
@@ -139,6 +149,8 @@ class TurnRunner:
         node_meta = dict(meta or {})
         if completion.nonfinite_logprobs:
             node_meta["nonfinite_logprobs"] = completion.nonfinite_logprobs
+        if disagreements:
+            node_meta["routing_disagreements"] = disagreements
         finish_reason = completion.finish_reason
         if view.tool_calls and finish_reason == "stop":
             finish_reason = "tool_calls"
@@ -162,11 +174,42 @@ class TurnRunner:
             model=info.model,
             fork=fork,
             meta=node_meta,
-        )
+        ).with_routing(routing)
         await self._save(session, parent, node)
         self._metrics.inc("turns_total", api=api)
         self._metrics.inc("generated_tokens_total", len(completion.output_ids))
         return TurnResult(node=node, prompt_ids=prompt, view=view)
+
+    async def _routing(
+        self,
+        session: SessionRecord,
+        engine: Engine,
+        parent: Sequence[ResponseNode],
+        prompt_len: int,
+        completion: EngineCompletion,
+        params: SamplingParams,
+    ) -> tuple[RoutingRows | None, int]:
+        """The turn's routed experts aligned to the path (None for dense models)."""
+        if completion.routed_experts is None:
+            return None, 0
+        try:
+            rows, valid = decode_engine_routing(completion.routed_experts)
+            first = first_row_position(
+                prompt_len=prompt_len,
+                output_len=len(completion.output_ids),
+                requested_start=params.routed_experts_prompt_start or 0,
+                n_rows=len(rows),
+            )
+            if first < prompt_start(parent):  # rows we already hold came again: compare them
+                parent = await self._store.get_path(session.id, parent[-1].id, routing=True) or []
+            routing, disagreements = align_turn(parent, first=first, rows=rows, valid=valid)
+        except RoutingFormatError as exc:
+            self._metrics.inc("routing_malformed_total")
+            raise EngineError(f"engine {engine.url} returned unusable routed experts: {exc}") from None
+        if disagreements:
+            self._metrics.inc("routing_disagreements_total", disagreements)
+            log.warning("routing_disagreement", rows=disagreements)
+        return routing, disagreements
 
     async def inject(
         self,

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from rollout_proxy.routing.rows import RoutingRows, RoutingSpan
+
 EMPTY_IDS = np.zeros(0, dtype=np.int32)
 EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
@@ -123,6 +125,12 @@ class ResponseNode:
     model: str | None = None
     fork: dict[str, Any] | None = None  # provenance when the request rewrote history
     meta: dict[str, Any] = field(default_factory=dict)  # api-specific extras (e.g. Responses fields)
+    routing_span: RoutingSpan | None = None  # where this node's MoE routing rows are
+    routing: RoutingRows | None = None  # the rows themselves, when loaded
+
+    def with_routing(self, rows: RoutingRows | None) -> ResponseNode:
+        self.routing, self.routing_span = rows, None if rows is None else rows.span
+        return self
 
     @property
     def n_tokens(self) -> int:

@@ -8,14 +8,21 @@ and its logprobs are a deterministic function of position and token.
 
 Served endpoints: ``GET /health``, ``GET /version``, ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``POST /v1/completions`` (token-id prompts).
+
+With a ``FakeMoE`` it also returns ``routed_experts`` exactly as vLLM does (base64
+``.npy``, one row per forward position, none for the last sampled token), computed
+from the token ids, honouring ``routed_experts_prompt_start``; it can emulate a
+prefix cache whose hits come back as ``-1`` rows, and inject faults.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import functools
 import hashlib
+import io
 import json
 import secrets
 import time
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 Reply = str | Sequence[int]
@@ -69,8 +77,72 @@ def vllm_style_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for call in message.get("tool_calls") or []:
             arguments = call.get("function", {}).get("arguments")
             if isinstance(arguments, str):
-                call["function"]["arguments"] = json.loads(arguments) if arguments else {}
+                try:
+                    parsed = json.loads(arguments) if arguments else {}
+                except ValueError:
+                    parsed = {}
+                call["function"]["arguments"] = parsed if isinstance(parsed, dict) else {}
     return prepared
+
+
+@dataclass
+class FakeMoE:
+    """Routing of a pretend MoE: ``top_k`` of ``num_experts`` per layer, from the token ids."""
+
+    num_layers: int = 4
+    top_k: int = 2
+    num_experts: int = 8
+    dtype: str | None = None  # None: uint8/uint16 as vLLM; or force e.g. "int32"
+    ignore_prompt_start: bool = False  # like an engine without routed_experts_prompt_start
+    prefix_cache: bool = False  # cached prompt blocks come back as -1 rows (int32)
+    block_size: int = 16
+    faults: deque[str] = field(default_factory=deque)  # "short", "garbage", "float", "flip"
+    seen: list[list[int]] = field(default_factory=list)
+
+    def rows(self, tokens: list[int]) -> np.ndarray:
+        """Row i: experts chosen when tokens[i] was an input (depends on it and its predecessor)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        previous = np.concatenate([[0], ids[:-1]])
+        mixed = (ids * 1_000_003 + previous * 7919) % 2_147_483_647
+        layers = np.arange(self.num_layers, dtype=np.int64)
+        base = (mixed[:, None] * 2_654_435_761 + layers[None, :] * 40_503) % self.num_experts
+        picks = (base[:, :, None] + np.arange(self.top_k)[None, None, :]) % self.num_experts
+        return picks
+
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """Longest block-aligned prefix already computed (never the whole prompt)."""
+        best = 0
+        for sequence in self.seen:
+            n = min(len(sequence), len(prompt) - 1)
+            same = 0
+            while same < n and sequence[same] == prompt[same]:
+                same += 1
+            best = max(best, same)
+        return best - best % self.block_size
+
+    def encode(self, prompt: list[int], sampled: list[int], start: int) -> tuple[str, int]:
+        """(routed_experts field, cached prompt tokens) for one completion."""
+        sequence = prompt + sampled
+        computed = self.rows(sequence[:-1]).astype(np.int64)
+        cached = self.cached_prefix(prompt) if self.prefix_cache else 0
+        self.seen.append(sequence)
+        begin = 0 if self.ignore_prompt_start else start
+        rows = computed[begin:]
+        dtype = self.dtype or ("uint8" if self.num_experts <= 256 else "uint16")
+        if cached > begin:
+            rows[: cached - begin] = -1
+            dtype = "int32"
+        fault = self.faults.popleft() if self.faults else None
+        if fault == "garbage":
+            return "this is not base64 numpy!", cached
+        if fault == "short":
+            rows = rows[:-1]
+        if fault == "flip" and len(rows):
+            rows[0] = (rows[0] + 1) % self.num_experts
+        array = rows.astype("float32" if fault == "float" else dtype)
+        buffer = io.BytesIO()
+        np.save(buffer, array, allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii"), cached
 
 
 @dataclass
@@ -86,6 +158,7 @@ class FakeEngine:
     delay: float = 0.0  # seconds per completion, to simulate a busy engine
     completions: list[dict[str, Any]] = field(default_factory=list)  # payloads received
     failures: deque[tuple[int, str]] = field(default_factory=deque)  # next completions to fail
+    moe: FakeMoE | None = None  # set to return routed experts like an MoE engine
 
     def __post_init__(self) -> None:
         self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
@@ -224,6 +297,9 @@ class FakeEngine:
         for piece in pieces:
             offsets.append(position)
             position += len(piece)
+        routed_experts, cached = None, 0
+        if self.moe is not None:
+            routed_experts, cached = self.moe.encode(prompt, sampled, int(payload.get("routed_experts_prompt_start") or 0))
         choice: dict[str, Any] = {
             "index": 0,
             "text": self.decode(sampled, skip_special_tokens=payload.get("skip_special_tokens", True)),
@@ -233,7 +309,7 @@ class FakeEngine:
             "token_ids": sampled if payload.get("return_token_ids") else None,
             "prompt_logprobs": None,
             "prompt_token_ids": prompt if payload.get("return_token_ids") else None,
-            "routed_experts": None,
+            "routed_experts": routed_experts,
         }
         if payload.get("logprobs") is not None:
             choice["logprobs"] = {
@@ -254,7 +330,7 @@ class FakeEngine:
                 "prompt_tokens": len(prompt),
                 "total_tokens": len(prompt) + len(sampled),
                 "completion_tokens": len(sampled),
-                "prompt_tokens_details": None,
+                "prompt_tokens_details": {"cached_tokens": cached} if cached else None,
             },
             "kv_transfer_params": None,
             "ec_transfer_params": None,

@@ -4,6 +4,8 @@
 
 Token ids are little-endian int32 and logprobs float32, so a node's size grows with
 the tokens it adds and nothing else; decoding is a few ``np.frombuffer`` views.
+MoE routing rows (narrowest unsigned dtype, one mask bit per row) are a second blob,
+stored apart: the header keeps only their span.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import orjson
 
 from rollout_proxy.core.types import NodeKind, ResponseNode
+from rollout_proxy.routing.rows import RoutingRows, RoutingSpan
 
 MAGIC = b"RPN1"
 _LENGTH = struct.Struct("<I")
@@ -36,7 +39,8 @@ _SCALARS = (
 )
 
 
-def encode_node(node: ResponseNode) -> bytes:
+def encode_node(node: ResponseNode) -> tuple[bytes, bytes | None]:
+    """(the node blob, its routing blob or None)."""
     header: dict[str, Any] = {name: getattr(node, name) for name in _SCALARS}
     header["kind"] = node.kind.value
     chunks = []
@@ -46,11 +50,14 @@ def encode_node(node: ResponseNode) -> bytes:
         lengths.append(len(array))
         chunks.append(array.tobytes())
     header["lengths"] = lengths
+    if node.routing_span is not None:
+        header["routing"] = node.routing_span.to_dict()
     encoded = orjson.dumps(header)
-    return b"".join([MAGIC, _LENGTH.pack(len(encoded)), encoded, *chunks])
+    routing = None if node.routing is None else node.routing.to_bytes()
+    return b"".join([MAGIC, _LENGTH.pack(len(encoded)), encoded, *chunks]), routing
 
 
-def decode_node(blob: bytes) -> ResponseNode:
+def decode_node(blob: bytes, routing: bytes | None = None) -> ResponseNode:
     if blob[:4] != MAGIC:
         raise ValueError("not a stored response node")
     (size,) = _LENGTH.unpack_from(blob, 4)
@@ -61,5 +68,8 @@ def decode_node(blob: bytes) -> ResponseNode:
     for (name, dtype), length in zip(ARRAYS.items(), header.pop("lengths"), strict=True):
         arrays[name] = np.frombuffer(blob, dtype=dtype, count=length, offset=offset).astype(dtype[1:], copy=False)
         offset += length * np.dtype(dtype).itemsize
+    span_data = header.pop("routing", None)
+    span = None if span_data is None else RoutingSpan.from_dict(span_data)
+    rows = None if span is None or routing is None else RoutingRows.from_bytes(span, routing)
     kind = NodeKind(header.pop("kind"))
-    return ResponseNode(kind=kind, **header, **arrays)
+    return ResponseNode(kind=kind, routing_span=span, routing=rows, **header, **arrays)

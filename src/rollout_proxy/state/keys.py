@@ -20,6 +20,11 @@ def nodes_key(session_id: str) -> str:
     return f"{PREFIX}:{{{session_id}}}:nodes"
 
 
+def routing_key(session_id: str) -> str:
+    """Hash: response id -> packed MoE routing rows (read only to build trajectories)."""
+    return f"{PREFIX}:{{{session_id}}}:routing"
+
+
 def parents_key(session_id: str) -> str:
     """Hash: response id -> parent response id ("" for a child of the root)."""
     return f"{PREFIX}:{{{session_id}}}:parents"
@@ -42,4 +47,5 @@ def session_keys(session_id: str) -> list[str]:
         parents_key(session_id),
         paths_key(session_id),
         latest_key(session_id),
+        routing_key(session_id),
     ]

@@ -83,7 +83,7 @@ class MemoryStore:
         state = self._state(session_id)
         return None if state is None else state.nodes.get(node_id)
 
-    async def get_path(self, session_id: str, node_id: str) -> list[ResponseNode] | None:
+    async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
         state = self._state(session_id)
         if state is None or node_id not in state.nodes:
             return None

@@ -25,6 +25,7 @@ from rollout_proxy.state.codec import decode_node, encode_node
 MAX_DEPTH = 100_000
 
 _GET_PATH = """
+-- KEYS: parents, nodes, routing; ARGV: leaf id, depth limit, "1" to add routing blobs
 local ids = {}
 local current = ARGV[1]
 local limit = tonumber(ARGV[2])
@@ -38,17 +39,21 @@ end
 local blobs = {}
 for i = #ids, 1, -1 do
   blobs[#blobs + 1] = redis.call("HGET", KEYS[2], ids[i])
+  if ARGV[3] == "1" then blobs[#blobs + 1] = redis.call("HGET", KEYS[3], ids[i]) end
 end
 return blobs
 """
 
 _PUT_NODE = """
+-- KEYS: session, nodes, parents, paths, latest, routing
+-- ARGV: id, blob, parent, latest api, routing blob ("" = none), n partial, partial pairs, full pairs
 local ttl = redis.call("PTTL", KEYS[1])
 if ttl < 0 then return redis.error_reply("NOSESSION session expired or unknown") end
 redis.call("HSET", KEYS[2], ARGV[1], ARGV[2])
 redis.call("HSET", KEYS[3], ARGV[1], ARGV[3])
-local n_partial = tonumber(ARGV[5])
-local i = 6
+if ARGV[5] ~= "" then redis.call("HSET", KEYS[6], ARGV[1], ARGV[5]) end
+local n_partial = tonumber(ARGV[6])
+local i = 7
 for _ = 1, n_partial do
   redis.call("HSETNX", KEYS[4], ARGV[i], ARGV[i + 1])
   i = i + 2
@@ -58,7 +63,7 @@ while i <= #ARGV do
   i = i + 2
 end
 if ARGV[4] ~= "" then redis.call("HSET", KEYS[5], ARGV[4], ARGV[1], "*", ARGV[1]) end
-for k = 2, 5 do redis.call("PEXPIRE", KEYS[k], ttl) end
+for k = 2, 6 do redis.call("PEXPIRE", KEYS[k], ttl) end
 return 1
 """
 
@@ -130,7 +135,10 @@ class RedisStore:
         partial_paths: Mapping[str, str],
         latest: str | None,
     ) -> None:
-        args: list[str | bytes | int] = [node.id, encode_node(node), node.parent_id or "", latest or "", len(partial_paths)]
+        blob, routing = encode_node(node)
+        args: list[str | bytes | int] = [
+            node.id, blob, node.parent_id or "", latest or "", routing or b"", len(partial_paths),
+        ]
         for entries in (partial_paths, paths):
             for path_hash, value in entries.items():
                 args += [path_hash, value]
@@ -142,14 +150,22 @@ class RedisStore:
             raise
 
     async def get_node(self, session_id: str, node_id: str) -> ResponseNode | None:
-        blob = await self._redis.hget(keys.nodes_key(session_id), node_id)
-        return None if blob is None else decode_node(blob)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hget(keys.nodes_key(session_id), node_id)
+            pipe.hget(keys.routing_key(session_id), node_id)
+            blob, routing = await pipe.execute()
+        return None if blob is None else decode_node(blob, routing)
 
-    async def get_path(self, session_id: str, node_id: str) -> list[ResponseNode] | None:
-        blobs = await self._get_path(keys=[keys.parents_key(session_id), keys.nodes_key(session_id)], args=[node_id, MAX_DEPTH])
+    async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
+        blobs = await self._get_path(
+            keys=[keys.parents_key(session_id), keys.nodes_key(session_id), keys.routing_key(session_id)],
+            args=[node_id, MAX_DEPTH, "1" if routing else "0"],
+        )
         if not blobs:
             return None
-        return [decode_node(blob) for blob in blobs]
+        if not routing:
+            return [decode_node(blob) for blob in blobs]
+        return [decode_node(blob, rows or None) for blob, rows in zip(blobs[::2], blobs[1::2], strict=True)]
 
     async def match_paths(self, session_id: str, hashes: Sequence[str]) -> list[str | None]:
         if not hashes:

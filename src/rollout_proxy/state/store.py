@@ -5,7 +5,8 @@ Contract (tested once, over both, in tests/state/test_store_contract.py):
 - a session and all its nodes expire together at ``session.expires_at``;
 - ``put_node`` is atomic: the node, its parent link, its path-index entries and the
   "latest" pointer appear together or not at all;
-- ``get_path`` returns root-to-leaf nodes in one round trip, whatever the depth;
+- ``get_path`` returns root-to-leaf nodes in one round trip, whatever the depth
+  (routing rows too, when asked);
 - ``match_paths`` answers for many path hashes in one round trip;
 - ids are looked up within the given session only: another session's id is absent.
 """
@@ -42,8 +43,10 @@ class StateStore(Protocol):
 
     async def get_node(self, session_id: str, node_id: str) -> ResponseNode | None: ...
 
-    async def get_path(self, session_id: str, node_id: str) -> list[ResponseNode] | None:
-        """Root-to-leaf nodes ending at ``node_id``; None if it is not in the session."""
+    async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
+        """Root-to-leaf nodes ending at ``node_id``; None if it is not in the session.
+
+        MoE routing rows are loaded only when ``routing`` is set (spans always are)."""
         ...
 
     async def match_paths(self, session_id: str, hashes: Sequence[str]) -> list[str | None]: ...

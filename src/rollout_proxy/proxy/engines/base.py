@@ -22,6 +22,7 @@ class SamplingParams:
     top_k: int
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    routed_experts_prompt_start: int | None = None  # only for engines that return routing
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +40,15 @@ class EngineCompletion:
     text: str
     finish_reason: str
     nonfinite_logprobs: int = 0  # how many logprobs were NaN/inf and clamped
+    routed_experts: str | None = None  # the engine's encoded routing, decoded by routing/
 
 
 class Engine(Protocol):
     """One inference engine (a vLLM server, or the fake one in tests)."""
 
     url: str
+    #: whether completions carry MoE routing; None until the first completion tells
+    returns_routing: bool | None
 
     async def info(self) -> EngineInfo: ...
 

@@ -73,6 +73,8 @@ class VLLMEngine:
         self._owns_session = session is None
         self._timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
         self._info: EngineInfo | None = None
+        #: learned from the first completion: does this engine attach MoE routing?
+        self.returns_routing: bool | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -108,10 +110,11 @@ class VLLMEngine:
         if self._info is None:
             payload = await self._request("GET", "/v1/models")
             try:
-                model = payload["data"][0]
-                self._info = EngineInfo(url=self.url, model=model["id"], max_model_len=int(model["max_model_len"]))
+                card = payload["data"][0]
+                model, max_model_len = card["id"], int(card["max_model_len"])
             except (KeyError, IndexError, TypeError, ValueError) as exc:
                 raise EngineError(f"engine {self.url} listed no usable model in /v1/models") from exc
+            self._info = EngineInfo(url=self.url, model=model, max_model_len=max_model_len)
         return self._info
 
     async def healthy(self) -> bool:
@@ -178,6 +181,8 @@ class VLLMEngine:
             payload["seed"] = params.seed
         if params.stop:
             payload["stop"] = list(params.stop)
+        if params.routed_experts_prompt_start is not None:
+            payload["routed_experts_prompt_start"] = params.routed_experts_prompt_start
         response = await self._request("POST", "/v1/completions", payload)
         try:
             choice = response["choices"][0]
@@ -188,6 +193,8 @@ class VLLMEngine:
             raise EngineError(f"engine {self.url} returned no token_ids (it must support return_token_ids)")
         output_ids = np.asarray(token_ids, dtype=np.int32)
         logprobs, nonfinite = _sampled_logprobs(choice, len(output_ids))
+        routed_experts = choice.get("routed_experts")
+        self.returns_routing = routed_experts is not None
         reported = choice.get("prompt_token_ids")
         return EngineCompletion(
             prompt_ids=None if reported is None else np.asarray(reported, dtype=np.int32),
@@ -196,4 +203,5 @@ class VLLMEngine:
             text=choice.get("text") or "",
             finish_reason=choice.get("finish_reason") or "stop",
             nonfinite_logprobs=nonfinite,
+            routed_experts=routed_experts,
         )
