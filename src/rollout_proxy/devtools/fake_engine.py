@@ -271,15 +271,21 @@ class FakeEngine:
             return _error(400, "the fake engine only accepts token-id prompts", param="prompt")
         for token in prompt:
             if not 0 <= token < self.vocab_size:
-                return _error(400, f"Token id {token} is out of vocabulary", param="prompt")
+                return _error(400, f"Token id {token} is out of vocabulary")
         max_tokens = int(payload.get("max_tokens") or 16)
-        if len(prompt) + max_tokens > self.max_model_len:
+        if len(prompt) >= self.max_model_len:
             return _error(
                 400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in the completion).",
-                param="max_tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"contains at least {len(prompt)} input tokens, which exceeds this limit even without any output "
+                f"tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={len(prompt)})",
+                param="input_tokens",
             )
+        if max_tokens > self.max_model_len:
+            return _error(
+                400, f"max_tokens={max_tokens} cannot be greater than max_model_len={self.max_model_len}.", param="max_tokens"
+            )
+        max_tokens = min(max_tokens, self.max_model_len - len(prompt))  # vLLM cuts at the context end
         if self.delay:
             await asyncio.sleep(self.delay)
         sampled = self._next_reply(prompt)
@@ -331,6 +337,7 @@ class FakeEngine:
                 "total_tokens": len(prompt) + len(sampled),
                 "completion_tokens": len(sampled),
                 "prompt_tokens_details": {"cached_tokens": cached} if cached else None,
+                "completion_tokens_details": None,
             },
             "kv_transfer_params": None,
             "ec_transfer_params": None,

@@ -1,0 +1,154 @@
+"""The real-vLLM integration suite: engines started once per test session.
+
+Each engine runs from the engine venv (built by the dev tooling, cached) on a free
+local port and is stopped when the session ends. Between the proxy and each engine a
+recording relay keeps vLLM's own requests and answers, so tests compare the
+trajectories with what vLLM itself reported, not with what the proxy says it did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from rollout_proxy.devtools.vllm_server import VLLMServer
+from tests.conftest import TEMPLATES_DIR
+from tests.harness import ProxyHarness
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.integration)
+
+SERVER_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_style": {"model": "dense", "chat_template": TEMPLATES_DIR / "qwen3_style.jinja"},
+    "smollm2_default": {"model": "dense"},
+    "moe_routed": {"model": "moe", "routed_experts": True},
+}
+
+
+@dataclass
+class TokenAudit:
+    """Tokens compared with vLLM's own reports over the whole suite."""
+
+    checked: int = 0
+    differing: int = 0
+
+    def compare(self, ours: list[int], theirs: list[int]) -> None:
+        self.checked += max(len(ours), len(theirs))
+        self.differing += sum(a != b for a, b in zip(ours, theirs, strict=False)) + abs(len(ours) - len(theirs))
+
+
+AUDIT = TokenAudit()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if AUDIT.checked:
+        terminalreporter.write_line(
+            f"real vLLM token audit: {AUDIT.checked} tokens compared with vLLM's prompt_token_ids/token_ids, "
+            f"{AUDIT.differing} differing"
+        )
+
+
+@pytest.fixture(scope="session")
+def audit() -> TokenAudit:
+    return AUDIT
+
+
+class VLLMServers:
+    """Start each configuration at most once per session; stop them all at the end."""
+
+    def __init__(self) -> None:
+        self._servers: dict[str, VLLMServer] = {}
+
+    def get(self, name: str) -> VLLMServer:
+        server = self._servers.get(name)
+        if server is None:
+            server = VLLMServer(die_with_parent=True, **SERVER_CONFIGS[name])
+            server.start(timeout=600)
+            self._servers[name] = server
+        return server
+
+    def stop(self, name: str) -> None:
+        server = self._servers.pop(name, None)
+        if server is not None:
+            server.stop()
+
+    def stop_all(self) -> None:
+        for name in list(self._servers):
+            self.stop(name)
+
+
+@pytest.fixture(scope="session")
+def vllm_servers() -> Iterator[VLLMServers]:
+    servers = VLLMServers()
+    yield servers
+    servers.stop_all()
+
+
+@pytest.fixture(scope="session", params=["qwen3_style", "smollm2_default"])
+def real_template(request: pytest.FixtureRequest, vllm_servers: VLLMServers) -> Iterator[str]:
+    """Each dense engine in turn (one runs at a time: they share two cores)."""
+    vllm_servers.get(request.param)
+    yield request.param
+    vllm_servers.stop(request.param)
+
+
+@dataclass
+class RecordingRelay:
+    """Forwards everything to vLLM and keeps its completions exchanges."""
+
+    target: str
+    completions: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    url: str = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        async with aiohttp.ClientSession() as http:
+            async with http.request(request.method, self.target + request.path_qs, data=body or None, headers=headers) as answer:
+                data = await answer.read()
+                status, content_type = answer.status, answer.content_type
+        if request.path == "/v1/completions" and status == 200:
+            self.completions.append((orjson.loads(body), orjson.loads(data)))
+        return web.Response(body=data, status=status, content_type=content_type)
+
+
+    @classmethod
+    @asynccontextmanager
+    async def serving(cls, target: str) -> AsyncIterator[RecordingRelay]:
+        recorder = cls(target)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", recorder.handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        recorder.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        try:
+            yield recorder
+        finally:
+            await runner.cleanup()
+
+
+@pytest.fixture
+async def relay(real_template: str, vllm_servers: VLLMServers) -> AsyncIterator[RecordingRelay]:
+    async with RecordingRelay.serving(vllm_servers.get(real_template).base_url) as recorder:
+        yield recorder
+
+
+@pytest.fixture
+async def real_proxy(relay: RecordingRelay) -> AsyncIterator[ProxyHarness]:
+    async with ProxyHarness.running(engine_urls=[relay.url]) as harness:
+        yield harness
