@@ -32,8 +32,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 SERVER_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen3_style": {"model": "dense", "chat_template": TEMPLATES_DIR / "qwen3_style.jinja"},
-    "smollm2_default": {"model": "dense"},
+    # the hermes tool parser lets vLLM's own chat endpoint take tools (InferenceProxy talks to it)
+    "qwen3_style": {"model": "dense", "chat_template": TEMPLATES_DIR / "qwen3_style.jinja", "tool_parser": "hermes"},
+    "smollm2_default": {"model": "dense", "tool_parser": "hermes"},
     "moe_routed": {"model": "moe", "routed_experts": True},
 }
 
@@ -111,6 +112,7 @@ class RecordingRelay:
 
     target: str
     completions: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (path, body) of every POST
     url: str = ""
 
     async def handle(self, request: web.Request) -> web.Response:
@@ -120,6 +122,8 @@ class RecordingRelay:
             async with http.request(request.method, self.target + request.path_qs, data=body or None, headers=headers) as answer:
                 data = await answer.read()
                 status, content_type = answer.status, answer.content_type
+        if request.method == "POST" and body:
+            self.requests.append((request.path, orjson.loads(body)))
         if request.path == "/v1/completions" and status == 200:
             self.completions.append((orjson.loads(body), orjson.loads(data)))
         return web.Response(body=data, status=status, content_type=content_type)

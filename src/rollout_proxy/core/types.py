@@ -17,6 +17,29 @@ import numpy as np
 
 from rollout_proxy.routing.rows import RoutingRows, RoutingSpan
 
+#: Generation settings a plugin may not set in create(): the session pins them (the
+#: seed's rule), and the others would change the distribution the trainer assumes.
+PINNED_GENERATION_PARAMETERS = (
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_new_tokens",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "thinking",
+    "reasoning_effort",
+    "reasoning",
+    "seed",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "chat_template_kwargs",
+)
+
 EMPTY_IDS = np.zeros(0, dtype=np.int32)
 EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 

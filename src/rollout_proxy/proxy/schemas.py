@@ -6,35 +6,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_proxy.core.types import GenerationConfig
+from rollout_proxy.core.types import PINNED_GENERATION_PARAMETERS, GenerationConfig
 from rollout_proxy.errors import PinnedParameter
 
-#: Generation settings a plugin may not set in create(): the session pins them
-#: (the seed's rule), and the others change the distribution the trainer assumes.
-PINNED_PARAMETERS = (
-    "n",
-    "max_tokens",
-    "max_completion_tokens",
-    "max_new_tokens",
-    "max_output_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "thinking",
-    "reasoning_effort",
-    "seed",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "chat_template_kwargs",
-    "reasoning",
-)
-
-
 def refuse_pinned(payload: dict[str, Any]) -> None:
-    for name in PINNED_PARAMETERS:
+    for name in PINNED_GENERATION_PARAMETERS:
         if payload.get(name) is not None:
             raise PinnedParameter(
                 f"'{name}' is pinned by the session's generation settings; set it in the sample or "

@@ -1,0 +1,89 @@
+"""What rollout and grader plugins import: the names and behaviour of the Ark RL SDK.
+
+    from rollout_proxy.sdk import (
+        rollout, group_rollout, single_grader, group_grader, Runtime, PluginInstance,
+        RolloutInferenceProxy, InferenceProxy, Mode, ChatCompletionSample, PluginContext,
+        PluginStatus, RolloutResult, GroupRolloutResult, SingleResponse, Trajectory,
+        SingleGraderResult, GroupGraderResult, TeacherContext, CriticContext, test_with_dataset,
+    )
+"""
+
+from rollout_proxy.sdk.clients import (
+    GenerationParameterError,
+    RolloutApiError,
+    wrap_async_client_inplace,
+    wrap_client_inplace,
+    wrap_responses_async_client_inplace,
+    wrap_responses_client_inplace,
+)
+from rollout_proxy.sdk.decorators import (
+    Plugin,
+    PluginKind,
+    group_grader,
+    group_rollout,
+    rollout,
+    single_grader,
+    single_rollout,
+)
+from rollout_proxy.sdk.local import test_with_dataset
+from rollout_proxy.sdk.proxy import InferenceProxy, Mode, ProxyRequestError, RolloutInferenceProxy
+from rollout_proxy.sdk.runtime import PluginInstance, Runtime
+from rollout_proxy.sdk.types import (
+    ChatCompletionMessage,
+    ChatCompletionMessageToolCall,
+    ChatCompletionSample,
+    CriticContext,
+    Function,
+    GroupGraderResult,
+    GroupRolloutResult,
+    PluginContext,
+    PluginStatus,
+    RolloutResult,
+    SingleGraderResult,
+    SingleResponse,
+    TeacherContext,
+    Thinking,
+    Trajectory,
+    decode_routed_experts,
+)
+from rollout_proxy.sdk.validation import PluginValidationError
+
+__all__ = [
+    "ChatCompletionMessage",
+    "ChatCompletionMessageToolCall",
+    "ChatCompletionSample",
+    "CriticContext",
+    "Function",
+    "GenerationParameterError",
+    "GroupGraderResult",
+    "GroupRolloutResult",
+    "InferenceProxy",
+    "Mode",
+    "Plugin",
+    "PluginContext",
+    "PluginInstance",
+    "PluginKind",
+    "PluginStatus",
+    "PluginValidationError",
+    "ProxyRequestError",
+    "RolloutApiError",
+    "RolloutInferenceProxy",
+    "RolloutResult",
+    "Runtime",
+    "SingleGraderResult",
+    "SingleResponse",
+    "TeacherContext",
+    "Thinking",
+    "Trajectory",
+    "decode_routed_experts",
+    "group_grader",
+    "group_rollout",
+    "rollout",
+    "single_grader",
+    "single_rollout",
+    "test_with_dataset",
+    "wrap_async_client_inplace",
+    "wrap_client_inplace",
+    "wrap_responses_async_client_inplace",
+    "wrap_responses_client_inplace",
+]

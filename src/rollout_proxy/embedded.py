@@ -1,0 +1,91 @@
+"""Run aiohttp applications on a private event loop in a background thread.
+
+The embedded proxy must not share an event loop with plugin code: a plugin may
+block its loop (a sync ``update_state_from_messages`` inside an async rollout), and
+a proxy on that same loop could then never answer. Here it keeps its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+T = TypeVar("T")
+
+
+class BackgroundLoop:
+    """One event loop in a daemon thread; ``run(coro)`` executes on it and waits."""
+
+    def __init__(self, name: str = "rollout-proxy") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coroutine: Awaitable[T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)  # type: ignore[arg-type]
+
+    def run(self, coroutine: Awaitable[T], timeout: float | None = None) -> T:
+        return self.submit(coroutine).result(timeout)
+
+    async def arun(self, coroutine: Awaitable[T]) -> T:
+        return await asyncio.wrap_future(self.submit(coroutine))
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, str]:
+    """Start ``app`` on the current loop; returns its runner and base URL."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://{host}:{bound}"
+
+
+class BackgroundServer:
+    """An aiohttp app served from a ``BackgroundLoop``; built on that loop by ``factory``."""
+
+    def __init__(self, factory: Callable[[], web.Application], *, host: str = "127.0.0.1", port: int = 0, loop: BackgroundLoop | None = None) -> None:
+        self._factory = factory
+        self._host, self._port = host, port
+        self._own_loop = loop is None
+        self.loop = loop or BackgroundLoop()
+        self._runner: web.AppRunner | None = None
+        self.app: web.Application | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        async def start() -> str:
+            self.app = self._factory()
+            self._runner, url = await serve_app(self.app, self._host, self._port)
+            return url
+
+        self.url = self.loop.run(start())
+        return self.url
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            self.loop.run(self._runner.cleanup())
+            self._runner = None
+        if self._own_loop:
+            self.loop.close()
+
+    def call(self, function: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``function(*args)`` on the server's loop (e.g. to read its app state)."""
+        return self.loop.run(function(*args))
+
+    def __enter__(self) -> BackgroundServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

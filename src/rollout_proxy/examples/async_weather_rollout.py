@@ -1,0 +1,45 @@
+"""Chat API + a custom tool, async client (the template's ``async_weather_rollout.py``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rollout_proxy.examples.weather_tool import WEATHER_TOOL, run_tool_call
+from rollout_proxy.sdk import (
+    ChatCompletionSample,
+    PluginContext,
+    PluginInstance,
+    PluginStatus,
+    RolloutInferenceProxy,
+    RolloutResult,
+    Runtime,
+    rollout,
+)
+
+LOCAL_TEST_MODEL = "smollm2"
+MAX_TURNS = 4
+
+
+@rollout(
+    name="async_weather_rollout",
+    runtime=Runtime(instance=PluginInstance.CPU4MEM8, timeout=900, max_concurrency=100),
+)
+async def demo_rollout(
+    context: PluginContext,
+    proxy: RolloutInferenceProxy,
+    sample: ChatCompletionSample,
+) -> Optional[RolloutResult]:
+    client = proxy.async_rollout_client()
+    messages = [message.model_dump(exclude_none=True) for message in sample.messages]
+    tools = sample.tools or [WEATHER_TOOL]
+    tool_calls = 0
+    for _ in range(MAX_TURNS):
+        completion = await client.chat.completions.create(model=LOCAL_TEST_MODEL, messages=messages, tools=tools)
+        message = completion.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            tool_calls += 1
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool_call(call.function.name, call.function.arguments)})
+    return RolloutResult(status=PluginStatus.SUCCESS, error="", extra={"tool_calls": tool_calls})

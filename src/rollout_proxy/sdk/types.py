@@ -1,0 +1,173 @@
+"""The SDK's public types, named and shaped as in the Ark RL SDK the plugins mirror."""
+
+from __future__ import annotations
+
+import base64
+import enum
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PluginStatus(str, enum.Enum):
+    """What happens to a sample: failure → retried 3x then the job fails; retry → retried
+    3x then dropped; discard → dropped at once."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+    DISCARD = "discard"
+    RETRY = "retry"
+
+
+class Function(BaseModel):
+    name: str
+    arguments: str = "{}"
+
+
+class ChatCompletionMessageToolCall(BaseModel):
+    id: str | None = "user_defined"
+    function: Function
+    type: Literal["function"] = "function"
+
+
+class ChatCompletionMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Any = None
+    tool_calls: list[ChatCompletionMessageToolCall] | None = None
+    reasoning_content: str | None = ""
+
+
+class Thinking(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["enabled", "disabled", "auto"] = "enabled"
+
+
+class ChatCompletionSample(BaseModel):
+    """One dataset sample plus its GenerationConfig (pinned for every call of the rollout)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    # GenerationConfig
+    n: int = 1
+    max_new_tokens: int = 4096
+    top_p: float = 1.0
+    top_k: int = 0
+    temperature: float = 1.0
+
+    messages: list[ChatCompletionMessage]
+    tools: list[dict[str, Any]] | None = None
+    thinking: Thinking | None = None
+    extra: dict[str, Any] | None = None
+
+    def generation(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [message.model_dump(exclude_none=True) for message in self.messages]
+
+
+class PluginContext(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model_customization_job_id: str = ""
+    foundation_model_name: str = ""
+    foundation_model_version: str = ""
+    customization_type: str = ""
+    phase: str = ""
+    is_mock: bool = False
+    current_training_step: int | None = None
+
+
+class RolloutResult(BaseModel):
+    status: PluginStatus = PluginStatus.SUCCESS
+    error: str | None = ""
+    extra: dict[str, Any] = Field(default_factory=dict)
+    config: dict[str, Any] | None = None  # "teachers" / "critic_context"
+
+
+class SingleResponse(BaseModel):
+    id: str
+    extra: dict[str, Any] | None = None
+
+
+class GroupRolloutResult(BaseModel):
+    status: PluginStatus = PluginStatus.SUCCESS
+    error: str | None = None
+    responses: list[SingleResponse] = Field(default_factory=list)
+    config: dict[str, Any] | None = None
+
+
+class TeacherContext(BaseModel):
+    """Context only the teacher sees, inserted before the ``qa_index``-th assistant turn (from 0)."""
+
+    qa_index: int
+    message: ChatCompletionMessage
+
+
+class CriticContext(BaseModel):
+    """Context only the critic sees, inserted before the ``qa_index``-th assistant turn (from 0)."""
+
+    qa_index: int
+    message: ChatCompletionMessage
+
+
+def decode_routed_experts(field: dict[str, Any] | None) -> np.ndarray | None:
+    """The trajectory's ``routed_experts`` as a (T, layers, top_k) int16 array, -1 where unobserved."""
+    if field is None:
+        return None
+    data = np.frombuffer(base64.b64decode(field["data"]), dtype=np.dtype(field["dtype"]))
+    return data.reshape(field["shape"])
+
+
+class Trajectory(BaseModel):
+    """What graders and the trainer receive: the messages, and the exact tokens behind them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    extra: dict[str, Any] | None = None
+    response_id: str | None = None
+    session_id: str | None = None
+    total_token_ids: list[int] | None = None
+    total_loss_weight: list[float] | None = None
+    total_token_logprobs: list[float] | None = None
+    routed_experts: dict[str, Any] | None = None
+    turns: int | None = None
+
+    def token_ids(self) -> np.ndarray:
+        return np.asarray(self.total_token_ids or [], dtype=np.int32)
+
+    def loss_weight(self) -> np.ndarray:
+        return np.asarray(self.total_loss_weight or [], dtype=np.float32)
+
+    def token_logprobs(self) -> np.ndarray:
+        return np.asarray(self.total_token_logprobs or [], dtype=np.float32)
+
+    def routed_experts_array(self) -> np.ndarray | None:
+        return decode_routed_experts(self.routed_experts)
+
+    @property
+    def assistant_turns(self) -> int:
+        return sum(1 for message in self.messages if message.get("role") == "assistant")
+
+
+class SingleGraderResult(BaseModel):
+    reward: float
+    metrics: dict[str, float] = Field(default_factory=dict)
+    status: PluginStatus = PluginStatus.SUCCESS
+    error: str | None = ""
+
+
+class GroupGraderResult(BaseModel):
+    rewards: list[float]
+    metrics: dict[str, float] = Field(default_factory=dict)
+    status: PluginStatus = PluginStatus.SUCCESS
+    error: str | None = ""
+    seq_advantages: list[float] | None = None
+    tok_advantages: list[list[float]] | None = None
