@@ -22,9 +22,10 @@ from rollout_proxy.proxy.auth import SessionTokens
 from rollout_proxy.proxy.engines.base import Engine
 from rollout_proxy.proxy.engines.pool import EnginePool
 from rollout_proxy.proxy.engines.vllm_http import VLLMEngine
-from rollout_proxy.proxy.handlers import chat, meta, responses, sessions, trajectories
+from rollout_proxy.proxy.handlers import chat, feed as feed_handlers, meta, responses, sessions, trajectories
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.settings import Settings
+from rollout_proxy.state.feed import Feed, open_feed
 from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.state.store import StateStore
 from rollout_proxy.tokenization.parsers import OutputParser
@@ -54,6 +55,7 @@ def create_app(
     *,
     store: StateStore | None = None,
     engines: Sequence[Engine] | None = None,
+    feed: Feed | None = None,
 ) -> web.Application:
     if not settings.admin_key:
         raise ValueError("an admin key is required (--admin-key or ROLLOUT_PROXY_ADMIN_KEY)")
@@ -69,6 +71,14 @@ def create_app(
         yield
         if store is None:
             await app[keys.STORE].close()
+
+    async def feed_ctx(app: web.Application) -> AsyncIterator[None]:
+        opened = feed if feed is not None else (await open_feed(settings.feed, stream=settings.feed_stream) if settings.feed else None)
+        if opened is not None:
+            app[keys.FEED] = opened
+        yield
+        if feed is None and opened is not None:
+            await opened.close()
 
     async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
         clients = list(engines) if engines is not None else [
@@ -90,7 +100,7 @@ def create_app(
         app[keys.RESPONSES] = ResponsesService(tree=tree, turns=turns)
         yield
 
-    app.cleanup_ctx.extend([store_ctx, engines_ctx, services_ctx])
+    app.cleanup_ctx.extend([store_ctx, feed_ctx, engines_ctx, services_ctx])
     add_routes(app)
     return app
 
@@ -106,6 +116,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/sessions/{session_id}/messages", sessions.append_messages)
     app.router.add_post("/v1/sessions/{session_id}/finish", sessions.finish_session)
     app.router.add_post("/v1/chat/completions", chat.chat_completions)
+    app.router.add_get("/v1/feed", feed_handlers.read_feed)
     app.router.add_post("/v1/responses", responses.create_response)
     app.router.add_get("/v1/responses/{response_id}", responses.get_response)
     app.router.add_get("/v1/responses/{response_id}/trajectory", trajectories.response_trajectory)

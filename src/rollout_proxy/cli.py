@@ -49,6 +49,8 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--session-ttl", type=float, help="seconds a session and its trajectories are kept (default 86400)")
     serve.add_argument("--engine-timeout", type=float, help="seconds to wait for one engine call (default 600)")
     serve.add_argument("--engine-max-inflight", type=int, help="requests in flight per engine before queueing (default 256)")
+    serve.add_argument("--feed", help="trainer feed to serve at GET /v1/feed: jsonl:PATH or redis://HOST:PORT/DB (default: none)")
+    serve.add_argument("--feed-stream", help="Redis stream name of the feed (default trajectories)")
     serve.set_defaults(handler=_serve)
 
 
@@ -61,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
         key: getattr(args, key)
         for key in (
             "store", "host", "port", "admin_key", "jwt_secret", "public_url", "tool_parser", "reasoning_parser",
-            "log_format", "log_level", "session_ttl", "engine_timeout", "engine_max_inflight",
+            "log_format", "log_level", "session_ttl", "engine_timeout", "engine_max_inflight", "feed", "feed_stream",
         )
     }
     if args.engines:
@@ -82,6 +84,68 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_parser(commands: argparse._SubParsersAction) -> None:
+    run = commands.add_parser(
+        "run",
+        help="run a rollout job (job.yaml)",
+        description="Run every sample of a job through the proxy, grade it, and publish graded groups to the "
+        "trainer feed. Without --proxy-url a proxy is started in-process on the job's engines.",
+    )
+    run.add_argument("job", help="the job file (the seed's job.yaml format)")
+    run.add_argument("--engine", dest="engines", action="append", metavar="URL", help="vLLM server(s); overrides proxy.engines")
+    run.add_argument("--store", help="state store of the in-process proxy: memory or redis://... (default: the job's, memory)")
+    run.add_argument("--feed", help="trainer feed: jsonl:PATH or redis://... (default: OUT/<job name>/feed.jsonl)")
+    run.add_argument("--out", help="output directory (default: the job's proxy.output_dir, 'out')")
+    run.add_argument("--proxy-url", help="use this running proxy instead of starting one (needs --admin-key)")
+    run.add_argument("--admin-key", help="admin key of --proxy-url (env ROLLOUT_PROXY_ADMIN_KEY)")
+    run.add_argument("--job-id", help="id of this run (default: the job's name); a rerun with the same id resumes")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--summary-json", help="also write the summary to this JSON file")
+    run.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
+    run.add_argument("--log-level", default="warning", help="runner log level (default warning: retries and discards)")
+    run.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import os
+
+    from rollout_proxy.runner import JobConfig, JobError, JobFailed, run_job
+
+    configure_logging(args.log_format, args.log_level)
+    try:
+        job = JobConfig.load(args.job)
+    except JobError as exc:
+        print(f"rollout-proxy run: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = asyncio.run(
+            run_job(
+                job,
+                proxy_url=args.proxy_url,
+                admin_key=args.admin_key or os.environ.get("ROLLOUT_PROXY_ADMIN_KEY"),
+                engines=args.engines,
+                store=args.store,
+                feed=args.feed,
+                output_dir=args.out,
+                job_id=args.job_id,
+                progress=not args.no_progress,
+            )
+        )
+    except (JobError, ValueError) as exc:
+        print(f"rollout-proxy run: {exc}", file=sys.stderr)
+        return 2
+    except JobFailed as exc:
+        print(f"rollout-proxy run: job failed: {exc}", file=sys.stderr)
+        return 1
+    print(summary.render())
+    if args.summary_json:
+        with open(args.summary_json, "w", encoding="utf-8") as out:
+            json.dump(summary.to_json(), out, indent=2, default=str)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollout-proxy",
@@ -89,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(commands)
+    _run_parser(commands)
     return parser
 
 

@@ -13,12 +13,14 @@ from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
 from rollout_proxy.proxy.engines.pool import EnginePool
 from rollout_proxy.settings import Settings
+from rollout_proxy.state.feed import Feed
 from rollout_proxy.state.store import StateStore
 
 SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", Metrics)
 TOKENS = web.AppKey("tokens", SessionTokens)
 STORE = web.AppKey("store", StateStore)
+FEED = web.AppKey("feed", Feed)
 ENGINES = web.AppKey("engines", EnginePool)
 TURNS = web.AppKey("turns", TurnRunner)
 SESSIONS = web.AppKey("sessions", SessionService)

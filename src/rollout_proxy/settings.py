@@ -30,6 +30,8 @@ class Settings:
     max_body_bytes: int = 32 * 1024 * 1024
     engine_timeout: float = 600.0
     engine_max_inflight: int = 256
+    feed: str = ""  # trainer feed to serve at /v1/feed: jsonl:PATH or redis://...; empty: none
+    feed_stream: str = "trajectories"
 
     @property
     def token_secret(self) -> bytes:

@@ -28,6 +28,7 @@ class SessionService:
         generation: GenerationConfig,
         context: dict[str, Any],
         n_sample: int | None = None,
+        concurrency: dict[str, Any] | None = None,
     ) -> SessionRecord:
         now = time.time()
         session = SessionRecord(
@@ -41,6 +42,7 @@ class SessionService:
             expires_at=now + self._ttl,
             engine=self._engines.pick().url,
             n_sample=n_sample,
+            concurrency=concurrency,
         )
         await self._store.create_session(session)
         return session

@@ -8,6 +8,8 @@ decide *which* node is the parent and *which* messages are new.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,12 +60,23 @@ class TurnRunner:
         self._parser = parser
         self._metrics = metrics
         self._renderers: dict[str, ChatRenderer] = {}
+        self._limits: dict[str, asyncio.Semaphore] = {}
 
     def _renderer(self, engine: Engine) -> ChatRenderer:
         renderer = self._renderers.get(engine.url)
         if renderer is None:
             renderer = self._renderers[engine.url] = ChatRenderer(engine)
         return renderer
+
+    def _request_slot(self, session: SessionRecord) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A slot of the session's shared request bound (e.g. a job's request_concurrency)."""
+        if not session.concurrency:
+            return contextlib.nullcontext()
+        key = session.concurrency["key"]
+        limit = self._limits.get(key)
+        if limit is None:
+            limit = self._limits[key] = asyncio.Semaphore(session.concurrency["max_requests"])
+        return limit
 
     async def _prompt_delta(
         self,
@@ -134,7 +147,7 @@ class TurnRunner:
             stop=tuple(stop),
             routed_experts_prompt_start=prompt_start(parent) if engine.returns_routing else None,
         )
-        async with self._engines.slot(engine):
+        async with self._request_slot(session), self._engines.slot(engine):
             completion = await engine.complete(prompt, params)
         if completion.prompt_ids is not None and not np.array_equal(completion.prompt_ids, prompt):
             self._metrics.inc("prompt_drift_total")
@@ -145,7 +158,7 @@ class TurnRunner:
         view = self._parser.parse(completion.text)
         self._metrics.inc("tool_parse_total", outcome=view.tool_parse.value)
         if view.tool_parse is ToolParse.MALFORMED:
-            log.warning("tool_call_unparsed", text=completion.text[:200])
+            log.info("tool_call_unparsed", text=completion.text[:200])
         node_meta = dict(meta or {})
         if completion.nonfinite_logprobs:
             node_meta["nonfinite_logprobs"] = completion.nonfinite_logprobs

@@ -89,6 +89,7 @@ class SessionRecord:
     n_sample: int | None = None  # set for group rollouts
     status: SessionStatus = SessionStatus.OPEN
     result: dict[str, Any] | None = None
+    concurrency: dict[str, Any] | None = None  # {"key", "max_requests"}: model calls in flight per key
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -104,6 +105,7 @@ class SessionRecord:
             "n_sample": self.n_sample,
             "status": self.status.value,
             "result": self.result,
+            "concurrency": self.concurrency,
         }
 
     @classmethod

@@ -159,6 +159,8 @@ class FakeEngine:
     completions: list[dict[str, Any]] = field(default_factory=list)  # payloads received
     failures: deque[tuple[int, str]] = field(default_factory=deque)  # next completions to fail
     moe: FakeMoE | None = None  # set to return routed experts like an MoE engine
+    inflight: int = 0  # completions being answered now
+    max_inflight: int = 0  # the most ever answered at once
 
     def __post_init__(self) -> None:
         self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
@@ -286,9 +288,14 @@ class FakeEngine:
                 400, f"max_tokens={max_tokens} cannot be greater than max_model_len={self.max_model_len}.", param="max_tokens"
             )
         max_tokens = min(max_tokens, self.max_model_len - len(prompt))  # vLLM cuts at the context end
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        sampled = self._next_reply(prompt)
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            sampled = self._next_reply(prompt)
+        finally:
+            self.inflight -= 1
         finish_reason = "stop"
         if len(sampled) > max_tokens:
             sampled, finish_reason = sampled[:max_tokens], "length"

@@ -17,7 +17,7 @@ from rollout_proxy.sdk import (
 )
 
 LOCAL_TEST_MODEL = "smollm2"  # only used when testing against a plain endpoint
-MAX_TURNS = 4
+MAX_TURNS = 6
 
 
 @rollout(
@@ -33,13 +33,17 @@ def demo_rollout(
     client = proxy.rollout_client()
     messages = [message.model_dump(exclude_none=True) for message in sample.messages]
     tools = sample.tools or [WEATHER_TOOL]
+    follow_ups = list((sample.extra or {}).get("follow_ups", []))  # user turns to ask after each answer
     tool_calls = 0
     for _ in range(MAX_TURNS):
         completion = client.chat.completions.create(model=LOCAL_TEST_MODEL, messages=messages, tools=tools)
         message = completion.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
-            break
+            if not follow_ups:
+                break
+            messages.append({"role": "user", "content": follow_ups.pop(0)})
+            continue
         for call in message.tool_calls:
             tool_calls += 1
             messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool_call(call.function.name, call.function.arguments)})

@@ -52,6 +52,15 @@ class GenerationIn(BaseModel):
         )
 
 
+class ConcurrencyIn(BaseModel):
+    """Bound the model requests in flight across all sessions sharing ``key`` (e.g. one job)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str = Field(min_length=1, max_length=200)
+    max_requests: int = Field(ge=1)
+
+
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -59,6 +68,7 @@ class SessionCreate(BaseModel):
     generation: GenerationIn = Field(default_factory=GenerationIn)
     context: dict[str, Any] = Field(default_factory=dict)
     n_sample: int | None = Field(None, ge=1)
+    concurrency: ConcurrencyIn | None = None
 
 
 class ChatRequest(BaseModel):

@@ -16,6 +16,7 @@ from rollout_proxy.sdk.clients import (
     wrap_responses_async_client_inplace,
     wrap_responses_client_inplace,
 )
+from rollout_proxy.sdk.consumer import FeedEntry, TrajectoryConsumer
 from rollout_proxy.sdk.decorators import (
     Plugin,
     PluginKind,
@@ -53,6 +54,7 @@ __all__ = [
     "ChatCompletionMessageToolCall",
     "ChatCompletionSample",
     "CriticContext",
+    "FeedEntry",
     "Function",
     "GenerationParameterError",
     "GroupGraderResult",
@@ -75,6 +77,7 @@ __all__ = [
     "TeacherContext",
     "Thinking",
     "Trajectory",
+    "TrajectoryConsumer",
     "decode_routed_experts",
     "group_grader",
     "group_rollout",

@@ -49,3 +49,13 @@ def session_keys(session_id: str) -> list[str]:
         latest_key(session_id),
         routing_key(session_id),
     ]
+
+
+def feed_stream_key(stream: str) -> str:
+    """Stream: the trainer feed's graded groups (field "data": JSON)."""
+    return f"{PREFIX}:{{feed:{stream}}}:stream"
+
+
+def feed_published_key(stream: str) -> str:
+    """Hash: group id -> stream entry id, so a group is published once."""
+    return f"{PREFIX}:{{feed:{stream}}}:published"

@@ -29,6 +29,7 @@ async def create_session(request: web.Request) -> web.Response:
         generation=body.generation.to_config(body.sample.thinking),
         context=body.context,
         n_sample=body.n_sample,
+        concurrency=body.concurrency.model_dump() if body.concurrency else None,
     )
     structlog.contextvars.bind_contextvars(session_id=session.id)
     return json_response(

@@ -1,0 +1,69 @@
+"""The rollout runner: a job file in, graded groups on the trainer feed out.
+
+    rollout-proxy run JOB.yaml                  # or, from Python:
+    summary = await run_job(JobConfig.load("JOB.yaml"))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+from rollout_proxy.runner.job import JobConfig, JobError
+from rollout_proxy.runner.progress import JobSummary
+from rollout_proxy.runner.runner import JobFailed, JobRunner
+from rollout_proxy.settings import DEFAULT_ENGINE, Settings
+from rollout_proxy.state.feed import open_feed
+
+__all__ = ["JobConfig", "JobError", "JobFailed", "JobRunner", "JobSummary", "run_job"]
+
+
+def default_feed(job: JobConfig, output_dir: str | Path | None) -> str:
+    return f"jsonl:{Path(output_dir or job.proxy.output_dir).resolve() / job.name / 'feed.jsonl'}"
+
+
+async def run_job(
+    job: JobConfig,
+    *,
+    proxy_url: str | None = None,
+    admin_key: str | None = None,
+    engines: Sequence[str] | None = None,
+    store: str | None = None,
+    feed: str | None = None,
+    output_dir: str | Path | None = None,
+    job_id: str | None = None,
+    progress: bool = True,
+) -> JobSummary:
+    """Run ``job`` through ``proxy_url``, or through a proxy started here (its own thread)."""
+    feed_url = feed or job.proxy.feed or default_feed(job, output_dir)
+    runner_feed = await open_feed(feed_url, stream=job.proxy.feed_stream)
+    embedded = None
+    try:
+        if proxy_url is None:
+            from rollout_proxy.app import create_app
+            from rollout_proxy.embedded import BackgroundServer
+
+            admin_key = secrets.token_urlsafe(24)
+            settings = Settings(
+                engines=tuple(engines or job.proxy.engines or (DEFAULT_ENGINE,)),
+                store=store or job.proxy.store,
+                admin_key=admin_key,
+                tool_parser=job.proxy.tool_parser,
+                reasoning_parser=job.proxy.reasoning_parser,
+                feed=feed_url,
+                feed_stream=job.proxy.feed_stream,
+            )
+            embedded = BackgroundServer(lambda: create_app(settings))
+            proxy_url = await asyncio.to_thread(embedded.start)
+        elif not admin_key:
+            raise ValueError("an external proxy needs its admin key")
+        runner = JobRunner(job, proxy_url=proxy_url, admin_key=admin_key, feed=runner_feed, job_id=job_id, progress=progress)
+        summary = await runner.run()
+        summary.feed = feed_url
+        return summary
+    finally:
+        await runner_feed.close()
+        if embedded is not None:
+            await asyncio.to_thread(embedded.stop)

@@ -1,0 +1,136 @@
+"""The job file, in the shape of the seed's ``job.yaml``.
+
+Only what the runner uses is interpreted (``custom_rl_pipeline``, ``data``,
+``hyperparameters``, and our ``proxy`` section); the rest of the seed's fields are
+accepted and recorded. Anything unknown or invalid is reported with its path before
+anything runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class JobError(ValueError):
+    """The job file is unusable; the message lists every problem with its path."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PluginRef(Strict):
+    name: str | None = None
+    python_func: str
+    envs: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("python_func")
+    @classmethod
+    def _module_function(cls, value: str) -> str:
+        module, _, function = value.partition(":")
+        if not module or not function:
+            raise ValueError(f"python_func must be 'module:function', got {value!r}")
+        return value
+
+
+class RolloutSpec(Strict):
+    plugin: PluginRef
+
+
+class GraderSpec(Strict):
+    plugin: PluginRef
+    weight: float = Field(1.0, ge=0.0)
+
+
+class Pipeline(Strict):
+    rollout: RolloutSpec
+    graders: list[GraderSpec] = Field(min_length=1)
+
+
+class TrainingSet(Strict):
+    local_files: list[str] = Field(min_length=1, max_length=20)
+
+
+class Data(Strict):
+    training_set: TrainingSet
+    validation_set: dict[str, Any] | None = None
+    validation_percentage: float | None = None
+
+
+class Hyperparameters(BaseModel):
+    """Sampling and batching; other hyperparameters (the trainer's) are kept as given."""
+
+    model_config = ConfigDict(extra="allow")
+
+    num_generations: int = Field(4, ge=1)
+    max_new_tokens: int = Field(1024, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    batch_size: int = Field(8, ge=1)
+    num_steps: int | None = Field(None, ge=1)
+
+
+class ProxySection(Strict):
+    """Where the rollouts run (ours, not the seed's): engines, store, feed, output."""
+
+    engines: list[str] = Field(default_factory=list)
+    store: str = "memory"
+    feed: str | None = None  # jsonl:PATH or redis://...; default: a JSONL file in the output dir
+    feed_stream: str = "trajectories"
+    output_dir: str = "out"
+    tool_parser: str = "hermes"
+    reasoning_parser: str = "think"
+
+
+class JobConfig(Strict):
+    name: str = "rollout-job"
+    customization_type: str = "GRPO"
+    model_reference: dict[str, Any] | None = None
+    custom_rl_pipeline: Pipeline
+    data: Data
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    proxy: ProxySection = Field(default_factory=ProxySection)
+    # accepted as in the seed, not used by the local runner
+    project: str | None = None
+    save_model_limit: int | None = None
+    enable_trajectory: bool | None = None
+    debug_config: dict[str, Any] | None = None
+
+    base_dir: Path = Field(default=Path("."), exclude=True)
+
+    def dataset_files(self) -> list[Path]:
+        return [(self.base_dir / path).resolve() for path in self.data.training_set.local_files]
+
+    @classmethod
+    def load(cls, path: str | Path) -> JobConfig:
+        path = Path(path)
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise JobError(f"cannot read job file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise JobError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(raw, dict):
+            raise JobError(f"{path}: a job file is a mapping of fields, got {type(raw).__name__}")
+        return cls.parse(raw, base_dir=path.resolve().parent, source=str(path))
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], *, base_dir: Path = Path("."), source: str = "job") -> JobConfig:
+        try:
+            job = cls.model_validate({**raw, "base_dir": base_dir})
+        except ValidationError as exc:
+            problems = []
+            for error in exc.errors():
+                where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+                message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"]
+                problems.append(f"  {where}: {message}")
+            raise JobError(f"{source} has {len(problems)} problem(s):\n" + "\n".join(problems)) from None
+        missing = [str(file) for file in job.dataset_files() if not file.is_file()]
+        if missing:
+            raise JobError(f"{source}: data.training_set.local_files: no such file: {', '.join(missing)}")
+        return job

@@ -1,0 +1,34 @@
+"""Import the job's plugins by ``module:function``, as declared with the SDK decorators."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from rollout_proxy.runner.job import JobError
+from rollout_proxy.sdk.decorators import Plugin, PluginKind
+
+
+def load_plugin(python_func: str, *, base_dir: Path, kinds: Iterable[PluginKind], envs: dict[str, str], where: str) -> Plugin:
+    """The decorated function named by ``python_func`` (the job's directory is importable)."""
+    os.environ.update(envs)
+    if str(base_dir) not in sys.path:
+        sys.path.insert(0, str(base_dir))
+    module_name, _, function_name = python_func.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise JobError(f"{where}.python_func: cannot import {module_name!r}: {exc}") from None
+    plugin = getattr(module, function_name, None)
+    if plugin is None:
+        raise JobError(f"{where}.python_func: {module_name!r} has no {function_name!r}")
+    kinds = tuple(kinds)
+    if not isinstance(plugin, Plugin):
+        wanted = " or ".join(f"@{kind.value}" for kind in kinds)
+        raise JobError(f"{where}.python_func: {python_func} is not declared with {wanted}")
+    if plugin.spec.kind not in kinds:
+        raise JobError(f"{where}.python_func: {python_func} is a @{plugin.spec.kind.value}, expected {' or '.join(k.value for k in kinds)}")
+    return plugin

@@ -1,0 +1,100 @@
+"""The trainer feed on a Redis Stream, and its consumer-group reader.
+
+Publishing is one script: the group id is checked and the entry appended together,
+so a group is never added twice. Trainers read through a consumer group: what they
+have not acknowledged stays pending for them (redelivered when the same consumer
+comes back), and the pending entries of a consumer that stayed idle too long are
+claimed by another one. Nothing is delivered to two consumers as new.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from redis import asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from rollout_proxy.state.keys import feed_published_key, feed_stream_key
+
+_PUBLISH = """
+local existing = redis.call("HGET", KEYS[2], ARGV[1])
+if existing then return {0, existing} end
+local id = redis.call("XADD", KEYS[1], "*", "group_id", ARGV[1], "data", ARGV[2])
+redis.call("HSET", KEYS[2], ARGV[1], id)
+return {1, id}
+"""
+
+
+def _entry(fields: dict[bytes, bytes]) -> dict[str, Any]:
+    return orjson.loads(fields[b"data"])
+
+
+class RedisStreamFeed:
+    def __init__(self, client: aioredis.Redis, stream: str = "trajectories") -> None:
+        self._redis = client
+        self.stream = stream
+        self._keys = [feed_stream_key(stream), feed_published_key(stream)]
+        self._publish = client.register_script(_PUBLISH)
+
+    @classmethod
+    async def connect(cls, url: str, *, stream: str = "trajectories") -> RedisStreamFeed:
+        client = aioredis.Redis.from_url(url, decode_responses=False)
+        await client.ping()
+        return cls(client, stream)
+
+    async def publish(self, group_id: str, entry: dict[str, Any]) -> str | None:
+        data = orjson.dumps(entry, option=orjson.OPT_SERIALIZE_NUMPY)
+        created, entry_id = await self._publish(keys=self._keys, args=[group_id, data])
+        return entry_id.decode() if created else None
+
+    async def published(self, group_id: str) -> bool:
+        return bool(await self._redis.hexists(self._keys[1], group_id))
+
+    async def read(self, after: str | None = None, limit: int = 100) -> list[tuple[str, dict[str, Any]]]:
+        low = f"({after}" if after else "-"
+        try:
+            rows = await self._redis.xrange(self._keys[0], min=low, max="+", count=limit)
+        except ResponseError as exc:
+            raise ValueError(f"not a stream id: {after!r}") from exc
+        return [(entry_id.decode(), _entry(fields)) for entry_id, fields in rows]
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+class StreamConsumer:
+    """One consumer of a consumer group: pending first, then reclaimed, then new entries."""
+
+    def __init__(self, client: aioredis.Redis, *, stream: str, group: str, consumer: str, claim_idle_ms: int) -> None:
+        self._redis = client
+        self._stream = feed_stream_key(stream)
+        self.group, self.consumer = group, consumer
+        self._claim_idle_ms = claim_idle_ms
+        self._backlog_done = False
+
+    async def ensure_group(self) -> None:
+        try:
+            await self._redis.xgroup_create(self._stream, self.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def fetch(self, count: int, block_ms: int) -> list[tuple[str, dict[str, Any]]]:
+        if not self._backlog_done:  # what this consumer was given before and never acknowledged
+            rows = await self._redis.xreadgroup(self.group, self.consumer, {self._stream: "0"}, count=count)
+            pending = rows[0][1] if rows else []
+            if pending:
+                return [(entry_id.decode(), _entry(fields)) for entry_id, fields in pending]
+            self._backlog_done = True
+        claimed = await self._redis.xautoclaim(
+            self._stream, self.group, self.consumer, min_idle_time=self._claim_idle_ms, start_id="0-0", count=count
+        )
+        reclaimed = [(entry_id.decode(), _entry(fields)) for entry_id, fields in claimed[1] if fields]
+        if reclaimed:
+            return reclaimed
+        rows = await self._redis.xreadgroup(self.group, self.consumer, {self._stream: ">"}, count=count, block=block_ms)
+        return [(entry_id.decode(), _entry(fields)) for entry_id, fields in (rows[0][1] if rows else [])]
+
+    async def ack(self, entry_id: str) -> None:
+        await self._redis.xack(self._stream, self.group, entry_id)

@@ -1,0 +1,88 @@
+"""Job files: every problem reported with its path, before anything runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from rollout_proxy.runner import JobConfig, JobError
+from rollout_proxy.runner.runner import JobRunner
+from rollout_proxy.state.feed import JsonlFeed
+from tests.runner.conftest import write_dataset, write_job
+
+
+@pytest.fixture
+def job_path(tmp_path):
+    dataset = write_dataset(tmp_path / "train.jsonl", ["ok"] * 2)
+    return write_job(tmp_path, dataset=dataset, graders=[("quality_grader", 1.0)], engine_url="http://127.0.0.1:9")
+
+
+def edit(path, change):
+    data = yaml.safe_load(path.read_text())
+    change(data)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_valid_job_loads(job_path):
+    job = JobConfig.load(job_path)
+    assert job.hyperparameters.num_generations == 3 and job.custom_rl_pipeline.graders[0].weight == 1.0
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (lambda d: d["custom_rl_pipeline"]["rollout"]["plugin"].update(pyhton_func="x:y"), "custom_rl_pipeline.rollout.plugin.pyhton_func: unknown field"),
+        (lambda d: d.update(hyperparamters={}), "hyperparamters: unknown field"),
+        (lambda d: d["hyperparameters"].update(num_generations=0), "hyperparameters.num_generations: Input should be greater than or equal to 1"),
+        (lambda d: d["hyperparameters"].update(top_p=1.5), "hyperparameters.top_p"),
+        (lambda d: d["custom_rl_pipeline"]["graders"][0].update(weight=-1), "custom_rl_pipeline.graders.0.weight"),
+        (lambda d: d["custom_rl_pipeline"].update(graders=[]), "custom_rl_pipeline.graders"),
+        (lambda d: d["custom_rl_pipeline"]["rollout"]["plugin"].update(python_func="no_colon"), "must be 'module:function'"),
+        (lambda d: d["data"]["training_set"].update(local_files=["missing.jsonl"]), "no such file"),
+        (lambda d: d.pop("data"), "data: Field required"),
+    ],
+)
+def test_problems_are_reported_with_their_path(job_path, change, expected):
+    with pytest.raises(JobError) as raised:
+        JobConfig.load(edit(job_path, change))
+    assert expected in str(raised.value)
+
+
+def test_several_problems_are_reported_together(job_path):
+    def change(d):
+        d["hyperparameters"]["batch_size"] = 0
+        d["extra_field"] = 1
+
+    with pytest.raises(JobError, match=r"2 problem\(s\)"):
+        JobConfig.load(edit(job_path, change))
+
+
+@pytest.mark.parametrize(
+    "python_func, expected",
+    [
+        ("tests.runner.nowhere:fn", "cannot import 'tests.runner.nowhere'"),
+        ("tests.runner.runner_plugins:missing", "has no 'missing'"),
+        ("tests.runner.runner_plugins:first_call", "is not declared with @single_rollout or @group_rollout"),
+        ("tests.runner.runner_plugins:quality_grader", "is a @single_grader, expected single_rollout or group_rollout"),
+    ],
+)
+def test_plugins_are_checked_before_running(job_path, python_func, expected):
+    job = JobConfig.load(edit(job_path, lambda d: d["custom_rl_pipeline"]["rollout"]["plugin"].update(python_func=python_func)))
+    with pytest.raises(JobError, match=expected.replace("(", r"\(").replace("@", "@")):
+        JobRunner(job, proxy_url="http://127.0.0.1:9", admin_key="k", feed=JsonlFeed(job_path.parent / "f.jsonl"))
+
+
+def test_cli_reports_job_problems_and_exits_2(job_path):
+    edit(job_path, lambda d: d.update(bogus=1))
+    result = subprocess.run([sys.executable, "-m", "rollout_proxy", "run", str(job_path)], capture_output=True, text=True)
+    assert result.returncode == 2 and "bogus: unknown field" in result.stderr
+
+
+def test_cli_run_help_explains():
+    result = subprocess.run([sys.executable, "-m", "rollout_proxy", "run", "--help"], capture_output=True, text=True, check=True)
+    for option in ("--engine", "--store", "--feed", "--proxy-url", "--job-id"):
+        assert option in result.stdout
