@@ -13,6 +13,7 @@ from aiohttp import web
 
 from rollout_proxy.app import create_app
 from rollout_proxy.devtools.fake_engine import FakeEngine
+from rollout_proxy.embedded import serve_app
 from rollout_proxy.settings import Settings
 
 ADMIN_KEY = "test-admin-key"
@@ -62,13 +63,9 @@ class ProxyHarness:
         """A proxy on a free port; ``store`` is injected, else opened from ``store_url``."""
         config = Settings(engines=tuple(engine_urls), admin_key=ADMIN_KEY, store=store_url, **settings)
         app = create_app(config, store=store)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, url = await serve_app(app)
         async with aiohttp.ClientSession() as http:
-            harness = cls(url=f"http://127.0.0.1:{port}", app=app, fake=fake, http=http)
+            harness = cls(url=url, app=app, fake=fake, http=http)
             try:
                 yield harness
             finally:

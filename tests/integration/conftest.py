@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 
 from rollout_proxy.devtools.vllm_server import VLLMServer
+from rollout_proxy.embedded import serve_app
 from tests.conftest import TEMPLATES_DIR
 from tests.harness import ProxyHarness
 
@@ -135,11 +136,7 @@ class RecordingRelay:
         recorder = cls(target)
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", recorder.handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        recorder.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        runner, recorder.url = await serve_app(app)
         try:
             yield recorder
         finally:

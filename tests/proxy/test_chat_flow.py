@@ -113,7 +113,7 @@ async def test_four_turn_conversation_is_token_exact(proxy: ProxyHarness, templa
     weights = np.asarray(trajectory["total_loss_weight"])
     logprobs = np.asarray(trajectory["total_token_logprobs"])
     expected_weights = np.zeros(len(ids))
-    for prompt, output, payload in zip(prompts, outputs, fake.completions, strict=True):
+    for prompt, output in zip(prompts, outputs, strict=True):
         expected_weights[len(prompt) : len(prompt) + len(output)] = 1.0
     assert np.array_equal(weights, expected_weights)
     assert np.all(logprobs[weights == 0] == 0.0)

@@ -29,7 +29,7 @@ def weather_policy(fake: FakeEngine):
         if response:
             weather = json.loads(response.group(1))
             return f"It is {weather['condition']} in {weather['location']}."
-        city = last_user.rstrip("<|im_end|>\n").rstrip("?").split()[-1]
+        city = last_user.removesuffix("<|im_end|>\n").rstrip("?").split()[-1]
         return f'<tool_call>\n{{"name": "get_current_weather", "arguments": {{"location": "{city}"}}}}\n</tool_call>'
 
     return policy

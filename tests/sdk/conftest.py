@@ -18,6 +18,7 @@ from rollout_proxy.app import create_app
 from rollout_proxy.devtools.fake_engine import FakeEngine
 from rollout_proxy.embedded import BackgroundLoop, BackgroundServer, serve_app
 from rollout_proxy.sdk import ChatCompletionSample, RolloutInferenceProxy
+from rollout_proxy.sdk.proxy import session_body
 from rollout_proxy.settings import Settings
 from tests.conftest import TEMPLATES
 from tests.harness import ADMIN_KEY
@@ -46,13 +47,7 @@ class Stack:
 
     def session(self, sample: ChatCompletionSample, *, n_sample: int | None = None) -> RolloutInferenceProxy:
         """A rollout session, handed to the plugin as the runner would."""
-        body: dict[str, Any] = {
-            "sample": {"messages": sample.message_dicts(), "tools": sample.tools, "extra": sample.extra or {}},
-            "generation": sample.generation(),
-        }
-        if n_sample is not None:
-            body["n_sample"] = n_sample
-        status, created = self.request("POST", "/v1/sessions", body)
+        status, created = self.request("POST", "/v1/sessions", session_body(sample, n_sample=n_sample))
         assert status == 201, created
         return RolloutInferenceProxy(created["base_url"], created["api_key"], sample=sample)
 

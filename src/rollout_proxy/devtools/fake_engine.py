@@ -363,12 +363,9 @@ class FakeEngineServer:
         self.url = ""
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.engine.app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://{self._host}:{port}"
+        from rollout_proxy.embedded import serve_app
+
+        self._runner, self.url = await serve_app(self.engine.app(), self._host, self._port)
         return self.url
 
     async def stop(self) -> None:

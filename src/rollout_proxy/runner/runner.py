@@ -30,7 +30,7 @@ from rollout_proxy.runner.plugins import load_plugin
 from rollout_proxy.runner.progress import JobProgress, JobSummary
 from rollout_proxy.sdk.decorators import Plugin, PluginKind
 from rollout_proxy.sdk.local import load_samples
-from rollout_proxy.sdk.proxy import RolloutInferenceProxy
+from rollout_proxy.sdk.proxy import RolloutInferenceProxy, session_body
 from rollout_proxy.sdk.types import ChatCompletionSample, GroupGraderResult, PluginContext, PluginStatus, Trajectory
 from rollout_proxy.sdk.validation import PluginValidationError
 from rollout_proxy.state.feed import Feed
@@ -202,19 +202,12 @@ class JobRunner:
         )
 
     async def _open_session(self, sample: ChatCompletionSample, context: PluginContext, n_sample: int | None) -> RolloutInferenceProxy:
-        body: dict[str, Any] = {
-            "sample": {
-                "messages": sample.message_dicts(),
-                "tools": sample.tools,
-                "extra": sample.extra or {},
-                "thinking": sample.thinking.model_dump() if sample.thinking else None,
-            },
-            "generation": sample.generation(),
-            "context": context.model_dump(),
-            "concurrency": {"key": self.job_id, "max_requests": self.rollout.spec.runtime.request_concurrency},
-        }
-        if n_sample is not None:
-            body["n_sample"] = n_sample
+        body = session_body(
+            sample,
+            n_sample=n_sample,
+            context=context.model_dump(),
+            concurrency={"key": self.job_id, "max_requests": self.rollout.spec.runtime.request_concurrency},
+        )
         created = await self._post("/v1/sessions", body)
         return RolloutInferenceProxy(created["base_url"], created["api_key"], sample=sample)
 

@@ -42,6 +42,35 @@ class ProxyRequestError(RuntimeError):
     """The rollout-proxy refused a state update; the message is the proxy's."""
 
 
+def post_json(url: str, body: dict[str, Any], token: str, *, what: str) -> dict[str, Any]:
+    """A blocking JSON POST to the proxy; its error body becomes a ProxyRequestError."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        raise ProxyRequestError(f"{what} failed ({exc.code}): {exc.read().decode()}") from None
+
+
+def session_body(sample: ChatCompletionSample, *, n_sample: int | None = None, **fields: Any) -> dict[str, Any]:
+    """The ``POST /v1/sessions`` body for a sample (its GenerationConfig pinned)."""
+    body: dict[str, Any] = {
+        "sample": {
+            "messages": sample.message_dicts(),
+            "tools": sample.tools,
+            "extra": sample.extra or {},
+            "thinking": sample.thinking.model_dump() if sample.thinking else None,
+        },
+        "generation": sample.generation(),
+        **fields,
+    }
+    if n_sample is not None:
+        body["n_sample"] = n_sample
+    return body
+
+
 def _as_dict(value: Any) -> dict[str, Any]:
     return value.model_dump() if hasattr(value, "model_dump") else dict(value)
 
@@ -126,17 +155,8 @@ class RolloutInferenceProxy:
     def update_state_from_messages(self, messages: list[Any], previous_response_id: str | None = None) -> str:
         """Append messages the policy did not generate (weight 0); returns their response id."""
         body = {"messages": [_as_dict(m) for m in messages], "previous_response_id": previous_response_id}
-        request = urllib.request.Request(
-            self._session_url("messages"),
-            data=json.dumps(body).encode(),
-            headers={**self.headers, "Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as answer:
-                response_id = json.loads(answer.read())["response_id"]
-        except urllib.error.HTTPError as exc:
-            raise ProxyRequestError(f"update_state_from_messages failed ({exc.code}): {exc.read().decode()}") from None
-        return self._remember(response_id, previous_response_id, body["messages"])
+        answer = post_json(self._session_url("messages"), body, self.jwt_token, what="update_state_from_messages")
+        return self._remember(answer["response_id"], previous_response_id, body["messages"])
 
     async def aupdate_state_from_messages(self, messages: list[Any], previous_response_id: str | None = None) -> str:
         """``update_state_from_messages`` without blocking the event loop."""
@@ -213,7 +233,9 @@ class InferenceProxy(RolloutInferenceProxy):
         self.mode = Mode(mode)
         self.model = model
         if self.mode is Mode.Training:
-            session = _create_session(url, jwt_token, sample, n_sample if group else None)
+            root = url.rstrip("/").removesuffix("/v1")
+            body = session_body(sample, n_sample=n_sample if group else None)
+            session = post_json(f"{root}/v1/sessions", body, jwt_token, what="creating a session")
             super().__init__(session["base_url"], session["api_key"], sample=sample, group=group)
             self.admin_url, self.admin_key = url.rstrip("/").removesuffix("/v1"), jwt_token
         else:
@@ -277,38 +299,5 @@ class InferenceProxy(RolloutInferenceProxy):
         """Training mode: send the rollout result, get the trajectories back."""
         if self.mode is not Mode.Training:
             raise RuntimeError("finish() needs Mode.Training: an inference endpoint records no trajectories")
-        request = urllib.request.Request(
-            f"{self.admin_url}/v1/sessions/{self.session_id}/finish",
-            data=json.dumps(result).encode(),
-            headers={"Authorization": f"Bearer {self.admin_key}", "Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as answer:
-                return json.loads(answer.read())
-        except urllib.error.HTTPError as exc:
-            raise ProxyRequestError(f"finish failed ({exc.code}): {exc.read().decode()}") from None
-
-
-def _create_session(url: str, admin_key: str, sample: ChatCompletionSample, n_sample: int | None = None) -> dict[str, Any]:
-    root = url.rstrip("/").removesuffix("/v1")
-    body: dict[str, Any] = {
-        "sample": {
-            "messages": sample.message_dicts(),
-            "tools": sample.tools,
-            "extra": sample.extra or {},
-            "thinking": sample.thinking.model_dump() if sample.thinking else None,
-        },
-        "generation": sample.generation(),
-    }
-    if n_sample is not None:
-        body["n_sample"] = n_sample
-    request = urllib.request.Request(
-        f"{root}/v1/sessions",
-        data=json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {admin_key}", "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return json.loads(answer.read())
-    except urllib.error.HTTPError as exc:
-        raise ProxyRequestError(f"creating a session failed ({exc.code}): {exc.read().decode()}") from None
+        url = f"{self.admin_url}/v1/sessions/{self.session_id}/finish"
+        return post_json(url, result, self.admin_key, what="finish")

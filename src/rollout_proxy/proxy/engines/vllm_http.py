@@ -7,7 +7,6 @@ cannot use is ``EngineError`` (502).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from collections.abc import Sequence
@@ -94,7 +93,7 @@ class VLLMEngine:
             async with self._http().request(method, url, data=data, headers=headers) as response:
                 body = await response.read()
                 status = response.status
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
+        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
             raise EngineUnavailable(f"engine {self.url} is unreachable: {exc!r}") from exc
         try:
             parsed = _loads(body) if body else None

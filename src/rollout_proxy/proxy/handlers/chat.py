@@ -10,9 +10,9 @@ from aiohttp import web
 from rollout_proxy import keys
 from rollout_proxy.core.turns import TurnResult
 from rollout_proxy.errors import InvalidRequest
-from rollout_proxy.proxy.handlers.common import plugin_session
-from rollout_proxy.proxy.http import json_response, read_json_object, validate
-from rollout_proxy.proxy.schemas import ChatRequest, refuse_pinned
+from rollout_proxy.proxy.handlers.common import plugin_request
+from rollout_proxy.proxy.http import json_response
+from rollout_proxy.proxy.schemas import ChatRequest
 from rollout_proxy.tokenization.messages import normalize_messages, normalize_tools
 
 
@@ -51,12 +51,7 @@ def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | N
 
 
 async def chat_completions(request: web.Request) -> web.Response:
-    session = await plugin_session(request)
-    payload = await read_json_object(request)
-    refuse_pinned(payload)
-    body = validate(ChatRequest, payload)
-    if body.stream:
-        raise InvalidRequest("stream=true is not supported yet; call without streaming", param="stream")
+    session, body = await plugin_request(request, ChatRequest)
     if body.top_logprobs:
         raise InvalidRequest("top_logprobs is not supported; logprobs=true returns the sampled ones", param="top_logprobs")
     messages = normalize_messages(body.messages)

@@ -7,8 +7,10 @@ from aiohttp import web
 
 from rollout_proxy import keys
 from rollout_proxy.core.types import SessionRecord, SessionStatus
-from rollout_proxy.errors import AuthenticationFailed, Conflict
+from rollout_proxy.errors import AuthenticationFailed, Conflict, InvalidRequest
 from rollout_proxy.proxy.auth import Caller, authenticate
+from rollout_proxy.proxy.http import M, read_json_object, validate
+from rollout_proxy.proxy.schemas import refuse_pinned
 
 
 def request_caller(request: web.Request, *, admin_only: bool = False) -> Caller:
@@ -28,3 +30,14 @@ async def plugin_session(request: web.Request) -> SessionRecord:
     if session.status is not SessionStatus.OPEN:
         raise Conflict(f"session {session.id!r} is already finished", param="session")
     return session
+
+
+async def plugin_request(request: web.Request, model: type[M]) -> tuple[SessionRecord, M]:
+    """A plugin's generation request: its open session, and the body without pinned settings."""
+    session = await plugin_session(request)
+    payload = await read_json_object(request)
+    refuse_pinned(payload)
+    body = validate(model, payload)
+    if getattr(body, "stream", False):
+        raise InvalidRequest("stream=true is not supported yet; call without streaming", param="stream")
+    return session, body

@@ -7,22 +7,17 @@ from aiohttp import web
 
 from rollout_proxy import keys
 from rollout_proxy.core.turns import path_tokens
-from rollout_proxy.errors import InvalidRequest, NotFound
+from rollout_proxy.errors import NotFound
 from rollout_proxy.ids import session_of_response
-from rollout_proxy.proxy.handlers.common import plugin_session, request_caller
-from rollout_proxy.proxy.http import json_response, read_json_object, validate
+from rollout_proxy.proxy.handlers.common import plugin_request, request_caller
+from rollout_proxy.proxy.http import json_response
 from rollout_proxy.proxy.openai_responses import input_to_messages, response_body
-from rollout_proxy.proxy.schemas import ResponsesRequest, refuse_pinned
+from rollout_proxy.proxy.schemas import ResponsesRequest
 from rollout_proxy.tokenization.messages import normalize_tools
 
 
 async def create_response(request: web.Request) -> web.Response:
-    session = await plugin_session(request)
-    payload = await read_json_object(request)
-    refuse_pinned(payload)
-    body = validate(ResponsesRequest, payload)
-    if body.stream:
-        raise InvalidRequest("stream=true is not supported yet; call without streaming", param="stream")
+    session, body = await plugin_request(request, ResponsesRequest)
     messages = input_to_messages(body.input)
     tools = normalize_tools(body.tools)
     result, _ = await request.app[keys.RESPONSES].create(
