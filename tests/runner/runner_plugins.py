@@ -85,3 +85,18 @@ def custom_grader(context, sample, trajectories):
     rewards = [1.0 for _ in trajectories]
     custom = [0.5 for _ in trajectories] if sample.extra.get("custom") else None
     return GroupGraderResult(rewards=rewards, metrics={}, status=PluginStatus.SUCCESS, error="", seq_advantages=custom)
+
+
+@single_grader(name="moody")
+def moody_grader(context, sample, trajectory):
+    """Returns the status the sample asks for (sample.extra['grader'])."""
+    wanted = sample.extra.get("grader", "ok")
+    if wanted == "discard":
+        return SingleGraderResult(reward=0.0, status=PluginStatus.DISCARD, error="off-topic answer")
+    if wanted == "fail":
+        return SingleGraderResult(reward=0.0, status=PluginStatus.FAILURE, error="the judge model is down")
+    if wanted == "retry_once" and first_call("grader-" + sample.extra["id"]):
+        return SingleGraderResult(reward=0.0, status=PluginStatus.RETRY, error="judge busy")
+    if wanted == "raise":
+        raise ValueError("grader bug")
+    return SingleGraderResult(reward=1.0)

@@ -117,3 +117,21 @@ async def test_custom_advantages_replace_grpo(engine, tmp_path):
     summary = await run_job(job, progress=False)
     entries = await JsonlFeed(summary.feed.removeprefix("jsonl:")).read()
     assert all(group["advantage_kind"] == "seq" and group["advantages"] == [0.5, 0.5] for _, group in entries)
+
+
+async def test_grader_statuses_follow_the_same_rules(engine, tmp_path):
+    graders = {0: "ok", 1: "discard", 2: "retry_once", 3: "ok"}
+    dataset = write_dataset(tmp_path / "train.jsonl", ["ok"] * 4, extra=lambda i: {"grader": graders[i]})
+    job = JobConfig.load(write_job(tmp_path, dataset=dataset, graders=[("moody_grader", 1.0)], engine_url=engine.url, batch_size=4, num_generations=1))
+    summary = await run_job(job, progress=False)
+    assert summary.samples_done == 3 and summary.samples_dropped == 1 and summary.failed_attempts == 1
+    entries = await JsonlFeed(summary.feed.removeprefix("jsonl:")).read()
+    assert [group["sample_index"] for _, group in entries] == [0, 2, 3]
+
+
+@pytest.mark.parametrize("mode, message", [("fail", "the judge model is down"), ("raise", "ValueError: grader bug")])
+async def test_a_grader_failing_four_times_fails_the_job(engine, tmp_path, mode, message):
+    dataset = write_dataset(tmp_path / "train.jsonl", ["ok"], extra=lambda i: {"grader": mode})
+    job = JobConfig.load(write_job(tmp_path, dataset=dataset, graders=[("moody_grader", 1.0)], engine_url=engine.url, batch_size=1, num_generations=1))
+    with pytest.raises(JobFailed, match=f"grader moody failed 4 times; last error: {message}"):
+        await run_job(job, progress=False)
