@@ -11,7 +11,7 @@ import asyncio
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -78,10 +78,6 @@ class BackgroundServer:
             self._runner = None
         if self._own_loop:
             self.loop.close()
-
-    def call(self, function: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run ``function(*args)`` on the server's loop (e.g. to read its app state)."""
-        return self.loop.run(function(*args))
 
     def __enter__(self) -> BackgroundServer:
         self.start()

@@ -28,10 +28,6 @@ def new_response_id(session_id: str) -> str:
     return RESPONSE_PREFIX + match.group(1) + secrets.token_hex(_HEX // 2)
 
 
-def is_session_id(value: str) -> bool:
-    return _SESSION_RE.match(value) is not None
-
-
 def session_of_response(response_id: str) -> str | None:
     """The session a response id belongs to, or None when it is not a response id."""
     match = _RESPONSE_RE.match(response_id)

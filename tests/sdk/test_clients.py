@@ -10,6 +10,7 @@ from rollout_proxy.sdk import (
     GenerationParameterError,
     InferenceProxy,
     Mode,
+    ProxyRequestError,
     RolloutApiError,
     wrap_async_client_inplace,
     wrap_client_inplace,
@@ -96,3 +97,15 @@ def test_training_mode_inference_proxy_opens_a_session(stack: Stack):
     (trajectory,) = finished["trajectories"]
     assert trajectory["response_id"] == reply.id and trajectory["extra"] == {"k": 1}
     assert stack.fake.completions[-1]["max_tokens"] == 32  # the sample's GenerationConfig, pinned by the session
+
+
+async def test_async_state_update_does_not_block_the_loop(stack: Stack):
+    proxy = stack.session(SAMPLE)
+    client = proxy.async_rollout_client()
+    first = await client.chat.completions.create(model="m", messages=MESSAGES)
+    injected = await proxy.aupdate_state_from_messages([{"role": "user", "content": "Again?"}], previous_response_id=first.id)
+    assert [m["content"] for m in proxy.messages] == ["Hi", first.choices[0].message.content, "Again?"]
+    status, trajectory = stack.request("GET", f"/v1/responses/{injected}/trajectory")
+    assert status == 200 and trajectory["messages"][-1]["content"] == "Again?"
+    with pytest.raises(ProxyRequestError, match="404"):
+        await proxy.aupdate_state_from_messages([{"role": "user", "content": "x"}], previous_response_id="resp_" + "0" * 32)

@@ -41,9 +41,6 @@ class EnginePool:
         engine = self._engines.get(url) if url is not None else None
         return engine if engine is not None else self.pick()
 
-    def inflight(self, url: str) -> int:
-        return self._inflight[url]
-
     @asynccontextmanager
     async def slot(self, engine: Engine) -> AsyncIterator[Engine]:
         """Hold one of the engine's in-flight slots for the duration of a call."""
