@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rollout_proxy.examples.weather_tool import WEATHER_TOOL, run_tool_call
+from rollout_proxy.examples.weather_tool import WEATHER_TOOL, follow_reply
 from rollout_proxy.sdk import (
     ChatCompletionSample,
     PluginContext,
@@ -36,14 +36,11 @@ async def demo_rollout(
     tool_calls = 0
     for _ in range(MAX_TURNS):
         completion = await client.chat.completions.create(model=LOCAL_TEST_MODEL, messages=messages, tools=tools)
-        message = completion.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            if not follow_ups:
-                break
-            messages.append({"role": "user", "content": follow_ups.pop(0)})
-            continue
-        for call in message.tool_calls:
-            tool_calls += 1
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool_call(call.function.name, call.function.arguments)})
+        reply = completion.choices[0].message.model_dump(exclude_none=True)
+        messages.append(reply)
+        more, calls = follow_reply(reply, follow_ups)
+        if not more:
+            break
+        messages += more
+        tool_calls += calls
     return RolloutResult(status=PluginStatus.SUCCESS, error="", extra={"tool_calls": tool_calls})

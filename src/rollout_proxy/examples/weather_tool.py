@@ -39,3 +39,20 @@ def run_tool_call(name: str, arguments: str) -> str:
         return get_current_weather(**kwargs)
     except (ValueError, TypeError) as exc:
         return json.dumps({"error": f"bad arguments: {exc}"})
+
+
+def follow_reply(message: dict, follow_ups: list[str]) -> tuple[list[dict], int]:
+    """What the agent appends after a reply: tool results, else the next follow-up question.
+
+    Returns (messages to append, tool calls made); no messages means the episode is over.
+    """
+    calls = message.get("tool_calls") or []
+    if calls:
+        results = [
+            {"role": "tool", "tool_call_id": call["id"], "content": run_tool_call(call["function"]["name"], call["function"]["arguments"])}
+            for call in calls
+        ]
+        return results, len(calls)
+    if follow_ups:
+        return [{"role": "user", "content": follow_ups.pop(0)}], 0
+    return [], 0
