@@ -53,6 +53,13 @@ class SessionService:
             raise NotFound(f"session {session_id!r} not found (unknown or expired)", param="session_id")
         return session
 
+    async def get_open(self, session_id: str) -> SessionRecord:
+        """The session, if it still takes requests (409 once it is finished)."""
+        session = await self.get(session_id)
+        if session.status is not SessionStatus.OPEN:
+            raise Conflict(f"session {session_id!r} is already finished", param="session_id")
+        return session
+
     async def trajectory(self, response_id: str, *, session_id: str | None = None) -> Trajectory:
         """The trajectory ending at ``response_id``; ``session_id`` limits where to look."""
         owner = session_of_response(response_id)
@@ -80,9 +87,7 @@ class SessionService:
         succeeds must name exactly ``n_sample``. Nothing is recorded when a check fails.
         A single rollout that names none emits its latest response.
         """
-        session = await self.get(session_id)
-        if session.status is not SessionStatus.OPEN:
-            raise Conflict(f"session {session_id!r} is already finished", param="session_id")
+        session = await self.get_open(session_id)
         if responses is None:
             latest = await self._store.latest(session_id, "*") if session.n_sample is None else None
             responses = [{"id": latest, "extra": None}] if latest is not None and status == "success" else []

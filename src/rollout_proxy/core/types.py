@@ -9,7 +9,6 @@ parent: a trajectory is the concatenation of the nodes on its root-to-leaf path.
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,8 +114,6 @@ class SessionRecord:
         data["status"] = SessionStatus(data["status"])
         return cls(**data)
 
-    def ttl(self, now: float | None = None) -> float:
-        return self.expires_at - (time.time() if now is None else now)
 
 
 class NodeKind(str, enum.Enum):

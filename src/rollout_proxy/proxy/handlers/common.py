@@ -6,8 +6,8 @@ import structlog
 from aiohttp import web
 
 from rollout_proxy import keys
-from rollout_proxy.core.types import SessionRecord, SessionStatus
-from rollout_proxy.errors import AuthenticationFailed, Conflict, InvalidRequest
+from rollout_proxy.core.types import SessionRecord
+from rollout_proxy.errors import AuthenticationFailed, InvalidRequest
 from rollout_proxy.proxy.auth import Caller, authenticate
 from rollout_proxy.proxy.http import M, read_json_object, validate
 from rollout_proxy.proxy.schemas import refuse_pinned
@@ -26,10 +26,7 @@ async def plugin_session(request: web.Request) -> SessionRecord:
     found = request_caller(request)
     if found.session_id is None:
         raise AuthenticationFailed("this endpoint needs a session token, not the admin key")
-    session = await request.app[keys.SESSIONS].get(found.session_id)
-    if session.status is not SessionStatus.OPEN:
-        raise Conflict(f"session {session.id!r} is already finished", param="session")
-    return session
+    return await request.app[keys.SESSIONS].get_open(found.session_id)
 
 
 async def plugin_request(request: web.Request, model: type[M]) -> tuple[SessionRecord, M]:

@@ -6,8 +6,6 @@ import structlog
 from aiohttp import web
 
 from rollout_proxy import keys
-from rollout_proxy.core.types import SessionStatus
-from rollout_proxy.errors import Conflict
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response, read_json_object, validate
 from rollout_proxy.proxy.schemas import AppendMessages, FinishRequest, SessionCreate
@@ -55,9 +53,7 @@ async def append_messages(request: web.Request) -> web.Response:
     session_id = request.match_info["session_id"]
     request_caller(request).require_session(session_id)
     body = validate(AppendMessages, await read_json_object(request))
-    session = await request.app[keys.SESSIONS].get(session_id)
-    if session.status is not SessionStatus.OPEN:
-        raise Conflict(f"session {session_id!r} is already finished", param="session_id")
+    session = await request.app[keys.SESSIONS].get_open(session_id)
     node = await request.app[keys.RESPONSES].append_messages(
         session, normalize_messages(body.messages), previous_response_id=body.previous_response_id
     )
