@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rollout_proxy.core.types import NodeKind, ResponseNode
 from rollout_proxy.routing import (
     RoutingRows,
     align_turn,
@@ -31,7 +32,6 @@ from rollout_proxy.routing import (
     routing_json,
 )
 from rollout_proxy.state.codec import decode_node, encode_node
-from rollout_proxy.core.types import NodeKind, ResponseNode
 
 LAYERS, TOP_K, EXPERTS = 48, 8, 128
 
@@ -64,7 +64,9 @@ def run(turns: int, tokens: int, seed: int = 0) -> tuple[list[Turn], int]:
         payload = engine_payload(rng, prompt_len - start + output_len - 1)
         began = time.perf_counter()
         rows, valid = decode_engine_routing(payload)
-        first = first_row_position(prompt_len=prompt_len, output_len=output_len, requested_start=start, n_rows=len(rows))
+        first = first_row_position(
+            prompt_len=prompt_len, output_len=output_len, requested_start=start, n_rows=len(rows)
+        )
         routing, _ = align_turn(path, first=first, rows=rows, valid=valid)
         node = ResponseNode(
             id=f"resp_{index:032x}",
@@ -114,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     checks = [
         (f"assembly of {total} x {LAYERS} x {TOP_K}", f"{assembly:.1f} ms", assembly < 100),
         ("stored routing bytes / (T x 48 x 8)", f"{stored / ideal:.4f}", abs(stored / ideal - 1) <= 0.05),
-        (f"per-turn cost turn {args.turns} / turn 2", f"{turn_last * 1000:.2f} / {turn2 * 1000:.2f} ms = {turn_last / turn2:.2f}x", turn_last <= 1.5 * turn2),
+        (
+            f"per-turn cost turn {args.turns} / turn 2",
+            f"{turn_last * 1000:.2f} / {turn2 * 1000:.2f} ms = {turn_last / turn2:.2f}x",
+            turn_last <= 1.5 * turn2,
+        ),
     ]
     width = max(len(name) for name, _, _ in checks)
     for name, value, ok in checks:

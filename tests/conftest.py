@@ -53,7 +53,9 @@ def redis_url() -> Iterator[str]:
     """A private redis-server for the test session, stopped at the end."""
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.fail("redis-server is not installed; run scripts/test.sh (it installs it) or apt-get install redis-server")
+        pytest.fail(
+            "redis-server is not installed; run scripts/test.sh (it installs it) or apt-get install redis-server"
+        )
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="rp-redis-")
     process = subprocess.Popen(

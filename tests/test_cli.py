@@ -15,7 +15,16 @@ def test_serve_help_lists_every_option():
     result = subprocess.run(
         [sys.executable, "-m", "rollout_proxy", "serve", "--help"], capture_output=True, text=True, check=True
     )
-    for option in ("--engine", "--store", "--host", "--port", "--admin-key", "--tool-parser", "--reasoning-parser", "--log-format"):
+    for option in (
+        "--engine",
+        "--store",
+        "--host",
+        "--port",
+        "--admin-key",
+        "--tool-parser",
+        "--reasoning-parser",
+        "--log-format",
+    ):
         assert option in result.stdout
     assert "ROLLOUT_PROXY_" in result.stdout
 

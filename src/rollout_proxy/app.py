@@ -22,7 +22,8 @@ from rollout_proxy.proxy.auth import SessionTokens
 from rollout_proxy.proxy.engines.base import Engine
 from rollout_proxy.proxy.engines.pool import EnginePool
 from rollout_proxy.proxy.engines.vllm_http import VLLMEngine
-from rollout_proxy.proxy.handlers import chat, feed as feed_handlers, meta, responses, sessions, trajectories
+from rollout_proxy.proxy.handlers import chat, meta, responses, sessions, trajectories
+from rollout_proxy.proxy.handlers import feed as feed_handlers
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.settings import Settings
 from rollout_proxy.state.feed import Feed, open_feed
@@ -73,7 +74,11 @@ def create_app(
             await app[keys.STORE].close()
 
     async def feed_ctx(app: web.Application) -> AsyncIterator[None]:
-        opened = feed if feed is not None else (await open_feed(settings.feed, stream=settings.feed_stream) if settings.feed else None)
+        opened = (
+            feed
+            if feed is not None
+            else (await open_feed(settings.feed, stream=settings.feed_stream) if settings.feed else None)
+        )
         if opened is not None:
             app[keys.FEED] = opened
         yield
@@ -81,9 +86,11 @@ def create_app(
             await opened.close()
 
     async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
-        clients = list(engines) if engines is not None else [
-            VLLMEngine(url, request_timeout=settings.engine_timeout) for url in settings.engines
-        ]
+        clients = (
+            list(engines)
+            if engines is not None
+            else [VLLMEngine(url, request_timeout=settings.engine_timeout) for url in settings.engines]
+        )
         pool = EnginePool(clients, max_inflight=settings.engine_max_inflight)
         app[keys.ENGINES] = pool
         yield

@@ -30,7 +30,10 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         metavar="URL",
         help=f"base URL of a vLLM OpenAI server; repeat for several (env ROLLOUT_PROXY_ENGINES, comma-separated; default {DEFAULT_ENGINE})",
     )
-    serve.add_argument("--store", help="'memory' (in-process, lost on exit) or redis://HOST:PORT/DB (env ROLLOUT_PROXY_STORE; default memory)")
+    serve.add_argument(
+        "--store",
+        help="'memory' (in-process, lost on exit) or redis://HOST:PORT/DB (env ROLLOUT_PROXY_STORE; default memory)",
+    )
     serve.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8080)")
     serve.add_argument(
@@ -39,17 +42,31 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         "a random one is generated and printed if unset",
     )
     serve.add_argument("--jwt-secret", help="secret for session tokens (default: derived from the admin key)")
-    serve.add_argument("--public-url", help="base URL handed to plugins in new sessions (default: the URL the trainer called)")
-    serve.add_argument("--tool-parser", choices=sorted(TOOL_PARSERS), help="how tool calls are parsed from generated text (default hermes)")
     serve.add_argument(
-        "--reasoning-parser", choices=sorted(REASONING_PARSERS), help="how reasoning is parsed from generated text (default think)"
+        "--public-url", help="base URL handed to plugins in new sessions (default: the URL the trainer called)"
+    )
+    serve.add_argument(
+        "--tool-parser",
+        choices=sorted(TOOL_PARSERS),
+        help="how tool calls are parsed from generated text (default hermes)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="how reasoning is parsed from generated text (default think)",
     )
     serve.add_argument("--log-format", choices=LOG_FORMATS, help="auto = pretty on a terminal, JSON otherwise")
     serve.add_argument("--log-level", help="debug, info, warning, error (default info)")
-    serve.add_argument("--session-ttl", type=float, help="seconds a session and its trajectories are kept (default 86400)")
+    serve.add_argument(
+        "--session-ttl", type=float, help="seconds a session and its trajectories are kept (default 86400)"
+    )
     serve.add_argument("--engine-timeout", type=float, help="seconds to wait for one engine call (default 600)")
-    serve.add_argument("--engine-max-inflight", type=int, help="requests in flight per engine before queueing (default 256)")
-    serve.add_argument("--feed", help="trainer feed to serve at GET /v1/feed: jsonl:PATH or redis://HOST:PORT/DB (default: none)")
+    serve.add_argument(
+        "--engine-max-inflight", type=int, help="requests in flight per engine before queueing (default 256)"
+    )
+    serve.add_argument(
+        "--feed", help="trainer feed to serve at GET /v1/feed: jsonl:PATH or redis://HOST:PORT/DB (default: none)"
+    )
     serve.add_argument("--feed-stream", help="Redis stream name of the feed (default trajectories)")
     serve.set_defaults(handler=_serve)
 
@@ -62,8 +79,21 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {
         key: getattr(args, key)
         for key in (
-            "store", "host", "port", "admin_key", "jwt_secret", "public_url", "tool_parser", "reasoning_parser",
-            "log_format", "log_level", "session_ttl", "engine_timeout", "engine_max_inflight", "feed", "feed_stream",
+            "store",
+            "host",
+            "port",
+            "admin_key",
+            "jwt_secret",
+            "public_url",
+            "tool_parser",
+            "reasoning_parser",
+            "log_format",
+            "log_level",
+            "session_ttl",
+            "engine_timeout",
+            "engine_max_inflight",
+            "feed",
+            "feed_stream",
         )
     }
     if args.engines:
@@ -92,8 +122,12 @@ def _run_parser(commands: argparse._SubParsersAction) -> None:
         "trainer feed. Without --proxy-url a proxy is started in-process on the job's engines.",
     )
     run.add_argument("job", help="the job file (the seed's job.yaml format)")
-    run.add_argument("--engine", dest="engines", action="append", metavar="URL", help="vLLM server(s); overrides proxy.engines")
-    run.add_argument("--store", help="state store of the in-process proxy: memory or redis://... (default: the job's, memory)")
+    run.add_argument(
+        "--engine", dest="engines", action="append", metavar="URL", help="vLLM server(s); overrides proxy.engines"
+    )
+    run.add_argument(
+        "--store", help="state store of the in-process proxy: memory or redis://... (default: the job's, memory)"
+    )
     run.add_argument("--feed", help="trainer feed: jsonl:PATH or redis://... (default: OUT/<job name>/feed.jsonl)")
     run.add_argument("--out", help="output directory (default: the job's proxy.output_dir, 'out')")
     run.add_argument("--proxy-url", help="use this running proxy instead of starting one (needs --admin-key)")

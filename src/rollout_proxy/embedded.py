@@ -54,7 +54,14 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0
 class BackgroundServer:
     """An aiohttp app served from a ``BackgroundLoop``; built on that loop by ``factory``."""
 
-    def __init__(self, factory: Callable[[], web.Application], *, host: str = "127.0.0.1", port: int = 0, loop: BackgroundLoop | None = None) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], web.Application],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        loop: BackgroundLoop | None = None,
+    ) -> None:
         self._factory = factory
         self._host, self._port = host, port
         self._own_loop = loop is None

@@ -23,5 +23,7 @@ class Metrics:
         lines = []
         for (name, labels), value in sorted(self._counters.items()):
             label_text = ",".join(f'{key}="{val}"' for key, val in labels)
-            lines.append(f"rollout_proxy_{name}{{{label_text}}} {value:g}" if label_text else f"rollout_proxy_{name} {value:g}")
+            lines.append(
+                f"rollout_proxy_{name}{{{label_text}}} {value:g}" if label_text else f"rollout_proxy_{name} {value:g}"
+            )
         return "\n".join(lines) + "\n"

@@ -62,30 +62,48 @@ def test_outdated_checkpoint_stamp_forces_rebuild(cache, monkeypatch):
     monkeypatch.setattr(engine_env, "_run", lambda cmd, **k: calls.append(cmd))
     engine_env.ensure_checkpoints()
     assert len(calls) == 1 and "--force" in calls[0]
-    assert json.loads(engine_env._stamp("checkpoints").read_text())["format"] == \
-        engine_env.CHECKPOINT_FORMAT
+    assert json.loads(engine_env._stamp("checkpoints").read_text())["format"] == engine_env.CHECKPOINT_FORMAT
 
 
 def test_paths_cli_prints_json(cache):
-    out = subprocess.run([sys.executable, "-m", "rollout_proxy.devtools.engine_env", "paths"],
-                         capture_output=True, text=True, check=True,
-                         env={**os.environ, "ROLLOUT_PROXY_CACHE": str(cache)})
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_proxy.devtools.engine_env", "paths"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "ROLLOUT_PROXY_CACHE": str(cache)},
+    )
     info = json.loads(out.stdout)
     assert info["cache"] == str(cache) and info["engine_ready"] == "false"
 
 
 def test_server_command_line(tmp_path):
-    srv = VLLMServer("dense", chat_template=tmp_path / "t.jinja", tool_parser="hermes",
-                     reasoning_parser="qwen3", routed_experts=True, port=1234,
-                     extra_args=["--seed", "0"], run_dir=tmp_path)
+    srv = VLLMServer(
+        "dense",
+        chat_template=tmp_path / "t.jinja",
+        tool_parser="hermes",
+        reasoning_parser="qwen3",
+        routed_experts=True,
+        port=1234,
+        extra_args=["--seed", "0"],
+        run_dir=tmp_path,
+    )
     cmd = srv.command(Path("/venv/bin/python"), Path("/models/m"))
     assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(cmd)
-    for part in ["--model /models/m", "--served-model-name smollm2", "--dtype float32",
-                 "--enforce-eager", "--port 1234", "--max-model-len 2048",
-                 "--logprobs-mode processed_logprobs", f"--chat-template {tmp_path}/t.jinja",
-                 "--enable-auto-tool-choice --tool-call-parser hermes",
-                 "--reasoning-parser qwen3", "--enable-return-routed-experts"]:
+    for part in [
+        "--model /models/m",
+        "--served-model-name smollm2",
+        "--dtype float32",
+        "--enforce-eager",
+        "--port 1234",
+        "--max-model-len 2048",
+        "--logprobs-mode processed_logprobs",
+        f"--chat-template {tmp_path}/t.jinja",
+        "--enable-auto-tool-choice --tool-call-parser hermes",
+        "--reasoning-parser qwen3",
+        "--enable-return-routed-experts",
+    ]:
         assert part in joined
     assert cmd[-2:] == ["--seed", "0"]
     assert srv.base_url == "http://127.0.0.1:1234"
@@ -111,9 +129,14 @@ def test_sitecustomize_forces_has_triton(tmp_path):
         import vllm.triton_utils as t, vllm.triton_utils.importing as i
         print(t.HAS_TRITON, i.HAS_TRITON, i.RAN)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=tmp_path / "fake",
-                         env={**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{tmp_path / 'fake'}"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path / "fake",
+        env={**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{tmp_path / 'fake'}"},
+    )
     assert out.stdout.split() == ["True", "True", "True"]
 
 

@@ -13,14 +13,21 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from rollout_proxy import devtools
 
 TEMPLATE = Path(devtools.__file__).parent / "templates" / "qwen3_style.jinja"
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 TOOLS_BLOCK = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-    + json.dumps(TOOLS[0]) + "\n</tools>\n\n"
+    + json.dumps(TOOLS[0])
+    + "\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within "
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
@@ -28,8 +35,7 @@ TOOLS_BLOCK = (
 
 
 def _tojson(x, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +45,7 @@ def render():
     tpl = env.from_string(TEMPLATE.read_text())
 
     def _render(messages, tools=None, add_generation_prompt=True, **kwargs):
-        return tpl.render(messages=messages, tools=tools,
-                          add_generation_prompt=add_generation_prompt, **kwargs)
+        return tpl.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
 
     return _render
 
@@ -55,14 +60,14 @@ def test_no_tools_no_default_system_prompt(render):
 
 def test_system_without_tools(render):
     out = render([{"role": "system", "content": "Be brief."}, user("Hi")])
-    assert out == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                   "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert out == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_tools_without_system_gets_tools_only_system_turn(render):
     out = render([user("Weather?")], tools=TOOLS)
-    assert out == ("<|im_start|>system\n" + TOOLS_BLOCK +
-                   "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n")
+    assert out == (
+        "<|im_start|>system\n" + TOOLS_BLOCK + "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_tools_appended_to_system_message(render):
@@ -74,16 +79,19 @@ def test_tools_appended_to_system_message(render):
 def test_tool_calls_and_merged_tool_responses(render):
     msgs = [
         user("Paris and Rome?"),
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "a", "type": "function",
-             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-            {"id": "b", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "a", "content": "sunny"},
         {"role": "tool", "tool_call_id": "b", "content": "rain"},
     ]
     out = render(msgs, tools=TOOLS)
-    body = out[out.index("<|im_start|>user"):]
+    body = out[out.index("<|im_start|>user") :]
     assert body == (
         "<|im_start|>user\nParis and Rome?<|im_end|>\n"
         "<|im_start|>assistant\n"
@@ -92,12 +100,19 @@ def test_tool_calls_and_merged_tool_responses(render):
         "<|im_end|>\n"
         "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n"
         "<tool_response>\nrain\n</tool_response><|im_end|>\n"
-        "<|im_start|>assistant\n")
+        "<|im_start|>assistant\n"
+    )
 
 
 def test_tool_call_after_content_is_on_new_line(render):
-    msgs = [user("Q"), {"role": "assistant", "content": "Checking.", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": {}}}]}]
+    msgs = [
+        user("Q"),
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+        },
+    ]
     out = render(msgs, add_generation_prompt=False)
     assert 'Checking.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|im_end|>' in out
 
@@ -119,17 +134,19 @@ def test_think_kept_after_last_query_in_tool_loop(render):
         user("Q1"),
         {"role": "assistant", "content": "<think>early</think>A1"},
         user("Q2"),
-        {"role": "assistant", "reasoning_content": "\nneed weather\n", "content": "",
-         "tool_calls": [{"type": "function",
-                         "function": {"name": "get_weather", "arguments": {"city": "X"}}}]},
+        {
+            "role": "assistant",
+            "reasoning_content": "\nneed weather\n",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "X"}}}],
+        },
         {"role": "tool", "content": "sunny"},
         {"role": "assistant", "content": "<think>got it</think>\n\nIt is sunny."},
     ]
     out = render(msgs, add_generation_prompt=False)
     assert "early" not in out
-    assert ("<|im_start|>assistant\n<think>\nneed weather\n</think>\n\n<tool_call>" in out)
-    assert out.endswith("<|im_start|>assistant\n<think>\ngot it\n</think>\n\nIt is sunny."
-                        "<|im_end|>\n")
+    assert "<|im_start|>assistant\n<think>\nneed weather\n</think>\n\n<tool_call>" in out
+    assert out.endswith("<|im_start|>assistant\n<think>\ngot it\n</think>\n\nIt is sunny.<|im_end|>\n")
 
 
 def test_wrapped_tool_response_user_message_is_not_a_query(render):
@@ -142,12 +159,10 @@ def test_wrapped_tool_response_user_message_is_not_a_query(render):
 
 
 def test_final_assistant_after_query_gets_empty_think_block(render):
-    out = render([user("Q"), {"role": "assistant", "content": "A"}],
-                 add_generation_prompt=False)
+    out = render([user("Q"), {"role": "assistant", "content": "A"}], add_generation_prompt=False)
     assert out.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nA<|im_end|>\n")
     # ...but not when it is followed by another turn (and has no reasoning)
-    out = render([user("Q"), {"role": "assistant", "content": "A"},
-                  {"role": "tool", "content": "x"}])
+    out = render([user("Q"), {"role": "assistant", "content": "A"}, {"role": "tool", "content": "x"}])
     assert "<|im_start|>assistant\nA<|im_end|>" in out
 
 
@@ -158,11 +173,13 @@ def test_enable_thinking_false(render):
 
 
 def test_content_as_text_parts(render):
-    msgs = [{"role": "system", "content": [{"type": "text", "text": "S"}]},
-            {"role": "user", "content": [{"type": "text", "text": "a"},
-                                         {"type": "text", "text": "b"}]}]
-    assert render(msgs) == ("<|im_start|>system\nS<|im_end|>\n"
-                            "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n")
+    msgs = [
+        {"role": "system", "content": [{"type": "text", "text": "S"}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    assert render(msgs) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_no_generation_prompt(render):

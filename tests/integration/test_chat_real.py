@@ -44,7 +44,9 @@ def check_trajectory(trajectory: dict, turns, audit: TokenAudit) -> None:
     assert all(value == 0.0 for value, weight in zip(logprobs, weights, strict=True) if weight == 0)
 
 
-async def test_four_turn_chat_with_tools_has_zero_drift(real_proxy: ProxyHarness, relay: RecordingRelay, audit: TokenAudit):
+async def test_four_turn_chat_with_tools_has_zero_drift(
+    real_proxy: ProxyHarness, relay: RecordingRelay, audit: TokenAudit
+):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What's the weather in Paris?"}]
     session = await real_proxy.create_session(
         messages, tools=[WEATHER_TOOL], max_new_tokens=24, temperature=1.0, top_p=0.95, seed=7
@@ -76,7 +78,9 @@ async def test_four_turn_chat_with_tools_has_zero_drift(real_proxy: ProxyHarness
         assert request["max_tokens"] == 24
 
 
-async def test_responses_three_turns_have_zero_drift(real_proxy: ProxyHarness, relay: RecordingRelay, audit: TokenAudit):
+async def test_responses_three_turns_have_zero_drift(
+    real_proxy: ProxyHarness, relay: RecordingRelay, audit: TokenAudit
+):
     session = await real_proxy.create_session(
         [{"role": "user", "content": "Name a fruit."}], max_new_tokens=16, temperature=0.8, seed=11
     )

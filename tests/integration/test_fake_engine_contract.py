@@ -20,8 +20,13 @@ from tests.integration.conftest import VLLMServers
 PROMPT = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 CONVERSATION = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     {"role": "assistant", "content": [{"type": "text", "text": "It is sunny."}]},
     {"role": "user", "content": "Thanks!"},
@@ -55,8 +60,18 @@ REQUESTS = [
     (
         "POST",
         "/v1/completions",
-        {"prompt": PROMPT, "max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": 0,
-         "logprobs": 0, "return_token_ids": True, "n": 1, "stream": False},
+        {
+            "prompt": PROMPT,
+            "max_tokens": 5,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "seed": 0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "n": 1,
+            "stream": False,
+        },
     ),
     ("POST", "/v1/completions", {"prompt": [999_999], "max_tokens": 2, "return_token_ids": True}),
 ]
@@ -70,7 +85,17 @@ async def call(http: aiohttp.ClientSession, base: str, method: str, path: str, b
         return response.status, (await response.json(content_type=None)) if text else None
 
 
-IGNORED_IN_IDENTITY = ("id", "created", "system_fingerprint", "root", "permission", "model", "text", "logprobs", "token_ids")
+IGNORED_IN_IDENTITY = (
+    "id",
+    "created",
+    "system_fingerprint",
+    "root",
+    "permission",
+    "model",
+    "text",
+    "logprobs",
+    "token_ids",
+)
 
 
 @pytest.mark.parametrize("index", range(len(REQUESTS)))

@@ -34,7 +34,9 @@ async def test_inference_mode_single_rollout(relay: RecordingRelay):
 
 
 async def test_inference_mode_group_rollout_replays_branches(relay: RecordingRelay):
-    proxy = InferenceProxy(SAMPLE, url=relay.url + "/v1", jwt_token="EMPTY", mode=Mode.Inference, group=True, model="smollm2")
+    proxy = InferenceProxy(
+        SAMPLE, url=relay.url + "/v1", jwt_token="EMPTY", mode=Mode.Inference, group=True, model="smollm2"
+    )
     result = await demo_group_rollout(PluginContext(is_mock=True), proxy, SAMPLE, n_sample=3)
     assert result.status == PluginStatus.SUCCESS and len(result.responses) == 3
     sent = [body for path, body in relay.requests if path == "/v1/responses"]

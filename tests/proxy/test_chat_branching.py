@@ -52,7 +52,7 @@ async def test_turn_cut_by_length_is_closed_with_an_untrained_end_of_turn(proxy:
     second = await session.client.chat.completions.create(model="m", messages=history)
     prompt = fake.prompts[1]
     boundary = len(fake.prompts[0]) + len(output)
-    assert prompt[: boundary] == fake.prompts[0] + output
+    assert prompt[:boundary] == fake.prompts[0] + output
     assert prompt[boundary] == fake.eos_id
     trajectory = await proxy.trajectory(second.id)
     assert trajectory["total_loss_weight"][boundary] == 0.0

@@ -12,12 +12,12 @@ import numpy as np
 
 from tests.harness import WEATHER_TOOL, ProxyHarness
 
-PARIS = 'Paris: 21C, sunny'
-BERLIN = 'Berlin: 12C, rain'
-ROME = 'Rome: 25C, clear'
+PARIS = "Paris: 21C, sunny"
+BERLIN = "Berlin: 12C, rain"
+ROME = "Rome: 25C, clear"
 
 REPLIES = [
-    '<think>I need the weather for both cities.</think>\n'
+    "<think>I need the weather for both cities.</think>\n"
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Berlin", "unit": "C"}}\n</tool_call>',
     "<think>Paris is sunny, Berlin is rainy.</think>\nParis is sunny (21C) and Berlin is rainy (12C).",
@@ -77,7 +77,10 @@ async def run_conversation(proxy: ProxyHarness):
     echoed_call = {
         "id": call.id,
         "type": "function",
-        "function": {"name": call.function.name, "arguments": json.dumps(json.loads(call.function.arguments), indent=2)},
+        "function": {
+            "name": call.function.name,
+            "arguments": json.dumps(json.loads(call.function.arguments), indent=2),
+        },
     }
     messages.append({"role": "assistant", "content": None, "tool_calls": [echoed_call]})
     messages.append({"role": "tool", "tool_call_id": call.id, "content": ROME})
@@ -132,7 +135,15 @@ async def test_four_turn_conversation_is_token_exact(proxy: ProxyHarness, templa
     assert trajectory["usage"]["completion_tokens"] == sum(len(output) for output in outputs)
     assert trajectory["usage"]["total_tokens"] == len(ids)
     assert [message["role"] for message in trajectory["messages"]] == [
-        "user", "assistant", "tool", "tool", "assistant", "user", "assistant", "tool", "assistant",
+        "user",
+        "assistant",
+        "tool",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
     ]
 
 

@@ -50,7 +50,10 @@ async def test_malformed_json_is_400(ready):
     proxy, session, _ = ready
     before = await snapshot(proxy)
     status, body = await proxy.request(
-        "POST", "/v1/chat/completions", data=b'{"messages": [', token=session.api_key,
+        "POST",
+        "/v1/chat/completions",
+        data=b'{"messages": [',
+        token=session.api_key,
         headers={"Content-Type": "application/json"},
     )
     assert status == 400
@@ -65,7 +68,10 @@ async def test_malformed_json_is_400(ready):
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",
+        ),
         ({"messages": []}, "messages"),
         ({"messages": USER, "tools": [{"type": "function", "function": {}}]}, "tools[0]"),
         ({"messages": USER, "stream": True}, "stream"),
@@ -153,7 +159,11 @@ async def test_bad_token_is_401(ready, case):
     before = await snapshot(proxy)
     token = {
         "missing": None,
-        "forged": jwt.encode({"sub": session.session_id, "aud": AUDIENCE, "exp": int(time.time()) + 60}, "a-different-secret-of-thirty-two-bytes!", algorithm="HS256"),
+        "forged": jwt.encode(
+            {"sub": session.session_id, "aud": AUDIENCE, "exp": int(time.time()) + 60},
+            "a-different-secret-of-thirty-two-bytes!",
+            algorithm="HS256",
+        ),
         "expired": expired_token(session.session_id),
         "garbage": "not-a-token",
         "admin_key_on_plugin_route": ADMIN_KEY,
@@ -167,7 +177,9 @@ async def test_bad_token_is_401(ready, case):
 async def test_session_token_cannot_create_sessions(ready):
     proxy, session, _ = ready
     before = await snapshot(proxy)
-    status, body = await proxy.request("POST", "/v1/sessions", json={"sample": {"messages": USER}}, token=session.api_key)
+    status, body = await proxy.request(
+        "POST", "/v1/sessions", json={"sample": {"messages": USER}}, token=session.api_key
+    )
     assert status == 401
     assert_openai_error(body, status_type="authentication_error")
     assert await unchanged(proxy, before)
@@ -200,11 +212,16 @@ async def test_unknown_and_foreign_ids_are_404(ready):
 
 
 async def test_body_too_large_is_413(fake_engine, store):
-    async with ProxyHarness.running(engine_urls=[fake_engine.url], store=store, fake=fake_engine, max_body_bytes=4096) as proxy:
+    async with ProxyHarness.running(
+        engine_urls=[fake_engine.url], store=store, fake=fake_engine, max_body_bytes=4096
+    ) as proxy:
         session = await proxy.create_session(USER)
         before = await snapshot(proxy)
         status, body = await proxy.request(
-            "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 10000}]}, token=session.api_key
+            "POST",
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x" * 10000}]},
+            token=session.api_key,
         )
         assert status == 413
         assert_openai_error(body, status_type="invalid_request_error")

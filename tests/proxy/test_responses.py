@@ -195,7 +195,10 @@ async def test_finish_with_a_wrong_count_is_400_and_emits_nothing(proxy: ProxyHa
     status, body = await proxy.request(
         "POST",
         f"/v1/sessions/{session.session_id}/finish",
-        json={"extra": {"k": 1}, "responses": [{"id": one.id}, {"id": two.id}, {"id": three.id, "extra": {"reward": 1.0}}]},
+        json={
+            "extra": {"k": 1},
+            "responses": [{"id": one.id}, {"id": two.id}, {"id": three.id, "extra": {"reward": 1.0}}],
+        },
     )
     assert status == 200 and len(body["trajectories"]) == 3
     assert body["trajectories"][2]["extra"] == {"k": 1, "reward": 1.0}
@@ -212,7 +215,10 @@ async def test_single_rollout_finish_emits_the_latest_response(proxy: ProxyHarne
     await session.client.responses.create(model="m", input="a")
     last = await session.client.chat.completions.create(model="m", messages=SAMPLE)
     status, body = await proxy.request(
-        "POST", f"/v1/sessions/{session.session_id}/finish", json={"status": "success", "extra": {"x": 2}}, token=session.api_key
+        "POST",
+        f"/v1/sessions/{session.session_id}/finish",
+        json={"status": "success", "extra": {"x": 2}},
+        token=session.api_key,
     )
     assert status == 200
     assert [t["response_id"] for t in body["trajectories"]] == [last.id]
@@ -244,7 +250,9 @@ async def test_instructions_are_fixed_for_a_conversation_tree(proxy: ProxyHarnes
     )
     assert same.instructions == "Answer in French."
     with pytest.raises(openai.BadRequestError) as raised:
-        await session.client.responses.create(model="m", input="x", instructions="Answer in German.", previous_response_id=first.id)
+        await session.client.responses.create(
+            model="m", input="x", instructions="Answer in German.", previous_response_id=first.id
+        )
     assert raised.value.body["param"] == "instructions"
 
 

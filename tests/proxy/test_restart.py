@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from tests.harness import ProxyHarness
 
 USER = [{"role": "user", "content": "Count to three."}]

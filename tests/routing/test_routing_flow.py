@@ -65,7 +65,9 @@ async def test_four_turn_chat_fills_every_interior_boundary(proxy: ProxyHarness,
             break
         role, content = follow_up.split(":")
         if role == "tool":
-            messages.append({"role": "tool", "tool_call_id": reply.choices[0].message.tool_calls[0].id, "content": content})
+            messages.append(
+                {"role": "tool", "tool_call_id": reply.choices[0].message.tool_calls[0].id, "content": content}
+            )
         else:
             messages.append({"role": "user", "content": content})
     trajectory = await proxy.trajectory(replies[-1].id)

@@ -54,23 +54,47 @@ def write_dataset(path: Path, behaviours: list[str], *, quality=lambda i: i % 2,
             record = {
                 "messages": [{"role": "user", "content": f"What is the weather in {CITIES[index % len(CITIES)]}?"}],
                 "tools": [WEATHER_TOOL],
-                "extra": {"id": f"s{index}", "behaviour": behaviour, "quality": quality(index), **(extra(index) if extra else {})},
+                "extra": {
+                    "id": f"s{index}",
+                    "behaviour": behaviour,
+                    "quality": quality(index),
+                    **(extra(index) if extra else {}),
+                },
             }
             out.write(json.dumps(record) + "\n")
     return path
 
 
-def write_job(directory: Path, *, dataset: Path, graders: list[tuple[str, float]], engine_url: str, **hyper: Any) -> Path:
+def write_job(
+    directory: Path, *, dataset: Path, graders: list[tuple[str, float]], engine_url: str, **hyper: Any
+) -> Path:
     job = {
         "name": "weather-e2e",
         "customization_type": "GRPO",
         "model_reference": {"foundation_model": {"name": "smollm2", "model_version": "135m"}},
         "custom_rl_pipeline": {
-            "rollout": {"plugin": {"name": "status_rollout", "python_func": "tests.runner.runner_plugins:status_rollout", "envs": {"WEATHER_MODE": "fake"}}},
-            "graders": [{"plugin": {"python_func": f"tests.runner.runner_plugins:{name}"}, "weight": weight} for name, weight in graders],
+            "rollout": {
+                "plugin": {
+                    "name": "status_rollout",
+                    "python_func": "tests.runner.runner_plugins:status_rollout",
+                    "envs": {"WEATHER_MODE": "fake"},
+                }
+            },
+            "graders": [
+                {"plugin": {"python_func": f"tests.runner.runner_plugins:{name}"}, "weight": weight}
+                for name, weight in graders
+            ],
         },
         "data": {"training_set": {"local_files": [str(dataset)]}},
-        "hyperparameters": {"num_generations": 3, "max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "batch_size": 10, **hyper},
+        "hyperparameters": {
+            "num_generations": 3,
+            "max_new_tokens": 128,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "batch_size": 10,
+            **hyper,
+        },
         "proxy": {"engines": [engine_url], "output_dir": str(directory / "out")},
     }
     path = directory / "job.yaml"

@@ -30,7 +30,10 @@ def first_call(key: str) -> bool:
         return CALLS[key] == 1
 
 
-@rollout(name="status_rollout", runtime=Runtime(instance=PluginInstance.CPU2MEM4, timeout=2, max_concurrency=3, request_concurrency=2))
+@rollout(
+    name="status_rollout",
+    runtime=Runtime(instance=PluginInstance.CPU2MEM4, timeout=2, max_concurrency=3, request_concurrency=2),
+)
 def status_rollout(context, proxy, sample):
     """The weather agent, except when the sample asks for another outcome."""
     behaviour = (sample.extra or {}).get("behaviour", "ok")

@@ -83,11 +83,22 @@ async def _drain(consumer: TrajectoryConsumer):
 
 async def test_runner_publishes_to_a_redis_stream_read_by_a_trainer(engine, tmp_path, redis_url, redis_feed):
     dataset = write_dataset(tmp_path / "train.jsonl", ["ok"] * 3)
-    job = JobConfig.load(write_job(tmp_path, dataset=dataset, graders=[("position_grader", 1.0)], engine_url=engine.url, batch_size=3, num_generations=2))
+    job = JobConfig.load(
+        write_job(
+            tmp_path,
+            dataset=dataset,
+            graders=[("position_grader", 1.0)],
+            engine_url=engine.url,
+            batch_size=3,
+            num_generations=2,
+        )
+    )
     job.proxy.feed_stream = "test-feed"
     summary = await run_job(job, feed=redis_url, store=redis_url, progress=False)
     assert summary.groups_published == 3 and summary.feed == redis_url
-    async with TrajectoryConsumer(redis_url, stream="test-feed", group="t", consumer="c", block_ms=50, stop_when_idle=True) as trainer:
+    async with TrajectoryConsumer(
+        redis_url, stream="test-feed", group="t", consumer="c", block_ms=50, stop_when_idle=True
+    ) as trainer:
         groups = [entry async for entry in trainer]
     assert [g.data["sample_index"] for g in groups] == [0, 1, 2]
     assert all(len(g.data["trajectories"]) == 2 and g.data["advantages"] for g in groups)

@@ -35,13 +35,22 @@ def test_a_valid_job_loads(job_path):
 @pytest.mark.parametrize(
     "change, expected",
     [
-        (lambda d: d["custom_rl_pipeline"]["rollout"]["plugin"].update(pyhton_func="x:y"), "custom_rl_pipeline.rollout.plugin.pyhton_func: unknown field"),
+        (
+            lambda d: d["custom_rl_pipeline"]["rollout"]["plugin"].update(pyhton_func="x:y"),
+            "custom_rl_pipeline.rollout.plugin.pyhton_func: unknown field",
+        ),
         (lambda d: d.update(hyperparamters={}), "hyperparamters: unknown field"),
-        (lambda d: d["hyperparameters"].update(num_generations=0), "hyperparameters.num_generations: Input should be greater than or equal to 1"),
+        (
+            lambda d: d["hyperparameters"].update(num_generations=0),
+            "hyperparameters.num_generations: Input should be greater than or equal to 1",
+        ),
         (lambda d: d["hyperparameters"].update(top_p=1.5), "hyperparameters.top_p"),
         (lambda d: d["custom_rl_pipeline"]["graders"][0].update(weight=-1), "custom_rl_pipeline.graders.0.weight"),
         (lambda d: d["custom_rl_pipeline"].update(graders=[]), "custom_rl_pipeline.graders"),
-        (lambda d: d["custom_rl_pipeline"]["rollout"]["plugin"].update(python_func="no_colon"), "must be 'module:function'"),
+        (
+            lambda d: d["custom_rl_pipeline"]["rollout"]["plugin"].update(python_func="no_colon"),
+            "must be 'module:function'",
+        ),
         (lambda d: d["data"]["training_set"].update(local_files=["missing.jsonl"]), "no such file"),
         (lambda d: d.pop("data"), "data: Field required"),
     ],
@@ -71,18 +80,24 @@ def test_several_problems_are_reported_together(job_path):
     ],
 )
 def test_plugins_are_checked_before_running(job_path, python_func, expected):
-    job = JobConfig.load(edit(job_path, lambda d: d["custom_rl_pipeline"]["rollout"]["plugin"].update(python_func=python_func)))
+    job = JobConfig.load(
+        edit(job_path, lambda d: d["custom_rl_pipeline"]["rollout"]["plugin"].update(python_func=python_func))
+    )
     with pytest.raises(JobError, match=expected.replace("(", r"\(").replace("@", "@")):
         JobRunner(job, proxy_url="http://127.0.0.1:9", admin_key="k", feed=JsonlFeed(job_path.parent / "f.jsonl"))
 
 
 def test_cli_reports_job_problems_and_exits_2(job_path):
     edit(job_path, lambda d: d.update(bogus=1))
-    result = subprocess.run([sys.executable, "-m", "rollout_proxy", "run", str(job_path)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout_proxy", "run", str(job_path)], capture_output=True, text=True
+    )
     assert result.returncode == 2 and "bogus: unknown field" in result.stderr
 
 
 def test_cli_run_help_explains():
-    result = subprocess.run([sys.executable, "-m", "rollout_proxy", "run", "--help"], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout_proxy", "run", "--help"], capture_output=True, text=True, check=True
+    )
     for option in ("--engine", "--store", "--feed", "--proxy-url", "--job-id"):
         assert option in result.stdout

@@ -13,8 +13,11 @@ from tests.runner import runner_plugins
 from tests.runner.conftest import write_dataset, write_job
 
 BEHAVIOURS = (
-    ["ok"] * 4 + ["discard", "retry_once", "ok", "raise_once", "ok", "retry_always"]
-    + ["ok"] * 3 + ["fail_once", "discard", "slow_once"] + ["ok"] * 4
+    ["ok"] * 4
+    + ["discard", "retry_once", "ok", "raise_once", "ok", "retry_always"]
+    + ["ok"] * 3
+    + ["fail_once", "discard", "slow_once"]
+    + ["ok"] * 4
 )
 
 
@@ -27,7 +30,15 @@ def hand_grpo(rewards: list[float]) -> list[float]:
 async def test_job_over_twenty_samples(engine, tmp_path):
     assert len(BEHAVIOURS) == 20
     dataset = write_dataset(tmp_path / "train.jsonl", BEHAVIOURS)
-    job = JobConfig.load(write_job(tmp_path, dataset=dataset, graders=[("quality_grader", 0.7), ("position_grader", 0.3)], engine_url=engine.url, num_steps=2))
+    job = JobConfig.load(
+        write_job(
+            tmp_path,
+            dataset=dataset,
+            graders=[("quality_grader", 0.7), ("position_grader", 0.3)],
+            engine_url=engine.url,
+            num_steps=2,
+        )
+    )
     summary = await run_job(job, progress=False)
 
     assert os.environ["WEATHER_MODE"] == "fake"  # the plugin's envs were applied
@@ -53,7 +64,11 @@ async def test_job_over_twenty_samples(engine, tmp_path):
         assert group["advantages"] == pytest.approx(hand_grpo(expected_rewards))
         for trajectory in group["trajectories"]:
             assert [m["role"] for m in trajectory["messages"]] == ["user", "assistant", "tool", "assistant"]
-            assert len(trajectory["total_token_ids"]) == len(trajectory["total_loss_weight"]) == len(trajectory["total_token_logprobs"])
+            assert (
+                len(trajectory["total_token_ids"])
+                == len(trajectory["total_loss_weight"])
+                == len(trajectory["total_token_logprobs"])
+            )
             assert sum(trajectory["total_loss_weight"]) > 0 and trajectory["extra"]["id"] == f"s{index}"
 
     # metrics per step: min / max / mean per key
@@ -66,7 +81,9 @@ async def test_job_over_twenty_samples(engine, tmp_path):
 
 async def test_failure_four_times_fails_the_job_with_the_plugins_error(engine, tmp_path):
     dataset = write_dataset(tmp_path / "train.jsonl", ["ok", "fail_always", "ok"])
-    job = JobConfig.load(write_job(tmp_path, dataset=dataset, graders=[("quality_grader", 1.0)], engine_url=engine.url, batch_size=3))
+    job = JobConfig.load(
+        write_job(tmp_path, dataset=dataset, graders=[("quality_grader", 1.0)], engine_url=engine.url, batch_size=3)
+    )
     with pytest.raises(JobFailed, match="failed 4 times; last error: the weather API key is invalid"):
         await run_job(job, progress=False)
     assert not (tmp_path / "out" / "weather-e2e" / "feed.jsonl").exists()  # nothing of the failed step published
@@ -74,7 +91,16 @@ async def test_failure_four_times_fails_the_job_with_the_plugins_error(engine, t
 
 async def test_a_rerun_resumes_without_publishing_twice(engine, tmp_path):
     dataset = write_dataset(tmp_path / "train.jsonl", ["ok"] * 4)
-    job = JobConfig.load(write_job(tmp_path, dataset=dataset, graders=[("quality_grader", 1.0)], engine_url=engine.url, batch_size=2, num_generations=2))
+    job = JobConfig.load(
+        write_job(
+            tmp_path,
+            dataset=dataset,
+            graders=[("quality_grader", 1.0)],
+            engine_url=engine.url,
+            batch_size=2,
+            num_generations=2,
+        )
+    )
     first = await run_job(job, progress=False)
     second = await run_job(job, progress=False)
     assert first.groups_published == 4 and second.groups_published == 0 and second.samples_resumed == 4
@@ -84,7 +110,16 @@ async def test_a_rerun_resumes_without_publishing_twice(engine, tmp_path):
 
 async def test_a_crash_between_grading_and_publishing_loses_nothing(engine, tmp_path, monkeypatch):
     dataset = write_dataset(tmp_path / "train.jsonl", ["ok"] * 4)
-    job = JobConfig.load(write_job(tmp_path, dataset=dataset, graders=[("quality_grader", 1.0)], engine_url=engine.url, batch_size=2, num_generations=2))
+    job = JobConfig.load(
+        write_job(
+            tmp_path,
+            dataset=dataset,
+            graders=[("quality_grader", 1.0)],
+            engine_url=engine.url,
+            batch_size=2,
+            num_generations=2,
+        )
+    )
     original = JsonlFeed.publish
     published = []
 
@@ -106,14 +141,32 @@ async def test_a_crash_between_grading_and_publishing_loses_nothing(engine, tmp_
 
 async def test_custom_advantages_for_some_groups_of_a_batch_fail_the_job(engine, tmp_path):
     dataset = write_dataset(tmp_path / "train.jsonl", ["ok"] * 2, extra=lambda i: {"custom": i == 0})
-    job = JobConfig.load(write_job(tmp_path, dataset=dataset, graders=[("custom_grader", 1.0)], engine_url=engine.url, batch_size=2, num_generations=2))
+    job = JobConfig.load(
+        write_job(
+            tmp_path,
+            dataset=dataset,
+            graders=[("custom_grader", 1.0)],
+            engine_url=engine.url,
+            batch_size=2,
+            num_generations=2,
+        )
+    )
     with pytest.raises(JobFailed, match="1 of 2 groups carry custom advantages"):
         await run_job(job, progress=False)
 
 
 async def test_custom_advantages_replace_grpo(engine, tmp_path):
     dataset = write_dataset(tmp_path / "train.jsonl", ["ok"] * 2, extra=lambda i: {"custom": True})
-    job = JobConfig.load(write_job(tmp_path, dataset=dataset, graders=[("custom_grader", 1.0)], engine_url=engine.url, batch_size=2, num_generations=2))
+    job = JobConfig.load(
+        write_job(
+            tmp_path,
+            dataset=dataset,
+            graders=[("custom_grader", 1.0)],
+            engine_url=engine.url,
+            batch_size=2,
+            num_generations=2,
+        )
+    )
     summary = await run_job(job, progress=False)
     entries = await JsonlFeed(summary.feed.removeprefix("jsonl:")).read()
     assert all(group["advantage_kind"] == "seq" and group["advantages"] == [0.5, 0.5] for _, group in entries)
@@ -122,7 +175,16 @@ async def test_custom_advantages_replace_grpo(engine, tmp_path):
 async def test_grader_statuses_follow_the_same_rules(engine, tmp_path):
     graders = {0: "ok", 1: "discard", 2: "retry_once", 3: "ok"}
     dataset = write_dataset(tmp_path / "train.jsonl", ["ok"] * 4, extra=lambda i: {"grader": graders[i]})
-    job = JobConfig.load(write_job(tmp_path, dataset=dataset, graders=[("moody_grader", 1.0)], engine_url=engine.url, batch_size=4, num_generations=1))
+    job = JobConfig.load(
+        write_job(
+            tmp_path,
+            dataset=dataset,
+            graders=[("moody_grader", 1.0)],
+            engine_url=engine.url,
+            batch_size=4,
+            num_generations=1,
+        )
+    )
     summary = await run_job(job, progress=False)
     assert summary.samples_done == 3 and summary.samples_dropped == 1 and summary.failed_attempts == 1
     entries = await JsonlFeed(summary.feed.removeprefix("jsonl:")).read()
@@ -132,6 +194,15 @@ async def test_grader_statuses_follow_the_same_rules(engine, tmp_path):
 @pytest.mark.parametrize("mode, message", [("fail", "the judge model is down"), ("raise", "ValueError: grader bug")])
 async def test_a_grader_failing_four_times_fails_the_job(engine, tmp_path, mode, message):
     dataset = write_dataset(tmp_path / "train.jsonl", ["ok"], extra=lambda i: {"grader": mode})
-    job = JobConfig.load(write_job(tmp_path, dataset=dataset, graders=[("moody_grader", 1.0)], engine_url=engine.url, batch_size=1, num_generations=1))
+    job = JobConfig.load(
+        write_job(
+            tmp_path,
+            dataset=dataset,
+            graders=[("moody_grader", 1.0)],
+            engine_url=engine.url,
+            batch_size=1,
+            num_generations=1,
+        )
+    )
     with pytest.raises(JobFailed, match=f"grader moody failed 4 times; last error: {message}"):
         await run_job(job, progress=False)

@@ -36,7 +36,9 @@ class Stack:
 
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
-            self.url + path, data=data, method=method,
+            self.url + path,
+            data=data,
+            method=method,
             headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
         )
         try:

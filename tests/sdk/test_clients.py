@@ -50,7 +50,9 @@ async def test_wrapped_async_clients(stack: Stack):
     chat = wrap_async_client_inplace(openai.AsyncOpenAI(base_url="http://nowhere.invalid/v1", api_key="x"), proxy)
     reply = await chat.chat.completions.create(model="m", messages=MESSAGES)
     assert proxy.messages[-1]["content"] == reply.choices[0].message.content
-    responses = wrap_responses_async_client_inplace(openai.AsyncOpenAI(base_url="http://nowhere.invalid/v1", api_key="x"), proxy)
+    responses = wrap_responses_async_client_inplace(
+        openai.AsyncOpenAI(base_url="http://nowhere.invalid/v1", api_key="x"), proxy
+    )
     with pytest.raises(GenerationParameterError):
         await responses.responses.create(model="m", input="Hi", max_output_tokens=4)
     answer = await responses.responses.create(model="m", input="Hello again")
@@ -103,9 +105,13 @@ async def test_async_state_update_does_not_block_the_loop(stack: Stack):
     proxy = stack.session(SAMPLE)
     client = proxy.async_rollout_client()
     first = await client.chat.completions.create(model="m", messages=MESSAGES)
-    injected = await proxy.aupdate_state_from_messages([{"role": "user", "content": "Again?"}], previous_response_id=first.id)
+    injected = await proxy.aupdate_state_from_messages(
+        [{"role": "user", "content": "Again?"}], previous_response_id=first.id
+    )
     assert [m["content"] for m in proxy.messages] == ["Hi", first.choices[0].message.content, "Again?"]
     status, trajectory = stack.request("GET", f"/v1/responses/{injected}/trajectory")
     assert status == 200 and trajectory["messages"][-1]["content"] == "Again?"
     with pytest.raises(ProxyRequestError, match="404"):
-        await proxy.aupdate_state_from_messages([{"role": "user", "content": "x"}], previous_response_id="resp_" + "0" * 32)
+        await proxy.aupdate_state_from_messages(
+            [{"role": "user", "content": "x"}], previous_response_id="resp_" + "0" * 32
+        )

@@ -25,7 +25,10 @@ from tests.sdk.conftest import Stack
 
 CONTEXT = PluginContext(phase="train", current_training_step=3)
 WEATHER_SAMPLE = ChatCompletionSample(
-    messages=[{"role": "user", "content": "北京天气怎么样"}], tools=[WEATHER_TOOL], max_new_tokens=256, extra={"answer": "sunny"}
+    messages=[{"role": "user", "content": "北京天气怎么样"}],
+    tools=[WEATHER_TOOL],
+    max_new_tokens=256,
+    extra={"answer": "sunny"},
 )
 TOOL_CALL = '<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "北京"}}\n</tool_call>'
 

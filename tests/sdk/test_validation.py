@@ -23,7 +23,10 @@ from rollout_proxy.sdk import (
 )
 from rollout_proxy.sdk.validation import check_advantage_batch
 
-TRAJECTORIES = [{"messages": [], "total_token_ids": [1, 2, 3], "total_loss_weight": [0, 1, 1]}, {"messages": [], "total_token_ids": [1, 2], "total_loss_weight": [0, 1]}]
+TRAJECTORIES = [
+    {"messages": [], "total_token_ids": [1, 2, 3], "total_loss_weight": [0, 1, 1]},
+    {"messages": [], "total_token_ids": [1, 2], "total_loss_weight": [0, 1]},
+]
 
 
 def grade(**result):
@@ -118,7 +121,13 @@ def rollout_returning(config):
 
 def teacher(qa_index, content="the reference steps"):
     message = ChatCompletionMessage(role="user", content=content)
-    return {"teachers": {"teacher_math": {"teacher_context": [TeacherContext(qa_index=qa_index, message=message).model_dump(exclude_none=True)]}}}
+    return {
+        "teachers": {
+            "teacher_math": {
+                "teacher_context": [TeacherContext(qa_index=qa_index, message=message).model_dump(exclude_none=True)]
+            }
+        }
+    }
 
 
 def critic(qa_index, content="reference answer: 4"):

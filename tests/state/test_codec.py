@@ -37,7 +37,18 @@ def test_roundtrip_is_exact():
     for name in ("prompt_ids", "output_ids", "output_logprobs"):
         assert np.array_equal(getattr(back, name), getattr(node, name))
         assert getattr(back, name).dtype == getattr(node, name).dtype
-    for name in ("id", "parent_id", "kind", "api", "messages", "n_input_messages", "finish_reason", "usage", "fork", "meta"):
+    for name in (
+        "id",
+        "parent_id",
+        "kind",
+        "api",
+        "messages",
+        "n_input_messages",
+        "finish_reason",
+        "usage",
+        "fork",
+        "meta",
+    ):
         assert getattr(back, name) == getattr(node, name)
 
 

@@ -45,7 +45,9 @@ def node(session_id: str, parent_id: str | None, n_tokens: int = 4, seed: int = 
 
 
 async def put(store, session_id, item, latest="chat", paths=None, partial=None):
-    await store.put_node(session_id, item, paths=paths or {item.path_hash: item.id}, partial_paths=partial or {}, latest=latest)
+    await store.put_node(
+        session_id, item, paths=paths or {item.path_hash: item.id}, partial_paths=partial or {}, latest=latest
+    )
 
 
 async def test_sessions_roundtrip(store):
@@ -106,7 +108,13 @@ async def test_partial_path_entries_never_overwrite(store):
     first = node(record.id, None, seed=1)
     await put(store, record.id, first, paths={"p-end": first.id}, partial={"p-mid": f"{first.id}#1"})
     second = node(record.id, None, seed=2)
-    await put(store, record.id, second, paths={"p-other": second.id}, partial={"p-end": f"{second.id}#1", "p-mid": f"{second.id}#1"})
+    await put(
+        store,
+        record.id,
+        second,
+        paths={"p-other": second.id},
+        partial={"p-end": f"{second.id}#1", "p-mid": f"{second.id}#1"},
+    )
     assert await store.match_paths(record.id, ["p-mid", "p-end", "p-other", "nope"]) == [
         f"{first.id}#1",
         first.id,

@@ -17,7 +17,13 @@ PRODUCED = {
     "role": "assistant",
     "content": "Let me check.",
     "reasoning_content": "The user wants weather.",
-    "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}],
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+        }
+    ],
 }
 
 
@@ -37,7 +43,16 @@ def test_sdk_model_dump_with_null_fields_matches():
         {**PRODUCED, "reasoning_content": None},  # the client dropped the reasoning
         {k: v for k, v in PRODUCED.items() if k != "reasoning_content"},
         {**PRODUCED, "content": [{"type": "text", "text": "Let me check."}]},  # text parts
-        {**PRODUCED, "tool_calls": [{"id": "other-id", "type": "function", "function": {"name": "get_weather", "arguments": '{"unit":"C","city":"Paris"}'}}]},
+        {
+            **PRODUCED,
+            "tool_calls": [
+                {
+                    "id": "other-id",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"unit":"C","city":"Paris"}'},
+                }
+            ],
+        },
     ],
 )
 def test_echo_variants_match(variant):
@@ -48,7 +63,16 @@ def test_echo_variants_match(variant):
     "variant",
     [
         {**PRODUCED, "content": "Let me check!"},
-        {**PRODUCED, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {
+            **PRODUCED,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                }
+            ],
+        },
         {**PRODUCED, "tool_calls": None},
         {**PRODUCED, "role": "user"},
     ],
@@ -58,7 +82,9 @@ def test_real_differences_do_not_match(variant):
 
 
 def test_tool_call_id_matters_for_tool_messages():
-    assert key({"role": "tool", "tool_call_id": "a", "content": "x"}) != key({"role": "tool", "tool_call_id": "b", "content": "x"})
+    assert key({"role": "tool", "tool_call_id": "a", "content": "x"}) != key(
+        {"role": "tool", "tool_call_id": "b", "content": "x"}
+    )
 
 
 def test_empty_and_null_assistant_content_match():
@@ -81,5 +107,10 @@ def test_bad_shapes_name_the_field():
 
 def test_tools_in_responses_form_become_chat_form():
     flat = [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}]
-    nested = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}}]
+    nested = [
+        {
+            "type": "function",
+            "function": {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}},
+        }
+    ]
     assert normalize_tools(flat) == normalize_tools(nested) == nested

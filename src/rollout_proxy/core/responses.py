@@ -93,4 +93,6 @@ class ResponsesService:
             if placement.parent:  # all of it is already in the tree: that node is the answer
                 return placement.parent[-1]
             raise InvalidRequest("messages add nothing to the conversation", param="messages")
-        return await self._turns.inject(session, placement.parent, placement.new_messages, api="messages", tools=session.tools)
+        return await self._turns.inject(
+            session, placement.parent, placement.new_messages, api="messages", tools=session.tools
+        )

@@ -107,7 +107,9 @@ class SessionService:
                 else None
             )
             if path is None:
-                raise InvalidRequest(f"response {response_id!r} is not in session {session_id!r}", param=f"responses[{index}].id")
+                raise InvalidRequest(
+                    f"response {response_id!r} is not in session {session_id!r}", param=f"responses[{index}].id"
+                )
             paths.append(path)
         result = {"status": status, "error": error, "extra": extra, "responses": responses, "config": config}
         finished = await self._store.finish_session(session_id, result)

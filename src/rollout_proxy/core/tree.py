@@ -68,7 +68,9 @@ class ResponseTree:
         self._store = store
         self._metrics = metrics
 
-    async def path(self, session_id: str, response_id: str, *, param: str = "previous_response_id") -> list[ResponseNode]:
+    async def path(
+        self, session_id: str, response_id: str, *, param: str = "previous_response_id"
+    ) -> list[ResponseNode]:
         path = await self._store.get_path(session_id, response_id)
         if path is None:
             raise NotFound(f"response {response_id!r} not found in this session", param=param)
@@ -86,7 +88,9 @@ class ResponseTree:
         parent = [] if parent_id is None else await self.path(session.id, parent_id, param="messages")
         return Placement(parent=parent, new_messages=messages[covered:], fork=fork)
 
-    async def after(self, session: SessionRecord, previous_response_id: str, messages: list[dict[str, Any]]) -> Placement:
+    async def after(
+        self, session: SessionRecord, previous_response_id: str, messages: list[dict[str, Any]]
+    ) -> Placement:
         """Attach new messages under a named node; an echo of its own output is dropped."""
         parent = await self.path(session.id, previous_response_id)
         own = parent[-1].messages[-1]

@@ -91,7 +91,10 @@ class TurnRunner:
         renderer = self._renderer(engine)
         if not parent:
             return await renderer.render(
-                messages, tools=tools, chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
             )
         last = parent[-1]
         closed = last.kind is NodeKind.INJECTED or (

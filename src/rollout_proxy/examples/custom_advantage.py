@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import List
 
 from rollout_proxy.sdk import (
     ChatCompletionSample,
@@ -15,14 +14,14 @@ from rollout_proxy.sdk import (
 )
 
 
-def _rewards(trajectories: List[Trajectory]) -> List[float]:
+def _rewards(trajectories: list[Trajectory]) -> list[float]:
     return [
         trajectory.extra["reward"] if trajectory.extra and "reward" in trajectory.extra else 0.0
         for trajectory in trajectories
     ]
 
 
-def _seq_advantages(rewards: List[float]) -> List[float]:
+def _seq_advantages(rewards: list[float]) -> list[float]:
     count = len(rewards)
     if count > 1:
         reward_mean = sum(rewards) / count
@@ -38,7 +37,7 @@ def _seq_advantages(rewards: List[float]) -> List[float]:
 def custom_advantage_grader(
     context: PluginContext,
     sample: ChatCompletionSample,
-    trajectories: List[Trajectory],
+    trajectories: list[Trajectory],
 ) -> GroupGraderResult:
     rewards = _rewards(trajectories)
     return GroupGraderResult(
@@ -54,7 +53,7 @@ def custom_advantage_grader(
 def token_advantage_grader(
     context: PluginContext,
     sample: ChatCompletionSample,
-    trajectories: List[Trajectory],
+    trajectories: list[Trajectory],
 ) -> GroupGraderResult:
     rewards = _rewards(trajectories)
     seq_advantages = _seq_advantages(rewards)
@@ -64,4 +63,6 @@ def token_advantage_grader(
         token_count = len(trajectory.total_loss_weight)
         token_values = [seq_advantages[index] for _ in range(token_count)]
         tok_advantages.append(token_values)
-    return GroupGraderResult(rewards=rewards, status=PluginStatus.SUCCESS, error="", metrics={}, tok_advantages=tok_advantages)
+    return GroupGraderResult(
+        rewards=rewards, status=PluginStatus.SUCCESS, error="", metrics={}, tok_advantages=tok_advantages
+    )

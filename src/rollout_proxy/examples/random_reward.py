@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from typing import List
 
 import numpy as np
 
@@ -18,7 +17,9 @@ from rollout_proxy.sdk import (
 
 
 @group_grader(name="random_reward")
-def random_reward_fn(context: PluginContext, sample: ChatCompletionSample, trajectories: List[Trajectory]) -> GroupGraderResult:
+def random_reward_fn(
+    context: PluginContext, sample: ChatCompletionSample, trajectories: list[Trajectory]
+) -> GroupGraderResult:
     rewards = [random.random() for _ in trajectories]
     metrics = {"test_mean": float(np.mean(rewards)), "test_std": float(np.std(rewards))}
     return GroupGraderResult(rewards=rewards, metrics=metrics, status=PluginStatus.SUCCESS, error="")

@@ -8,8 +8,6 @@ revises. ``process_completion`` records each policy answer, and
 
 from __future__ import annotations
 
-from typing import Optional
-
 import openai
 
 from rollout_proxy.sdk import (
@@ -27,7 +25,9 @@ def reviewer(answer: str) -> str:
 
 
 @rollout(name="raw_rollout")
-def raw_rollout(context: PluginContext, proxy: RolloutInferenceProxy, sample: ChatCompletionSample) -> Optional[RolloutResult]:
+def raw_rollout(
+    context: PluginContext, proxy: RolloutInferenceProxy, sample: ChatCompletionSample
+) -> RolloutResult | None:
     client = openai.OpenAI(base_url=proxy.url, api_key=proxy.jwt_token)  # not wrapped: state is ours to keep
     messages = [message.model_dump(exclude_none=True) for message in sample.messages]
     first = client.chat.completions.create(model="policy", messages=messages)

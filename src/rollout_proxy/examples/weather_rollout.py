@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from rollout_proxy.examples.weather_tool import WEATHER_TOOL, follow_reply
 from rollout_proxy.sdk import (
     ChatCompletionSample,
@@ -29,7 +27,7 @@ def demo_rollout(
     context: PluginContext,
     proxy: RolloutInferenceProxy,
     sample: ChatCompletionSample,
-) -> Optional[RolloutResult]:
+) -> RolloutResult | None:
     client = proxy.rollout_client()
     messages = [message.model_dump(exclude_none=True) for message in sample.messages]
     tools = sample.tools or [WEATHER_TOOL]

@@ -28,7 +28,10 @@ def get_current_weather(location: str, unit: str = "摄氏度") -> str:
     digest = hashlib.sha256(location.strip().lower().encode()).digest()
     celsius = digest[0] % 35 - 5
     value = celsius if unit != "华氏度" else round(celsius * 9 / 5 + 32)
-    return json.dumps({"location": location, "temperature": value, "unit": unit, "condition": CONDITIONS[digest[1] % 5]}, ensure_ascii=False)
+    return json.dumps(
+        {"location": location, "temperature": value, "unit": unit, "condition": CONDITIONS[digest[1] % 5]},
+        ensure_ascii=False,
+    )
 
 
 def run_tool_call(name: str, arguments: str) -> str:
@@ -49,7 +52,11 @@ def follow_reply(message: dict, follow_ups: list[str]) -> tuple[list[dict], int]
     calls = message.get("tool_calls") or []
     if calls:
         results = [
-            {"role": "tool", "tool_call_id": call["id"], "content": run_tool_call(call["function"]["name"], call["function"]["arguments"])}
+            {
+                "role": "tool",
+                "tool_call_id": call["id"],
+                "content": run_tool_call(call["function"]["name"], call["function"]["arguments"]),
+            }
             for call in calls
         ]
         return results, len(calls)

@@ -113,7 +113,12 @@ def flat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
 
 
 def response_body(
-    node: ResponseNode, *, prompt_ids: np.ndarray, session: SessionRecord, tools: list[dict[str, Any]] | None, model: str | None = None
+    node: ResponseNode,
+    *,
+    prompt_ids: np.ndarray,
+    session: SessionRecord,
+    tools: list[dict[str, Any]] | None,
+    model: str | None = None,
 ) -> dict[str, Any]:
     usage = node.usage
     incomplete = node.finish_reason == "length"

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollout_proxy.core.types import PINNED_GENERATION_PARAMETERS, GenerationConfig
 from rollout_proxy.errors import PinnedParameter
 
+
 def refuse_pinned(payload: dict[str, Any]) -> None:
     for name in PINNED_GENERATION_PARAMETERS:
         if payload.get(name) is not None:

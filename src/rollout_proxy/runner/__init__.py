@@ -1,7 +1,7 @@
 """The rollout runner: a job file in, graded groups on the trainer feed out.
 
-    rollout-proxy run JOB.yaml                  # or, from Python:
-    summary = await run_job(JobConfig.load("JOB.yaml"))
+rollout-proxy run JOB.yaml                  # or, from Python:
+summary = await run_job(JobConfig.load("JOB.yaml"))
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ async def run_job(
             proxy_url = await asyncio.to_thread(embedded.start)
         elif not admin_key:
             raise ValueError("an external proxy needs its admin key")
-        runner = JobRunner(job, proxy_url=proxy_url, admin_key=admin_key, feed=runner_feed, job_id=job_id, progress=progress)
+        runner = JobRunner(
+            job, proxy_url=proxy_url, admin_key=admin_key, feed=runner_feed, job_id=job_id, progress=progress
+        )
         summary = await runner.run()
         summary.feed = feed_url
         return summary

@@ -64,7 +64,11 @@ def custom_advantages(
     tokens = [[0.0] * count for count in token_counts]
     for weight, result in custom:
         for index, count in enumerate(token_counts):
-            values = result.tok_advantages[index] if result.tok_advantages is not None else [result.seq_advantages[index]] * count
+            values = (
+                result.tok_advantages[index]
+                if result.tok_advantages is not None
+                else [result.seq_advantages[index]] * count
+            )
             row = tokens[index]
             for position, value in enumerate(values):
                 row[position] += weight * value

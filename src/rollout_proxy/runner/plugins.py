@@ -12,7 +12,9 @@ from rollout_proxy.runner.job import JobError
 from rollout_proxy.sdk.decorators import Plugin, PluginKind
 
 
-def load_plugin(python_func: str, *, base_dir: Path, kinds: Iterable[PluginKind], envs: dict[str, str], where: str) -> Plugin:
+def load_plugin(
+    python_func: str, *, base_dir: Path, kinds: Iterable[PluginKind], envs: dict[str, str], where: str
+) -> Plugin:
     """The decorated function named by ``python_func`` (the job's directory is importable)."""
     os.environ.update(envs)
     if str(base_dir) not in sys.path:
@@ -30,5 +32,7 @@ def load_plugin(python_func: str, *, base_dir: Path, kinds: Iterable[PluginKind]
         wanted = " or ".join(f"@{kind.value}" for kind in kinds)
         raise JobError(f"{where}.python_func: {python_func} is not declared with {wanted}")
     if plugin.spec.kind not in kinds:
-        raise JobError(f"{where}.python_func: {python_func} is a @{plugin.spec.kind.value}, expected {' or '.join(k.value for k in kinds)}")
+        raise JobError(
+            f"{where}.python_func: {python_func} is a @{plugin.spec.kind.value}, expected {' or '.join(k.value for k in kinds)}"
+        )
     return plugin

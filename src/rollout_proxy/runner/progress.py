@@ -65,7 +65,12 @@ class JobProgress:
 
     def _refresh(self) -> None:
         elapsed = max(time.monotonic() - self._started, 1e-9)
-        postfix = {"done": self.done, "dropped": self.dropped, "failed": self.failed_attempts, "tok/s": f"{self.trained / elapsed:.1f}"}
+        postfix = {
+            "done": self.done,
+            "dropped": self.dropped,
+            "failed": self.failed_attempts,
+            "tok/s": f"{self.trained / elapsed:.1f}",
+        }
         if self._rewards:
             postfix["reward"] = f"{sum(self._rewards) / len(self._rewards):.3f}"
         self._bar.set_postfix(postfix)

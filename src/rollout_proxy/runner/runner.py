@@ -187,7 +187,12 @@ class JobRunner:
 
     def _sample(self, record: dict[str, Any]) -> ChatCompletionSample:
         hyper = self.job.hyperparameters
-        settings = {"max_new_tokens": hyper.max_new_tokens, "temperature": hyper.temperature, "top_p": hyper.top_p, "top_k": hyper.top_k}
+        settings = {
+            "max_new_tokens": hyper.max_new_tokens,
+            "temperature": hyper.temperature,
+            "top_p": hyper.top_p,
+            "top_k": hyper.top_k,
+        }
         return ChatCompletionSample.model_validate({**record, **settings, "n": 1})
 
     def _context(self, step: int) -> PluginContext:
@@ -201,7 +206,9 @@ class JobRunner:
             current_training_step=step,
         )
 
-    async def _open_session(self, sample: ChatCompletionSample, context: PluginContext, n_sample: int | None) -> RolloutInferenceProxy:
+    async def _open_session(
+        self, sample: ChatCompletionSample, context: PluginContext, n_sample: int | None
+    ) -> RolloutInferenceProxy:
         body = session_body(
             sample,
             n_sample=n_sample,
@@ -217,7 +224,9 @@ class JobRunner:
         if result is not None:
             body["config"] = result.config
             if self.rollout.spec.kind is PluginKind.GROUP_ROLLOUT:
-                body["responses"] = [r.model_dump() for r in result.responses] if attempt.status is PluginStatus.SUCCESS else []
+                body["responses"] = (
+                    [r.model_dump() for r in result.responses] if attempt.status is PluginStatus.SUCCESS else []
+                )
             else:
                 body["extra"] = result.extra
         finished = await self._post(f"/v1/sessions/{proxy.session_id}/finish", body)
@@ -236,13 +245,17 @@ class JobRunner:
                 log.info("sample_discarded", what=what, error=attempt.error)
                 raise SampleDropped(f"{what}: discarded: {attempt.error}")
             self.progress.attempt_failed()
-            log.warning("plugin_retry", what=what, status=attempt.status.value, attempt=attempt_number + 1, error=attempt.error)
+            log.warning(
+                "plugin_retry", what=what, status=attempt.status.value, attempt=attempt_number + 1, error=attempt.error
+            )
         if attempt.status is PluginStatus.FAILURE:
             raise JobFailed(f"{what} failed {1 + MAX_RETRIES} times; last error: {attempt.error}")
         log.info("sample_discarded", what=what, error=attempt.error, reason="retries exhausted")
         raise SampleDropped(f"{what}: still 'retry' after {MAX_RETRIES} retries: {attempt.error}")
 
-    async def _rollout_once(self, sample: ChatCompletionSample, context: PluginContext, n_sample: int | None) -> tuple[Attempt, list[Trajectory]]:
+    async def _rollout_once(
+        self, sample: ChatCompletionSample, context: PluginContext, n_sample: int | None
+    ) -> tuple[Attempt, list[Trajectory]]:
         proxy = await self._open_session(sample, context, n_sample)
         async with self._rollout_limit:
             if n_sample is None:
@@ -290,7 +303,9 @@ class JobRunner:
         metrics: list[dict[str, float]] = []
         group_results: list[tuple[float, GroupGraderResult]] = []
         for grader, weight in self.graders.plugins:
-            limit = self.graders.limits.setdefault(grader.spec.name, asyncio.Semaphore(grader.spec.runtime.max_concurrency))
+            limit = self.graders.limits.setdefault(
+                grader.spec.name, asyncio.Semaphore(grader.spec.runtime.max_concurrency)
+            )
             what = f"step {step} sample {index}: grader {grader.spec.name}"
 
             async def call(*args: Any, grader: Plugin = grader, limit: asyncio.Semaphore = limit) -> Attempt:
@@ -311,7 +326,12 @@ class JobRunner:
             per_grader.append((weight, rewards))
             by_name[grader.spec.name] = rewards
         token_counts = [len(t.total_token_ids or []) for t in trajectories]
-        return weighted_rewards(per_grader, len(trajectories)), by_name, metrics, custom_advantages(group_results, token_counts)
+        return (
+            weighted_rewards(per_grader, len(trajectories)),
+            by_name,
+            metrics,
+            custom_advantages(group_results, token_counts),
+        )
 
     async def _run_sample(self, step: int, index: int, record: dict[str, Any]) -> GradedGroup | None:
         assert self.progress is not None
@@ -366,7 +386,9 @@ class JobRunner:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as self._http:
             try:
                 for step, batch in enumerate(batches):
-                    results = await gather_first_error([self._run_sample(step, index, record) for index, record in batch])
+                    results = await gather_first_error(
+                        [self._run_sample(step, index, record) for index, record in batch]
+                    )
                     groups = [g for g in results if g is not None]
                     await self._publish_step(step, groups)
                     step_metrics[step] = aggregate_metrics(m for g in groups for m in g.metrics)
@@ -375,7 +397,12 @@ class JobRunner:
                 self.progress.close()
             drift, forks = await self._proxy_counters()
         return self.progress.summary(
-            job_id=self.job_id, steps=len(batches), elapsed=time.monotonic() - started, drift=drift, forks=forks, step_metrics=step_metrics
+            job_id=self.job_id,
+            steps=len(batches),
+            elapsed=time.monotonic() - started,
+            drift=drift,
+            forks=forks,
+            step_metrics=step_metrics,
         )
 
     async def _proxy_counters(self) -> tuple[int, int]:

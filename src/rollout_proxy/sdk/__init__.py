@@ -1,11 +1,11 @@
 """What rollout and grader plugins import: the names and behaviour of the Ark RL SDK.
 
-    from rollout_proxy.sdk import (
-        rollout, group_rollout, single_grader, group_grader, Runtime, PluginInstance,
-        RolloutInferenceProxy, InferenceProxy, Mode, ChatCompletionSample, PluginContext,
-        PluginStatus, RolloutResult, GroupRolloutResult, SingleResponse, Trajectory,
-        SingleGraderResult, GroupGraderResult, TeacherContext, CriticContext, test_with_dataset,
-    )
+from rollout_proxy.sdk import (
+    rollout, group_rollout, single_grader, group_grader, Runtime, PluginInstance,
+    RolloutInferenceProxy, InferenceProxy, Mode, ChatCompletionSample, PluginContext,
+    PluginStatus, RolloutResult, GroupRolloutResult, SingleResponse, Trajectory,
+    SingleGraderResult, GroupGraderResult, TeacherContext, CriticContext, test_with_dataset,
+)
 """
 
 from rollout_proxy.sdk.clients import (

@@ -45,7 +45,9 @@ class TrajectoryConsumer:
         stop_when_idle: bool = False,
     ) -> None:
         self._client = aioredis.Redis.from_url(redis_url, decode_responses=False)
-        self._reader = StreamConsumer(self._client, stream=stream, group=group, consumer=consumer, claim_idle_ms=claim_idle_ms)
+        self._reader = StreamConsumer(
+            self._client, stream=stream, group=group, consumer=consumer, claim_idle_ms=claim_idle_ms
+        )
         self._batch, self._block_ms = batch, block_ms
         self._stop_when_idle = stop_when_idle
         self._ready = False

@@ -66,13 +66,19 @@ class PluginSpec:
 def _check_signature(function: Callable[..., Any], kind: PluginKind) -> None:
     wanted = SIGNATURES[kind]
     parameters = [
-        p for p in inspect.signature(function).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        p
+        for p in inspect.signature(function).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     required = [p for p in parameters if p.default is p.empty]
     if kind is PluginKind.GROUP_ROLLOUT and not any(p.name == "n_sample" for p in parameters):
-        raise TypeError(f"@group_rollout {function.__name__} needs an 'n_sample' parameter: (context, proxy, sample, n_sample=1)")
+        raise TypeError(
+            f"@group_rollout {function.__name__} needs an 'n_sample' parameter: (context, proxy, sample, n_sample=1)"
+        )
     if len(parameters) < len(wanted) - (kind is PluginKind.GROUP_ROLLOUT) or len(required) > len(wanted):
-        raise TypeError(f"@{kind.value} {function.__name__} must take ({', '.join(wanted)}), got ({', '.join(p.name for p in parameters)})")
+        raise TypeError(
+            f"@{kind.value} {function.__name__} must take ({', '.join(wanted)}), got ({', '.join(p.name for p in parameters)})"
+        )
 
 
 class Plugin:
@@ -126,7 +132,9 @@ class Plugin:
             check_single_grader(result)
         elif kind is PluginKind.GROUP_GRADER:
             result = _coerce(result, GroupGraderResult, kind)
-            trajectories = [t if isinstance(t, Trajectory) else Trajectory.model_validate(t) for t in arguments["trajectories"]]
+            trajectories = [
+                t if isinstance(t, Trajectory) else Trajectory.model_validate(t) for t in arguments["trajectories"]
+            ]
             check_group_grader(result, trajectories)
         return result
 
@@ -140,7 +148,13 @@ def _coerce(result: Any, model: type, kind: PluginKind) -> Any:
     raise PluginValidationError(f"@{kind.value} must return a {model.__name__}, got {type(result).__name__}")
 
 
-def _declare(kind: PluginKind, function: Callable[..., Any] | None, name: str | None, description: str | None, runtime: Runtime | dict | None):
+def _declare(
+    kind: PluginKind,
+    function: Callable[..., Any] | None,
+    name: str | None,
+    description: str | None,
+    runtime: Runtime | dict | None,
+):
     runtime_spec = runtime if isinstance(runtime, Runtime) else Runtime.model_validate(runtime or {})
 
     def decorate(target: Callable[..., Any]) -> Plugin:

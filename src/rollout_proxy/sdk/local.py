@@ -46,7 +46,9 @@ async def _rollout_sample(
         if result.status != PluginStatus.SUCCESS:
             return []
         return [
-            Trajectory(messages=proxy._histories.get(response.id, []), extra=response.extra or {}, response_id=response.id)
+            Trajectory(
+                messages=proxy._histories.get(response.id, []), extra=response.extra or {}, response_id=response.id
+            )
             for response in result.responses
         ]
     trajectories = []
@@ -103,7 +105,9 @@ async def test_with_dataset(
 
     async def one(sample: ChatCompletionSample) -> None:
         async with limit_calls:
-            trajectories = await _rollout_sample(rollout, sample, api_key=api_key, base_url=base_url, n_sample=n_sample, model=model)
+            trajectories = await _rollout_sample(
+                rollout, sample, api_key=api_key, base_url=base_url, n_sample=n_sample, model=model
+            )
             if trajectories:
                 rewards.extend(await _grade(grader, sample, trajectories))
         bar.update(1)

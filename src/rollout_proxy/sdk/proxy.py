@@ -45,7 +45,9 @@ class ProxyRequestError(RuntimeError):
 def post_json(url: str, body: dict[str, Any], token: str, *, what: str) -> dict[str, Any]:
     """A blocking JSON POST to the proxy; its error body becomes a ProxyRequestError."""
     request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as answer:
@@ -100,13 +102,22 @@ def messages_as_input(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     for message in messages:
         if message["role"] == "tool":
-            items.append({"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]})
+            items.append(
+                {"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]}
+            )
         elif message["role"] == "assistant":
             if message.get("content"):
                 items.append({"role": "assistant", "content": message["content"]})
             for call in message.get("tool_calls") or []:
                 function = call["function"]
-                items.append({"type": "function_call", "call_id": call["id"], "name": function["name"], "arguments": function["arguments"]})
+                items.append(
+                    {
+                        "type": "function_call",
+                        "call_id": call["id"],
+                        "name": function["name"],
+                        "arguments": function["arguments"],
+                    }
+                )
         else:
             items.append({"role": message["role"], "content": message["content"]})
     return items
@@ -117,7 +128,9 @@ class RolloutInferenceProxy:
 
     mode = Mode.Training
 
-    def __init__(self, url: str, jwt_token: str, *, sample: ChatCompletionSample | None = None, group: bool = False) -> None:
+    def __init__(
+        self, url: str, jwt_token: str, *, sample: ChatCompletionSample | None = None, group: bool = False
+    ) -> None:
         self.url = url.rstrip("/")
         self.jwt_token = jwt_token
         self.sample = sample
@@ -161,7 +174,10 @@ class RolloutInferenceProxy:
     async def aupdate_state_from_messages(self, messages: list[Any], previous_response_id: str | None = None) -> str:
         """``update_state_from_messages`` without blocking the event loop."""
         body = {"messages": [_as_dict(m) for m in messages], "previous_response_id": previous_response_id}
-        async with aiohttp.ClientSession() as http, http.post(self._session_url("messages"), json=body, headers=self.headers) as answer:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(self._session_url("messages"), json=body, headers=self.headers) as answer,
+        ):
             payload = await answer.json(content_type=None)
             if answer.status >= 400:
                 raise ProxyRequestError(f"update_state_from_messages failed ({answer.status}): {payload}")
@@ -262,7 +278,9 @@ class InferenceProxy(RolloutInferenceProxy):
         sample = self.sample
         if sample is None:
             return settings
-        settings.update({"temperature": sample.temperature, "top_p": sample.top_p, max_tokens_name: sample.max_new_tokens})
+        settings.update(
+            {"temperature": sample.temperature, "top_p": sample.top_p, max_tokens_name: sample.max_new_tokens}
+        )
         if self.get_extra_body():
             settings["extra_body"] = self.get_extra_body()
         return settings

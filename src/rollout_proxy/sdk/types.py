@@ -64,7 +64,12 @@ class ChatCompletionSample(BaseModel):
     extra: dict[str, Any] | None = None
 
     def generation(self) -> dict[str, Any]:
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [message.model_dump(exclude_none=True) for message in self.messages]

@@ -23,7 +23,9 @@ class PluginValidationError(ValueError):
 def _finite(values: Iterable[float], what: str) -> None:
     for index, value in enumerate(values):
         if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise PluginValidationError(f"{what}[{index}] is {value!r}; every value must be a finite number (no NaN/Inf)")
+            raise PluginValidationError(
+                f"{what}[{index}] is {value!r}; every value must be a finite number (no NaN/Inf)"
+            )
 
 
 def check_group_rollout(result: GroupRolloutResult, n_sample: int) -> None:
@@ -44,7 +46,9 @@ def _check_contexts(items: Sequence[Any], model: type, where: str, assistant_tur
     if not isinstance(items, list):
         raise PluginValidationError(f"{where} must be a list of {model.__name__} dicts")
     if len(items) > assistant_turns:
-        raise PluginValidationError(f"{where} has {len(items)} entries but the trajectory has only {assistant_turns} assistant turns")
+        raise PluginValidationError(
+            f"{where} has {len(items)} entries but the trajectory has only {assistant_turns} assistant turns"
+        )
     for index, item in enumerate(items):
         context = item if isinstance(item, model) else model.model_validate(item)
         if not 0 <= context.qa_index < assistant_turns:
@@ -62,11 +66,15 @@ def check_rollout_config(config: dict[str, Any] | None, assistant_turns: int) ->
     teachers = config.get("teachers")
     if teachers is not None:
         if not isinstance(teachers, dict) or len(teachers) > 1:
-            raise PluginValidationError("config['teachers'] must name at most one teacher per trajectory, e.g. {'teacher_math': {}}")
+            raise PluginValidationError(
+                "config['teachers'] must name at most one teacher per trajectory, e.g. {'teacher_math': {}}"
+            )
         for name, settings in teachers.items():
             contexts = (settings or {}).get("teacher_context")
             if contexts is not None:
-                _check_contexts(contexts, TeacherContext, f"config['teachers'][{name!r}]['teacher_context']", assistant_turns)
+                _check_contexts(
+                    contexts, TeacherContext, f"config['teachers'][{name!r}]['teacher_context']", assistant_turns
+                )
     if config.get("critic_context") is not None:
         _check_contexts(config["critic_context"], CriticContext, "config['critic_context']", assistant_turns)
 
@@ -80,17 +88,23 @@ def check_group_grader(result: GroupGraderResult, trajectories: Sequence[Traject
     if result.status != "success":
         return
     if len(result.rewards) != n:
-        raise PluginValidationError(f"rewards has {len(result.rewards)} values for {n} trajectories; return one per trajectory, in order")
+        raise PluginValidationError(
+            f"rewards has {len(result.rewards)} values for {n} trajectories; return one per trajectory, in order"
+        )
     _finite(result.rewards, "rewards")
     if result.seq_advantages is not None and result.tok_advantages is not None:
         raise PluginValidationError("return either seq_advantages or tok_advantages from one grader call, not both")
     if result.seq_advantages is not None:
         if len(result.seq_advantages) != n:
-            raise PluginValidationError(f"seq_advantages has {len(result.seq_advantages)} values for {n} trajectories; one per trajectory")
+            raise PluginValidationError(
+                f"seq_advantages has {len(result.seq_advantages)} values for {n} trajectories; one per trajectory"
+            )
         _finite(result.seq_advantages, "seq_advantages")
     if result.tok_advantages is not None:
         if len(result.tok_advantages) != n:
-            raise PluginValidationError(f"tok_advantages has {len(result.tok_advantages)} lists for {n} trajectories; one per trajectory")
+            raise PluginValidationError(
+                f"tok_advantages has {len(result.tok_advantages)} lists for {n} trajectories; one per trajectory"
+            )
         for index, (values, trajectory) in enumerate(zip(result.tok_advantages, trajectories, strict=True)):
             tokens = trajectory.total_token_ids
             if tokens is not None and len(values) != len(tokens):

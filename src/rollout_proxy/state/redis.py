@@ -67,6 +67,7 @@ for k = 2, 6 do redis.call("PEXPIRE", KEYS[k], ttl) end
 return 1
 """
 
+
 class RedisStore:
     def __init__(self, client: aioredis.Redis) -> None:
         self._redis = client
@@ -137,7 +138,12 @@ class RedisStore:
     ) -> None:
         blob, routing = encode_node(node)
         args: list[str | bytes | int] = [
-            node.id, blob, node.parent_id or "", latest or "", routing or b"", len(partial_paths),
+            node.id,
+            blob,
+            node.parent_id or "",
+            latest or "",
+            routing or b"",
+            len(partial_paths),
         ]
         for entries in (partial_paths, paths):
             for path_hash, value in entries.items():

@@ -53,7 +53,9 @@ def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | N
 async def chat_completions(request: web.Request) -> web.Response:
     session, body = await plugin_request(request, ChatRequest)
     if body.top_logprobs:
-        raise InvalidRequest("top_logprobs is not supported; logprobs=true returns the sampled ones", param="top_logprobs")
+        raise InvalidRequest(
+            "top_logprobs is not supported; logprobs=true returns the sampled ones", param="top_logprobs"
+        )
     messages = normalize_messages(body.messages)
     tools = normalize_tools(body.tools)
     result = await request.app[keys.CHAT].complete(session, messages, tools=tools, stop=body.stop_list())

@@ -15,7 +15,9 @@ from rollout_proxy.proxy.schemas import refuse_pinned
 
 def request_caller(request: web.Request, *, admin_only: bool = False) -> Caller:
     app = request.app
-    found = authenticate(request, admin_key=app[keys.SETTINGS].admin_key, tokens=app[keys.TOKENS], admin_only=admin_only)
+    found = authenticate(
+        request, admin_key=app[keys.SETTINGS].admin_key, tokens=app[keys.TOKENS], admin_only=admin_only
+    )
     if found.session_id is not None:
         structlog.contextvars.bind_contextvars(session_id=found.session_id)
     return found

@@ -29,5 +29,8 @@ async def read_feed(request: web.Request) -> web.Response:
     except ValueError:
         raise InvalidRequest(f"{after!r} is not a cursor of this feed", param="after") from None
     return json_response(
-        {"entries": [{"id": entry_id, "data": data} for entry_id, data in entries], "next": entries[-1][0] if entries else after}
+        {
+            "entries": [{"id": entry_id, "data": data} for entry_id, data in entries],
+            "next": entries[-1][0] if entries else after,
+        }
     )

@@ -42,5 +42,7 @@ async def models(request: web.Request) -> web.Response:
     for engine in request.app[keys.ENGINES].engines:
         info = await engine.info()
         if all(entry["id"] != info.model for entry in data):
-            data.append({"id": info.model, "object": "model", "owned_by": "rollout-proxy", "max_model_len": info.max_model_len})
+            data.append(
+                {"id": info.model, "object": "model", "owned_by": "rollout-proxy", "max_model_len": info.max_model_len}
+            )
     return json_response({"object": "list", "data": data})

@@ -30,7 +30,9 @@ async def create_response(request: web.Request) -> web.Response:
     )
     structlog.contextvars.bind_contextvars(response_id=result.node.id)
     return json_response(
-        response_body(result.node, prompt_ids=result.prompt_ids, session=session, tools=tools or session.tools, model=body.model)
+        response_body(
+            result.node, prompt_ids=result.prompt_ids, session=session, tools=tools or session.tools, model=body.model
+        )
     )
 
 

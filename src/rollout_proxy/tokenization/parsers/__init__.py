@@ -53,4 +53,4 @@ class OutputParser:
         return AssistantView(content=content, reasoning=reasoning, tool_calls=calls, tool_parse=outcome)
 
 
-__all__ = ["AssistantView", "OutputParser", "REASONING_PARSERS", "TOOL_PARSERS", "ToolParse"]
+__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "AssistantView", "OutputParser", "ToolParse"]
