@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollout_proxy.core.types import NodeKind, ResponseNode
+from rollout_proxy.records import NodeKind, ResponseNode
 from rollout_proxy.routing import (
     RoutingRows,
     align_turn,

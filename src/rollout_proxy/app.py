@@ -11,21 +11,22 @@ from collections.abc import AsyncIterator, Sequence
 import structlog
 from aiohttp import web
 
-from rollout_proxy import keys
 from rollout_proxy.core.chat import ChatService
 from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner
+from rollout_proxy.engines.base import Engine
+from rollout_proxy.engines.pool import EnginePool
+from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.metrics import Metrics
+from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import SessionTokens
-from rollout_proxy.proxy.engines.base import Engine
-from rollout_proxy.proxy.engines.pool import EnginePool
-from rollout_proxy.proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.proxy.handlers import chat, meta, responses, sessions, trajectories
 from rollout_proxy.proxy.handlers import feed as feed_handlers
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.settings import Settings
+from rollout_proxy.state.connection import is_redis_url
 from rollout_proxy.state.feed import Feed, open_feed
 from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.state.store import StateStore
@@ -34,11 +35,8 @@ from rollout_proxy.tokenization.parsers import OutputParser
 log = structlog.get_logger(__name__)
 
 
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
 def check_store_url(url: str) -> None:
-    if url != "memory" and not url.startswith(REDIS_SCHEMES):
+    if url != "memory" and not is_redis_url(url):
         raise ValueError(f"unknown store {url!r}: use 'memory' or a redis://HOST:PORT/DB URL")
 
 
@@ -99,7 +97,6 @@ def create_app(
 
     async def services_ctx(app: web.Application) -> AsyncIterator[None]:
         turns = TurnRunner(store=app[keys.STORE], engines=app[keys.ENGINES], parser=parser, metrics=app[keys.METRICS])
-        app[keys.TURNS] = turns
         app[keys.SESSIONS] = SessionService(store=app[keys.STORE], engines=app[keys.ENGINES], ttl=settings.session_ttl)
         tree = ResponseTree(store=app[keys.STORE], metrics=app[keys.METRICS])
         app[keys.TREE] = tree

@@ -32,9 +32,6 @@ class BackgroundLoop:
     def run(self, coroutine: Awaitable[T], timeout: float | None = None) -> T:
         return self.submit(coroutine).result(timeout)
 
-    async def arun(self, coroutine: Awaitable[T]) -> T:
-        return await asyncio.wrap_future(self.submit(coroutine))
-
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)

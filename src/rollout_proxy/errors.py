@@ -3,16 +3,20 @@
     ProxyError                      500 server_error (a bug if it ever reaches a client)
     ├── InvalidRequest              400 invalid_request_error
     │   ├── PinnedParameter         400 a generation setting the session pins
-    │   └── ContextLengthExceeded   400 the prompt leaves no room to generate
+    │   ├── ContextLengthExceeded   400 the prompt leaves no room to generate
+    │   └── BadCursor               400 a feed cursor the feed never gave out
     ├── AuthenticationFailed        401 authentication_error
     ├── NotFound                    404 not_found_error
+    │   └── SessionNotFound         404 a session that is unknown or expired
+    ├── MethodNotAllowed            405 the route exists, not with this method
     ├── Conflict                    409 conflict (e.g. a session already finished)
     ├── PayloadTooLarge             413 request_too_large
     ├── EngineError                 502 upstream_error (the engine answered badly)
     └── EngineUnavailable           503 service_unavailable (no engine reachable)
 
 Core code raises these and knows nothing of HTTP; one middleware turns them into
-``{"error": {"message", "type", "param", "code"}}`` with the status below.
+``{"error": {"message", "type", "param", "code"}}`` with the status above (and the
+wire package's ``WireFormatError``, raised by pure shape checks, into ``InvalidRequest``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class BadCursor(InvalidRequest):
+    code = "invalid_cursor"
+
+
 class AuthenticationFailed(ProxyError):
     status = 401
     type = "authentication_error"
@@ -66,6 +74,16 @@ class NotFound(ProxyError):
     status = 404
     type = "not_found_error"
     code = "not_found"
+
+
+class SessionNotFound(NotFound):
+    code = "session_not_found"
+
+
+class MethodNotAllowed(ProxyError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
 
 
 class Conflict(ProxyError):

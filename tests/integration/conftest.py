@@ -120,9 +120,10 @@ class RecordingRelay:
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        async with aiohttp.ClientSession() as http, http.request(
-            request.method, self.target + request.path_qs, data=body or None, headers=headers
-        ) as answer:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.request(request.method, self.target + request.path_qs, data=body or None, headers=headers) as answer,
+        ):
             data = await answer.read()
             status, content_type = answer.status, answer.content_type
         if request.method == "POST" and body:

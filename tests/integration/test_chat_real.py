@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -20,7 +21,7 @@ def check_turns(relay: RecordingRelay, audit: TokenAudit) -> list[tuple[list[int
         assert request["prompt"] == choice["prompt_token_ids"]  # vLLM consumed exactly what we sent
         assert request["logprobs"] == 0 and request["return_token_ids"] is True
         turns.append((choice["prompt_token_ids"], choice["token_ids"], choice["logprobs"]["token_logprobs"]))
-    for (prompt, output, _), (next_prompt, _, _) in zip(turns, turns[1:], strict=False):
+    for (prompt, output, _), (next_prompt, _, _) in itertools.pairwise(turns):
         previous = prompt + output
         audit.compare(next_prompt[: len(previous)], previous)
         assert next_prompt[: len(previous)] == previous, "drift: the next prompt does not extend the last turn"

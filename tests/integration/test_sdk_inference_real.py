@@ -27,7 +27,7 @@ async def test_inference_mode_single_rollout(relay: RecordingRelay):
     assert proxy.messages[0]["content"] == "What is the weather in Paris?"
     assert proxy.messages[-1]["role"] == "assistant"
     assert proxy.finish_reason in ("stop", "length", "tool_calls") and proxy.usage["completion_tokens"] > 0
-    path, body = next(item for item in relay.requests if item[0] == "/v1/chat/completions")
+    _path, body = next(item for item in relay.requests if item[0] == "/v1/chat/completions")
     # no proxy pins them here: the SDK applies the sample's GenerationConfig itself
     assert (body["temperature"], body["top_p"], body["max_tokens"], body["top_k"]) == (0.7, 0.9, 20, 20)
     assert relay.completions == []  # nothing went through a rollout-proxy

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollout_proxy import keys
+from rollout_proxy.proxy import keys
 from tests.harness import ProxyHarness
 
 USER = [{"role": "user", "content": "Tell me a fact."}]

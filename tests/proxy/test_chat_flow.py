@@ -93,7 +93,7 @@ async def run_conversation(proxy: ProxyHarness):
 
 
 async def test_four_turn_conversation_is_token_exact(proxy: ProxyHarness, template_name: str):
-    session, completions = await run_conversation(proxy)
+    _session, completions = await run_conversation(proxy)
     fake = proxy.fake
     prompts = fake.prompts
     assert len(prompts) == 4
@@ -148,7 +148,7 @@ async def test_four_turn_conversation_is_token_exact(proxy: ProxyHarness, templa
 
 
 async def test_default_system_prompt_is_rendered_once(proxy: ProxyHarness, template_name: str):
-    session, completions = await run_conversation(proxy)
+    _session, completions = await run_conversation(proxy)
     text = proxy.fake.decode((await proxy.trajectory(completions[-1].id))["total_token_ids"])
     expected = 1 if template_name == "smollm2_default" else 0
     assert text.count("You are a helpful AI assistant named SmolLM") == expected

@@ -35,13 +35,13 @@ async def ready(proxy: ProxyHarness):
 
 
 async def unchanged(proxy: ProxyHarness, before) -> bool:
-    from rollout_proxy import keys
+    from rollout_proxy.proxy import keys
 
     return await store_snapshot(proxy.app[keys.STORE]) == before
 
 
 async def snapshot(proxy: ProxyHarness):
-    from rollout_proxy import keys
+    from rollout_proxy.proxy import keys
 
     return await store_snapshot(proxy.app[keys.STORE])
 
@@ -112,7 +112,7 @@ async def test_pinned_generation_parameter_is_400_naming_it(ready, kwargs, param
 
 
 async def test_model_is_accepted_and_ignored(ready):
-    proxy, session, first = ready
+    proxy, session, _first = ready
     second = await session.client.chat.completions.create(model="any-name-at-all", messages=USER)
     assert second.model == "any-name-at-all"
     assert proxy.fake.completions[-1]["model"] == proxy.fake.model_name
@@ -186,7 +186,7 @@ async def test_session_token_cannot_create_sessions(ready):
 
 
 async def test_unknown_and_foreign_ids_are_404(ready):
-    proxy, session, first = ready
+    proxy, session, _first = ready
     other = await proxy.create_session(USER)
     other_first = await other.client.chat.completions.create(model="m", messages=USER)
     before = await snapshot(proxy)

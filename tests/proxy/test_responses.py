@@ -8,7 +8,7 @@ import numpy as np
 import openai
 import pytest
 
-from rollout_proxy import keys
+from rollout_proxy.proxy import keys
 from tests.harness import ProxyHarness, store_snapshot
 
 SAMPLE = [{"role": "user", "content": "Recite the Three Character Classic, one line at a time."}]
@@ -57,8 +57,10 @@ async def test_seed_group_rollout_shares_one_stored_prefix(proxy: ProxyHarness):
     assert prompt_ids(response_2)[: len(parent)] == parent == prompt_ids(response_3)[: len(parent)]
     # stored once: the three nodes together hold exactly the distinct tokens
     store = proxy.app[keys.STORE]
-    nodes = [await store.get_node(session.session_id, r.id) for r in (response_1, response_2, response_3)]
-    assert sum(node.n_tokens for node in nodes) == len(first) + (len(second) - len(first)) + (len(third) - len(first))
+    nodes = [(await store.get_path(session.session_id, r.id))[-1] for r in (response_1, response_2, response_3)]
+    assert sum(len(node.prompt_ids) + len(node.output_ids) for node in nodes) == len(first) + (
+        len(second) - len(first)
+    ) + (len(third) - len(first))
     assert nodes[1].parent_id == nodes[2].parent_id == response_1.id
     # the sample's messages come first, then each branch's inputs
     messages = body["trajectories"][2]["messages"]

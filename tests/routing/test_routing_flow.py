@@ -8,11 +8,16 @@ import numpy as np
 import openai
 import pytest
 
-from rollout_proxy import keys
 from rollout_proxy.devtools.fake_engine import FakeMoE
+from rollout_proxy.proxy import keys
 from tests.harness import WEATHER_TOOL, ProxyHarness, store_snapshot
 
 USER = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+async def stored_node(store, session_id: str, response_id: str):
+    """The node as stored, with its routing rows."""
+    return (await store.get_path(session_id, response_id, routing=True))[-1]
 
 
 def routing_of(trajectory) -> np.ndarray:
@@ -82,7 +87,7 @@ async def test_four_turn_chat_fills_every_interior_boundary(proxy: ProxyHarness,
         assert fake.completions[turn]["routed_experts_prompt_start"] == previous - 1
     # stored compactly: each node holds only its own rows, one byte per expert id
     store = proxy.app[keys.STORE]
-    nodes = [await store.get_node(session.session_id, reply.id) for reply in replies]
+    nodes = [await stored_node(store, session.session_id, reply.id) for reply in replies]
     assert sum(len(node.routing.valid) for node in nodes) == len(ids) - 1
     assert {node.routing.experts.dtype.str for node in nodes} == {"|u1"}
 
@@ -100,10 +105,10 @@ async def test_group_branches_own_their_boundary_rows(proxy: ProxyHarness, moe: 
     assert status == 200
     parent_len = len(parent.model_extra["prompt_token_ids"]) + len(parent.model_extra["token_ids"])
     store = proxy.app[keys.STORE]
-    parent_node = await store.get_node(session.session_id, parent.id)
+    parent_node = await stored_node(store, session.session_id, parent.id)
     assert parent_node.routing.stop == parent_len - 1  # the parent never holds its last position
     for child, trajectory in zip(children, body["trajectories"], strict=True):
-        node = await store.get_node(session.session_id, child.id)
+        node = await stored_node(store, session.session_id, child.id)
         assert node.routing.start == parent_len - 1  # the boundary row lives with the branch
         routing = routing_of(trajectory)
         ids = trajectory["total_token_ids"]
@@ -111,7 +116,7 @@ async def test_group_branches_own_their_boundary_rows(proxy: ProxyHarness, moe: 
     # shared rows are stored once
     stored = len(parent_node.routing.valid)
     for child in children:
-        stored += len((await store.get_node(session.session_id, child.id)).routing.valid)
+        stored += len((await stored_node(store, session.session_id, child.id)).routing.valid)
     distinct = parent_len - 1 + sum(len(t["total_token_ids"]) - parent_len for t in body["trajectories"])
     assert stored == distinct
 

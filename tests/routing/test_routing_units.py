@@ -34,7 +34,7 @@ def test_decodes_every_engine_dtype(dtype):
 def test_minus_one_rows_are_unobserved():
     array = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2)
     array[1] = -1
-    rows, valid = decode_engine_routing(encode(array))
+    _rows, valid = decode_engine_routing(encode(array))
     assert valid.tolist() == [True, False, True, True]
 
 

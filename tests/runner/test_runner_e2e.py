@@ -48,7 +48,7 @@ async def test_job_over_twenty_samples(engine, tmp_path):
     assert summary.drift == 0 and summary.trajectories == 51 and summary.turns == 102
 
     feed = JsonlFeed(summary.feed.removeprefix("jsonl:"))
-    entries = await feed.read(limit=1000)
+    entries = [(entry.id, entry.group.model_dump(mode="json")) for entry in await feed.read(limit=1000)]
     assert [entry_id for entry_id, _ in entries] == [str(n) for n in range(1, 18)]
     published = [data["sample_index"] for _, data in entries]
     assert published == [i for i in range(20) if i not in dropped]  # in order, step by step
@@ -123,11 +123,11 @@ async def test_a_crash_between_grading_and_publishing_loses_nothing(engine, tmp_
     original = JsonlFeed.publish
     published = []
 
-    async def crash_after_first(self, group_id, entry):
+    async def crash_after_first(self, group):
         if published:
             raise OSError("the runner's machine lost power")
-        published.append(group_id)
-        return await original(self, group_id, entry)
+        published.append(group.group_id)
+        return await original(self, group)
 
     monkeypatch.setattr(JsonlFeed, "publish", crash_after_first)
     with pytest.raises(OSError):
@@ -168,7 +168,9 @@ async def test_custom_advantages_replace_grpo(engine, tmp_path):
         )
     )
     summary = await run_job(job, progress=False)
-    entries = await JsonlFeed(summary.feed.removeprefix("jsonl:")).read()
+    entries = [
+        (e.id, e.group.model_dump(mode="json")) for e in await JsonlFeed(summary.feed.removeprefix("jsonl:")).read()
+    ]
     assert all(group["advantage_kind"] == "seq" and group["advantages"] == [0.5, 0.5] for _, group in entries)
 
 
@@ -187,7 +189,9 @@ async def test_grader_statuses_follow_the_same_rules(engine, tmp_path):
     )
     summary = await run_job(job, progress=False)
     assert summary.samples_done == 3 and summary.samples_dropped == 1 and summary.failed_attempts == 1
-    entries = await JsonlFeed(summary.feed.removeprefix("jsonl:")).read()
+    entries = [
+        (e.id, e.group.model_dump(mode="json")) for e in await JsonlFeed(summary.feed.removeprefix("jsonl:")).read()
+    ]
     assert [group["sample_index"] for _, group in entries] == [0, 2, 3]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollout_proxy.core.types import NodeKind, ResponseNode
+from rollout_proxy.records import NodeKind, ResponseNode
 from rollout_proxy.state.codec import decode_node, encode_node
 
 

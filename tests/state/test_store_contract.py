@@ -8,8 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from rollout_proxy.core.types import GenerationConfig, NodeKind, ResponseNode, SessionRecord
+from rollout_proxy.errors import SessionNotFound
 from rollout_proxy.ids import new_response_id, new_session_id
+from rollout_proxy.records import GenerationConfig, NodeKind, ResponseNode, SessionRecord
 from rollout_proxy.state.memory import MemoryStore
 
 
@@ -97,7 +98,6 @@ async def test_ids_are_scoped_to_their_session(store):
     await store.create_session(other)
     item = node(mine.id, None)
     await put(store, mine.id, item)
-    assert await store.get_node(other.id, item.id) is None
     assert await store.get_path(other.id, item.id) is None
     assert await store.match_paths(other.id, [item.path_hash]) == [None]
 
@@ -136,7 +136,7 @@ async def test_session_and_nodes_expire_together(store):
     assert await store.get_session(record.id) is None
     assert await store.get_path(record.id, item.id) is None
     assert await store.match_paths(record.id, [item.path_hash]) == [None]
-    with pytest.raises(KeyError):
+    with pytest.raises(SessionNotFound):
         await put(store, record.id, node(record.id, None, seed=5))
 
 

@@ -5,13 +5,9 @@ from __future__ import annotations
 import pytest
 from openai.types.chat import ChatCompletionMessage
 
-from rollout_proxy.errors import InvalidRequest
-from rollout_proxy.tokenization.messages import (
-    canonical_key,
-    normalize_message,
-    normalize_tools,
-    path_hashes,
-)
+from rollout_proxy.tokenization.messages import canonical_key, path_hashes
+from rollout_proxy.wire.errors import WireFormatError
+from rollout_proxy.wire.messages import normalize_message, normalize_tools
 
 PRODUCED = {
     "role": "assistant",
@@ -100,7 +96,7 @@ def test_path_hashes_are_rolling():
 
 
 def test_bad_shapes_name_the_field():
-    with pytest.raises(InvalidRequest) as raised:
+    with pytest.raises(WireFormatError) as raised:
         normalize_message({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, param="messages[3]")
     assert raised.value.param == "messages[3].tool_calls[0].function.name"
 

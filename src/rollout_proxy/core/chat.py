@@ -7,7 +7,7 @@ from typing import Any
 
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnResult, TurnRunner
-from rollout_proxy.core.types import SessionRecord
+from rollout_proxy.records import SessionRecord
 
 
 class ChatService:
@@ -25,11 +25,5 @@ class ChatService:
     ) -> TurnResult:
         placement = await self._tree.locate(session, messages, api="chat")
         return await self._turns.generate(
-            session,
-            placement.parent,
-            placement.new_messages,
-            api="chat",
-            tools=tools if tools is not None else session.tools,
-            stop=stop,
-            fork=placement.fork,
+            session, placement, api="chat", tools=tools if tools is not None else session.tools, stop=stop
         )

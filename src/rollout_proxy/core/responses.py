@@ -12,8 +12,8 @@ from typing import Any
 
 from rollout_proxy.core.tree import Placement, ResponseTree, with_sample
 from rollout_proxy.core.turns import TurnResult, TurnRunner
-from rollout_proxy.core.types import ResponseNode, SessionRecord
 from rollout_proxy.errors import InvalidRequest
+from rollout_proxy.records import ResponseNode, SessionRecord
 
 
 def root_instructions(path: Sequence[ResponseNode]) -> str | None:
@@ -70,13 +70,7 @@ class ResponsesService:
         if tools is not None and tools != session.tools:
             meta["tools"] = tools
         result = await self._turns.generate(
-            session,
-            placement.parent,
-            placement.new_messages,
-            api="responses",
-            tools=tools if tools is not None else session.tools,
-            fork=placement.fork,
-            meta=meta,
+            session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
         )
         return result, placement.parent
 
@@ -93,6 +87,4 @@ class ResponsesService:
             if placement.parent:  # all of it is already in the tree: that node is the answer
                 return placement.parent[-1]
             raise InvalidRequest("messages add nothing to the conversation", param="messages")
-        return await self._turns.inject(
-            session, placement.parent, placement.new_messages, api="messages", tools=session.tools
-        )
+        return await self._turns.inject(session, placement, api="messages")

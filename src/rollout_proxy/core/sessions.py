@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rollout_proxy.core.trajectory import Trajectory, assemble
-from rollout_proxy.core.types import GenerationConfig, SessionRecord, SessionStatus
-from rollout_proxy.errors import Conflict, InvalidRequest, NotFound
+from rollout_proxy.core.trajectory import AssembledTrajectory, assemble
+from rollout_proxy.engines.pool import EnginePool
+from rollout_proxy.errors import Conflict, InvalidRequest, NotFound, SessionNotFound
 from rollout_proxy.ids import new_session_id, session_of_response
-from rollout_proxy.proxy.engines.pool import EnginePool
+from rollout_proxy.records import GenerationConfig, SessionRecord, SessionStatus
 from rollout_proxy.state.store import StateStore
 
 
@@ -50,7 +50,7 @@ class SessionService:
     async def get(self, session_id: str) -> SessionRecord:
         session = await self._store.get_session(session_id)
         if session is None:
-            raise NotFound(f"session {session_id!r} not found (unknown or expired)", param="session_id")
+            raise SessionNotFound(f"session {session_id!r} not found (unknown or expired)", param="session_id")
         return session
 
     async def get_open(self, session_id: str) -> SessionRecord:
@@ -60,7 +60,7 @@ class SessionService:
             raise Conflict(f"session {session_id!r} is already finished", param="session_id")
         return session
 
-    async def trajectory(self, response_id: str, *, session_id: str | None = None) -> Trajectory:
+    async def trajectory(self, response_id: str, *, session_id: str | None = None) -> AssembledTrajectory:
         """The trajectory ending at ``response_id``; ``session_id`` limits where to look."""
         owner = session_of_response(response_id)
         if owner is None or (session_id is not None and owner != session_id):
@@ -80,7 +80,7 @@ class SessionService:
         extra: dict[str, Any],
         responses: list[dict[str, Any]] | None,
         config: dict[str, Any] | None,
-    ) -> tuple[SessionRecord, list[Trajectory]]:
+    ) -> tuple[SessionRecord, list[AssembledTrajectory]]:
         """Record the rollout result once and return the trajectories it names.
 
         Every response id must be in the session; a group session (``n_sample``) that
@@ -121,7 +121,7 @@ class SessionService:
         ]
         return finished, trajectories
 
-    async def latest_trajectory(self, session_id: str, api: str = "chat") -> Trajectory:
+    async def latest_trajectory(self, session_id: str, api: str = "chat") -> AssembledTrajectory:
         await self.get(session_id)
         response_id = await self._store.latest(session_id, api)
         if response_id is None:

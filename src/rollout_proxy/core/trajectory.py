@@ -1,5 +1,9 @@
 """Assemble a trajectory from a root-to-leaf path, in one pass over its nodes.
 
+``AssembledTrajectory`` holds numpy arrays; ``to_json`` gives exactly the fields of the
+wire schema ``rollout_proxy.wire.Trajectory`` (what graders, the runner and trainers
+parse), with the arrays serialized as they are.
+
 Loss weight is 1.0 exactly on tokens the policy sampled and 0.0 elsewhere (prompt,
 bridge, injected messages); the logprob is the sampling logprob where the weight is
 1 and 0.0 elsewhere.
@@ -13,12 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from rollout_proxy.core.types import NodeKind, ResponseNode
-from rollout_proxy.routing import assemble_routing, routing_json
+from rollout_proxy.records import NodeKind, ResponseNode
+from rollout_proxy.routing import assemble_routing
+from rollout_proxy.wire.routed_experts import encode_routed_experts
 
 
 @dataclass(slots=True)
-class Trajectory:
+class AssembledTrajectory:
     response_id: str
     session_id: str
     messages: list[dict[str, Any]]
@@ -45,14 +50,14 @@ class Trajectory:
             # float32 values widened exactly, so they print as the engine reported them
             "total_loss_weight": self.total_loss_weight.astype(np.float64),
             "total_token_logprobs": self.total_token_logprobs.astype(np.float64),
-            "routed_experts": routing_json(self.routed_experts),
+            "routed_experts": encode_routed_experts(self.routed_experts),
             "turns": self.turns,
             "forks": self.forks,
             "routing_disagreements": self.routing_disagreements,
         }
 
 
-def assemble(session_id: str, path: Sequence[ResponseNode], *, extra: dict[str, Any] | None = None) -> Trajectory:
+def assemble(session_id: str, path: Sequence[ResponseNode], *, extra: dict[str, Any] | None = None) -> AssembledTrajectory:
     ids, weights, logprobs, messages = [], [], [], []
     forks = []
     for node in path:
@@ -69,7 +74,7 @@ def assemble(session_id: str, path: Sequence[ResponseNode], *, extra: dict[str, 
     generated = [node for node in path if node.kind is NodeKind.GENERATED]
     completion_tokens = sum(len(node.output_ids) for node in generated)
     leaf = path[-1]
-    return Trajectory(
+    return AssembledTrajectory(
         response_id=leaf.id,
         session_id=session_id,
         messages=messages,

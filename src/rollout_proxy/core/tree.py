@@ -22,20 +22,37 @@ from typing import Any
 
 import structlog
 
-from rollout_proxy.core.types import ResponseNode, SessionRecord
 from rollout_proxy.errors import InvalidRequest, NotFound
 from rollout_proxy.metrics import Metrics
+from rollout_proxy.records import ResponseNode, SessionRecord
 from rollout_proxy.state.store import StateStore
-from rollout_proxy.tokenization.messages import canonical_key, path_hashes, same_messages
+from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, path_hashes, same_messages
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
 class Placement:
+    """Where new messages attach: the parent's path, the messages, and their path hashes.
+
+    The hashes are computed once, when the parent is found, and stored with the new node.
+    """
+
     parent: list[ResponseNode]  # root-to-parent path; empty for the root
     new_messages: list[dict[str, Any]]
+    new_hashes: list[str]  # rolling path hash after each new message
     fork: dict[str, Any] | None = None
+
+    @property
+    def parent_id(self) -> str | None:
+        return self.parent[-1].id if self.parent else None
+
+    @property
+    def end_hash(self) -> str:
+        """The path hash after the last new message (the parent's own when there is none)."""
+        if self.new_hashes:
+            return self.new_hashes[-1]
+        return self.parent[-1].path_hash if self.parent else EMPTY_PATH_HASH
 
 
 def choose_parent(matches: Sequence[str | None], n_messages: int) -> tuple[str | None, int, dict[str, Any] | None]:
@@ -80,20 +97,21 @@ class ResponseTree:
         """Attach a whole conversation by content."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
-        matches = await self._store.match_paths(session.id, path_hashes(messages))
+        hashes = path_hashes(messages)
+        matches = await self._store.match_paths(session.id, hashes)
         parent_id, covered, fork = choose_parent(matches, len(messages))
         if fork is not None:
             self._metrics.inc("forks_total", api=api)
             log.info("history_rewritten", parent_id=parent_id, **fork)
         parent = [] if parent_id is None else await self.path(session.id, parent_id, param="messages")
-        return Placement(parent=parent, new_messages=messages[covered:], fork=fork)
+        return Placement(parent=parent, new_messages=messages[covered:], new_hashes=hashes[covered:], fork=fork)
 
     async def after(
         self, session: SessionRecord, previous_response_id: str, messages: list[dict[str, Any]]
     ) -> Placement:
         """Attach new messages under a named node; an echo of its own output is dropped."""
         parent = await self.path(session.id, previous_response_id)
-        own = parent[-1].messages[-1]
+        own, own_hash = parent[-1].messages[-1], parent[-1].path_hash
         if messages and messages[0]["role"] == own["role"] and canonical_key(messages[0]) == canonical_key(own):
             messages = messages[1:]
-        return Placement(parent=parent, new_messages=messages)
+        return Placement(parent=parent, new_messages=messages, new_hashes=path_hashes(messages, start=own_hash))

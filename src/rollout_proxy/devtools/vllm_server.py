@@ -25,6 +25,7 @@ CLI (pid/log/info files under CACHE/run/)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -180,10 +181,8 @@ def stop_pid(pid: int, grace: float = 20.0) -> bool:
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
         if sig == signal.SIGKILL:
             log(f"[vllm_server] pid {pid}: still running after {grace:.0f}s, SIGKILL")
-        try:
+        with contextlib.suppress(ProcessLookupError):
             send(sig)
-        except ProcessLookupError:
-            pass
         deadline = time.monotonic() + wait
         while alive() and time.monotonic() < deadline:
             time.sleep(0.2)

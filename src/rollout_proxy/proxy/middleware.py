@@ -12,25 +12,24 @@ import time
 import structlog
 from aiohttp import web
 
-from rollout_proxy.errors import NotFound, PayloadTooLarge, ProxyError
+from rollout_proxy.errors import InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge, ProxyError
 from rollout_proxy.ids import new_request_id
 from rollout_proxy.proxy.http import json_response
+from rollout_proxy.wire.errors import WireFormatError
 
 log = structlog.get_logger(__name__)
 
-_HTTP_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
-
-
 def _http_error(exc: web.HTTPException) -> ProxyError:
+    """aiohttp's own HTTP errors (raised before or around our handlers) as our error tree."""
     if exc.status == 413:
         return PayloadTooLarge(f"request body too large: {exc.text}")
     if exc.status == 404:
         return NotFound("no such endpoint")
-    error = ProxyError(exc.reason)
-    error.status = exc.status
-    error.type = _HTTP_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "server_error")
-    error.code = None
-    return error
+    if exc.status == 405:
+        return MethodNotAllowed(f"{exc.reason}: this endpoint does not take that method")
+    if exc.status < 500:
+        return InvalidRequest(exc.reason)
+    return ProxyError(exc.reason)
 
 
 @web.middleware
@@ -43,6 +42,8 @@ async def request_middleware(request: web.Request, handler) -> web.StreamRespons
         response = await handler(request)
     except ProxyError as exc:
         response = _error_response(exc)
+    except WireFormatError as exc:
+        response = _error_response(InvalidRequest(exc.message, param=exc.param))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

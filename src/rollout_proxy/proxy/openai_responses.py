@@ -1,8 +1,6 @@
-"""The Responses API wire format: input items to messages, a node to a response object.
+"""A response node as a Responses API object (the input side is ``wire.responses``).
 
-Input items: messages (string or content parts), ``function_call_output``, and prior
-``function_call`` / ``reasoning`` items echoed back by clients (folded into the
-assistant message they came from). Output items: ``reasoning``, ``message`` with
+Output items: ``reasoning``, ``message`` with
 ``output_text``, ``function_call``; their ids derive from the node id, so a stored
 response reads back identically.
 """
@@ -13,61 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_proxy.core.types import ResponseNode, SessionRecord
-from rollout_proxy.errors import InvalidRequest
-from rollout_proxy.tokenization.messages import content_text, normalize_message
-
-
-def _reasoning_text(item: dict[str, Any]) -> str:
-    parts = item.get("content") or item.get("summary") or []
-    return "\n".join(part.get("text", "") for part in parts if isinstance(part, dict))
-
-
-def input_to_messages(value: Any, *, param: str = "input") -> list[dict[str, Any]]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list):
-        raise InvalidRequest("input must be a string or a list of items", param=param)
-    messages: list[dict[str, Any]] = []
-    reasoning: str | None = None
-    for index, item in enumerate(value):
-        where = f"{param}[{index}]"
-        if not isinstance(item, dict):
-            raise InvalidRequest("an input item must be an object", param=where)
-        kind = item.get("type") or ("message" if "role" in item else None)
-        if kind == "message":
-            message = normalize_message({"role": item.get("role"), "content": item.get("content")}, param=where)
-            if message["role"] == "assistant" and reasoning:
-                message["reasoning_content"], reasoning = reasoning, None
-            messages.append(message)
-        elif kind == "reasoning":
-            reasoning = _reasoning_text(item) or None
-        elif kind == "function_call":
-            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("name"), str):
-                raise InvalidRequest("a function_call item needs call_id and name", param=where)
-            call = {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"},
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                message = {"role": "assistant", "content": None, "tool_calls": [call]}
-                if reasoning:
-                    message["reasoning_content"], reasoning = reasoning, None
-                messages.append(normalize_message(message, param=where))
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise InvalidRequest("a function_call_output item needs call_id", param=where)
-            output = content_text(item.get("output"), param=where)
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output or ""})
-        else:
-            raise InvalidRequest(f"unsupported input item type {kind!r}", param=f"{where}.type")
-    return messages
+from rollout_proxy.records import ResponseNode, SessionRecord
 
 
 def output_items(node: ResponseNode) -> list[dict[str, Any]]:

@@ -6,8 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_proxy.core.types import PINNED_GENERATION_PARAMETERS, GenerationConfig
 from rollout_proxy.errors import PinnedParameter
+from rollout_proxy.records import GenerationConfig
+from rollout_proxy.wire.generation import PINNED_GENERATION_PARAMETERS
 
 
 def refuse_pinned(payload: dict[str, Any]) -> None:

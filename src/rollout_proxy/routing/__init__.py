@@ -8,7 +8,7 @@ Positions never observed stay ``-1``; the last position of a trajectory always i
 """
 
 from rollout_proxy.routing.alignment import align_turn, first_row_position, prompt_start
-from rollout_proxy.routing.assembly import assemble_routing, routing_json
+from rollout_proxy.routing.assembly import assemble_routing
 from rollout_proxy.routing.engine_format import RoutingFormatError, decode_engine_routing
 from rollout_proxy.routing.rows import RoutingRows, RoutingSpan
 
@@ -21,5 +21,4 @@ __all__ = [
     "decode_engine_routing",
     "first_row_position",
     "prompt_start",
-    "routing_json",
 ]

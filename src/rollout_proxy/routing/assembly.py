@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,14 +28,3 @@ def assemble_routing(path: Sequence[Any], total_tokens: int) -> np.ndarray | Non
             index = np.flatnonzero(rows.valid)
             out[rows.start + index] = rows.experts[index]
     return out
-
-
-def routing_json(routing: np.ndarray | None) -> dict[str, Any] | None:
-    """The trajectory field: dtype, shape and base64 of the C-order bytes."""
-    if routing is None:
-        return None
-    return {
-        "dtype": "int16",
-        "shape": list(routing.shape),
-        "data": base64.b64encode(np.ascontiguousarray(routing).tobytes()).decode("ascii"),
-    }

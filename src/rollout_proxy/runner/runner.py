@@ -34,6 +34,7 @@ from rollout_proxy.sdk.proxy import RolloutInferenceProxy, session_body
 from rollout_proxy.sdk.types import ChatCompletionSample, GroupGraderResult, PluginContext, PluginStatus, Trajectory
 from rollout_proxy.sdk.validation import PluginValidationError
 from rollout_proxy.state.feed import Feed
+from rollout_proxy.wire.feed import FeedGroup
 
 log = structlog.get_logger(__name__)
 
@@ -67,20 +68,20 @@ class GradedGroup:
     metrics: list[dict[str, float]]
     custom: tuple[str, list[Any]] | None
 
-    def entry(self, job_id: str, advantages: list[Any], kind: str) -> dict[str, Any]:
-        return {
-            "group_id": self.group_id,
-            "job_id": job_id,
-            "step": self.step,
-            "sample_index": self.index,
-            "sample": self.sample,
-            "trajectories": [t.model_dump(mode="json") for t in self.trajectories],
-            "rewards": self.rewards,
-            "grader_rewards": self.grader_rewards,
-            "advantages": advantages,
-            "advantage_kind": kind,
-            "metrics": self.metrics,
-        }
+    def entry(self, job_id: str, advantages: list[Any], kind: str) -> FeedGroup:
+        return FeedGroup(
+            group_id=self.group_id,
+            job_id=job_id,
+            step=self.step,
+            sample_index=self.index,
+            sample=self.sample,
+            trajectories=self.trajectories,
+            rewards=self.rewards,
+            grader_rewards=self.grader_rewards,
+            advantages=advantages,
+            advantage_kind=kind,
+            metrics=self.metrics,
+        )
 
 
 @dataclass
@@ -359,7 +360,7 @@ class JobRunner:
             )
         for group in groups:
             kind, advantages = group.custom if group.custom is not None else ("grpo", grpo_advantages(group.rewards))
-            entry_id = await self._feed.publish(group.group_id, group.entry(self.job_id, advantages, kind))
+            entry_id = await self._feed.publish(group.entry(self.job_id, advantages, kind))
             assert self.progress is not None
             self.progress.published(entry_id is not None)
 

@@ -16,7 +16,6 @@ from rollout_proxy.sdk.clients import (
     wrap_responses_async_client_inplace,
     wrap_responses_client_inplace,
 )
-from rollout_proxy.sdk.consumer import FeedEntry, TrajectoryConsumer
 from rollout_proxy.sdk.decorators import (
     Plugin,
     PluginKind,
@@ -54,7 +53,6 @@ __all__ = [
     "ChatCompletionMessageToolCall",
     "ChatCompletionSample",
     "CriticContext",
-    "FeedEntry",
     "Function",
     "GenerationParameterError",
     "GroupGraderResult",
@@ -77,7 +75,6 @@ __all__ = [
     "TeacherContext",
     "Thinking",
     "Trajectory",
-    "TrajectoryConsumer",
     "decode_routed_experts",
     "group_grader",
     "group_rollout",

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import openai
 
-from rollout_proxy.core.types import PINNED_GENERATION_PARAMETERS
+from rollout_proxy.wire.generation import PINNED_GENERATION_PARAMETERS
 
 if TYPE_CHECKING:
     from rollout_proxy.sdk.proxy import RolloutInferenceProxy

@@ -22,7 +22,6 @@ import aiohttp
 import jwt
 import openai
 
-from rollout_proxy.proxy.openai_responses import input_to_messages
 from rollout_proxy.sdk.clients import (
     wrap_async_client_inplace,
     wrap_client_inplace,
@@ -30,7 +29,8 @@ from rollout_proxy.sdk.clients import (
     wrap_responses_client_inplace,
 )
 from rollout_proxy.sdk.types import ChatCompletionSample, Trajectory
-from rollout_proxy.tokenization.messages import normalize_messages
+from rollout_proxy.wire.messages import normalize_messages
+from rollout_proxy.wire.responses import as_dict, assistant_message_of_response, input_to_messages, messages_as_input
 
 
 class Mode(str, enum.Enum):
@@ -71,56 +71,6 @@ def session_body(sample: ChatCompletionSample, *, n_sample: int | None = None, *
     if n_sample is not None:
         body["n_sample"] = n_sample
     return body
-
-
-def _as_dict(value: Any) -> dict[str, Any]:
-    return value.model_dump() if hasattr(value, "model_dump") else dict(value)
-
-
-def assistant_message_of_response(response: Any) -> dict[str, Any]:
-    """The assistant message a Responses API answer stands for."""
-    reasoning, text, calls = [], [], []
-    for item in _as_dict(response).get("output") or []:
-        kind = item.get("type")
-        if kind == "reasoning":
-            reasoning += [part.get("text", "") for part in (item.get("content") or item.get("summary") or [])]
-        elif kind == "message":
-            text += [part.get("text", "") for part in item.get("content") or [] if part.get("type") == "output_text"]
-        elif kind == "function_call":
-            function = {"name": item["name"], "arguments": item.get("arguments") or "{}"}
-            calls.append({"id": item["call_id"], "type": "function", "function": function})
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
-    if calls:
-        message["tool_calls"] = calls
-    if reasoning:
-        message["reasoning_content"] = "\n".join(reasoning)
-    return message
-
-
-def messages_as_input(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A whole conversation as Responses input items (to replay it where nothing is stored)."""
-    items: list[dict[str, Any]] = []
-    for message in messages:
-        if message["role"] == "tool":
-            items.append(
-                {"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]}
-            )
-        elif message["role"] == "assistant":
-            if message.get("content"):
-                items.append({"role": "assistant", "content": message["content"]})
-            for call in message.get("tool_calls") or []:
-                function = call["function"]
-                items.append(
-                    {
-                        "type": "function_call",
-                        "call_id": call["id"],
-                        "name": function["name"],
-                        "arguments": function["arguments"],
-                    }
-                )
-        else:
-            items.append({"role": message["role"], "content": message["content"]})
-    return items
 
 
 class RolloutInferenceProxy:
@@ -167,13 +117,13 @@ class RolloutInferenceProxy:
 
     def update_state_from_messages(self, messages: list[Any], previous_response_id: str | None = None) -> str:
         """Append messages the policy did not generate (weight 0); returns their response id."""
-        body = {"messages": [_as_dict(m) for m in messages], "previous_response_id": previous_response_id}
+        body = {"messages": [as_dict(m) for m in messages], "previous_response_id": previous_response_id}
         answer = post_json(self._session_url("messages"), body, self.jwt_token, what="update_state_from_messages")
         return self._remember(answer["response_id"], previous_response_id, body["messages"])
 
     async def aupdate_state_from_messages(self, messages: list[Any], previous_response_id: str | None = None) -> str:
         """``update_state_from_messages`` without blocking the event loop."""
-        body = {"messages": [_as_dict(m) for m in messages], "previous_response_id": previous_response_id}
+        body = {"messages": [as_dict(m) for m in messages], "previous_response_id": previous_response_id}
         async with (
             aiohttp.ClientSession() as http,
             http.post(self._session_url("messages"), json=body, headers=self.headers) as answer,
@@ -185,9 +135,9 @@ class RolloutInferenceProxy:
 
     def process_completion(self, completion: Any, messages: list[Any] | None = None) -> None:
         """Record a chat completion: the conversation it ends, its usage and finish reason."""
-        data = _as_dict(completion)
+        data = as_dict(completion)
         choice = data["choices"][0]
-        history = [_as_dict(m) for m in messages] if messages is not None else list(self.messages)
+        history = [as_dict(m) for m in messages] if messages is not None else list(self.messages)
         message = {key: value for key, value in choice["message"].items() if value is not None}
         self.messages = [*history, message]
         self.usage = data.get("usage")
@@ -220,7 +170,7 @@ class RolloutInferenceProxy:
         return kwargs
 
     def _record_response(self, kwargs: dict[str, Any], response: Any) -> None:
-        data = _as_dict(response)
+        data = as_dict(response)
         previous = kwargs.get("previous_response_id")
         base = self._histories.get(previous, []) if previous else self._root_history()
         new_input = normalize_messages(input_to_messages(kwargs.get("input")))
@@ -261,7 +211,7 @@ class InferenceProxy(RolloutInferenceProxy):
         if self.mode is Mode.Training:
             return super().update_state_from_messages(messages, previous_response_id)
         local_id = f"local_{len(self._histories)}"
-        return self._remember(local_id, previous_response_id, [_as_dict(m) for m in messages])
+        return self._remember(local_id, previous_response_id, [as_dict(m) for m in messages])
 
     async def aupdate_state_from_messages(self, messages: list[Any], previous_response_id: str | None = None) -> str:
         if self.mode is Mode.Training:
@@ -307,7 +257,7 @@ class InferenceProxy(RolloutInferenceProxy):
     def _record_response(self, kwargs: dict[str, Any], response: Any) -> None:
         if self.mode is Mode.Training:
             return super()._record_response(kwargs, response)
-        data = _as_dict(response)
+        data = as_dict(response)
         history = normalize_messages(input_to_messages(kwargs["input"]))
         self._histories[data["id"]] = self.messages = [*history, assistant_message_of_response(data)]
         self.usage = data.get("usage")

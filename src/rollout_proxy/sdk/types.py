@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
-import base64
 import enum
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_proxy.wire.routed_experts import decode_routed_experts
+from rollout_proxy.wire.trajectory import Trajectory
+
+__all__ = [
+    "ChatCompletionMessage",
+    "ChatCompletionMessageToolCall",
+    "ChatCompletionSample",
+    "CriticContext",
+    "Function",
+    "GroupGraderResult",
+    "GroupRolloutResult",
+    "PluginContext",
+    "PluginStatus",
+    "RolloutResult",
+    "SingleGraderResult",
+    "SingleResponse",
+    "TeacherContext",
+    "Thinking",
+    "Trajectory",
+    "decode_routed_experts",
+]
 
 
 class PluginStatus(str, enum.Enum):
@@ -118,48 +138,6 @@ class CriticContext(BaseModel):
 
     qa_index: int
     message: ChatCompletionMessage
-
-
-def decode_routed_experts(field: dict[str, Any] | None) -> np.ndarray | None:
-    """The trajectory's ``routed_experts`` as a (T, layers, top_k) int16 array, -1 where unobserved."""
-    if field is None:
-        return None
-    data = np.frombuffer(base64.b64decode(field["data"]), dtype=np.dtype(field["dtype"]))
-    return data.reshape(field["shape"])
-
-
-class Trajectory(BaseModel):
-    """What graders and the trainer receive: the messages, and the exact tokens behind them."""
-
-    model_config = ConfigDict(extra="allow")
-
-    messages: list[dict[str, Any]] = Field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    extra: dict[str, Any] | None = None
-    response_id: str | None = None
-    session_id: str | None = None
-    total_token_ids: list[int] | None = None
-    total_loss_weight: list[float] | None = None
-    total_token_logprobs: list[float] | None = None
-    routed_experts: dict[str, Any] | None = None
-    turns: int | None = None
-
-    def token_ids(self) -> np.ndarray:
-        return np.asarray(self.total_token_ids or [], dtype=np.int32)
-
-    def loss_weight(self) -> np.ndarray:
-        return np.asarray(self.total_loss_weight or [], dtype=np.float32)
-
-    def token_logprobs(self) -> np.ndarray:
-        return np.asarray(self.total_token_logprobs or [], dtype=np.float32)
-
-    def routed_experts_array(self) -> np.ndarray | None:
-        return decode_routed_experts(self.routed_experts)
-
-    @property
-    def assistant_turns(self) -> int:
-        return sum(1 for message in self.messages if message.get("role") == "assistant")
 
 
 class SingleGraderResult(BaseModel):

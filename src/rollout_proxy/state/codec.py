@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from rollout_proxy.core.types import NodeKind, ResponseNode
+from rollout_proxy.records import NodeKind, ResponseNode
 from rollout_proxy.routing.rows import RoutingRows, RoutingSpan
 
 MAGIC = b"RPN1"

@@ -3,7 +3,7 @@
 Two implementations: ``JsonlFeed`` (a file, when running on the in-process store)
 and ``redis_feed.RedisStreamFeed`` (a Redis Stream with consumer groups). Publishing
 is idempotent by group id, so a runner that crashed and resumes never publishes a
-group twice as new; a reader pages with a cursor (the last id it has).
+group twice as new; a reader pages with a cursor (the last entry id it has).
 """
 
 from __future__ import annotations
@@ -11,23 +11,31 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import orjson
 
+from rollout_proxy.errors import BadCursor
+from rollout_proxy.state.connection import is_redis_url
+from rollout_proxy.wire.feed import FeedEntry, FeedGroup
+
 
 class Feed(Protocol):
-    async def publish(self, group_id: str, entry: dict[str, Any]) -> str | None:
+    async def publish(self, group: FeedGroup) -> str | None:
         """Append the group; its entry id, or None if this group id was already published."""
         ...
 
     async def published(self, group_id: str) -> bool: ...
 
-    async def read(self, after: str | None = None, limit: int = 100) -> list[tuple[str, dict[str, Any]]]:
-        """Entries after the cursor ``after`` (an entry id), oldest first."""
+    async def read(self, after: str | None = None, limit: int = 100) -> list[FeedEntry]:
+        """Entries after the cursor ``after`` (an entry id), oldest first; ``BadCursor`` if it is not one."""
         ...
 
     async def close(self) -> None: ...
+
+
+def bad_cursor(after: str) -> BadCursor:
+    return BadCursor(f"{after!r} is not a cursor of this feed", param="after")
 
 
 class JsonlFeed:
@@ -38,7 +46,7 @@ class JsonlFeed:
         self._lock = asyncio.Lock()
         self._ids: dict[str, str] | None = None
 
-    def _scan(self) -> list[dict[str, Any]]:
+    def _scan(self) -> list[dict]:
         if not self.path.exists():
             return []
         with self.path.open("rb") as lines:
@@ -57,34 +65,42 @@ class JsonlFeed:
             out.flush()
             os.fsync(out.fileno())
 
-    async def publish(self, group_id: str, entry: dict[str, Any]) -> str | None:
+    async def publish(self, group: FeedGroup) -> str | None:
         async with self._lock:
             known = await self._known()
-            if group_id in known:
+            if group.group_id in known:
                 return None
             entry_id = str(len(known) + 1)
-            record = {"id": entry_id, "group_id": group_id, "data": entry}
-            await asyncio.to_thread(self._append, orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-            known[group_id] = entry_id
+            record = {"id": entry_id, "group_id": group.group_id, "data": group.model_dump(mode="json")}
+            await asyncio.to_thread(self._append, orjson.dumps(record) + b"\n")
+            known[group.group_id] = entry_id
             return entry_id
 
     async def published(self, group_id: str) -> bool:
         return group_id in await self._known()
 
-    async def read(self, after: str | None = None, limit: int = 100) -> list[tuple[str, dict[str, Any]]]:
-        start = int(after or 0)
+    async def read(self, after: str | None = None, limit: int = 100) -> list[FeedEntry]:
+        try:
+            start = int(after or 0)
+        except ValueError:
+            raise bad_cursor(str(after)) from None
+        if start < 0:
+            raise bad_cursor(str(after))
         records = await asyncio.to_thread(self._scan)
-        return [(record["id"], record["data"]) for record in records[start : start + limit]]
+        return [
+            FeedEntry(id=record["id"], group=FeedGroup.model_validate(record["data"]))
+            for record in records[start : start + limit]
+        ]
 
     async def close(self) -> None:
         return None
 
 
 async def open_feed(url: str, *, stream: str = "trajectories") -> Feed:
-    """``jsonl:PATH`` or a ``redis://`` URL (the stream name is ``stream``)."""
+    """``jsonl:PATH`` or a Redis URL (the stream name is ``stream``)."""
     if url.startswith("jsonl:"):
         return JsonlFeed(url.removeprefix("jsonl:"))
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if is_redis_url(url):
         from rollout_proxy.state.redis_feed import RedisStreamFeed
 
         return await RedisStreamFeed.connect(url, stream=stream)

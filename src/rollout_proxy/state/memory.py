@@ -11,7 +11,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rollout_proxy.core.types import ResponseNode, SessionRecord, SessionStatus
+from rollout_proxy.errors import SessionNotFound
+from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus
 
 _SWEEP_EVERY = 60.0
 
@@ -71,17 +72,13 @@ class MemoryStore:
     ) -> None:
         state = self._state(session_id)
         if state is None:
-            raise KeyError(session_id)
+            raise SessionNotFound(f"session {session_id!r} not found (unknown or expired)", param="session_id")
         state.nodes[node.id] = node
         for path_hash, value in partial_paths.items():
             state.paths.setdefault(path_hash, value)
         state.paths.update(paths)
         if latest is not None:
             state.latest[latest] = state.latest["*"] = node.id
-
-    async def get_node(self, session_id: str, node_id: str) -> ResponseNode | None:
-        state = self._state(session_id)
-        return None if state is None else state.nodes.get(node_id)
 
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
         state = self._state(session_id)
@@ -105,6 +102,9 @@ class MemoryStore:
     async def latest(self, session_id: str, api: str) -> str | None:
         state = self._state(session_id)
         return None if state is None else state.latest.get(api)
+
+    async def ping(self) -> bool:
+        return True
 
     async def close(self) -> None:
         self._sessions.clear()

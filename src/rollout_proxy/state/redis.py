@@ -8,21 +8,23 @@ optimistic (WATCH/MULTI) compare-and-set, so it happens once.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Mapping, Sequence
 
 import orjson
 from redis import asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError, WatchError
+from redis.exceptions import RedisError, ResponseError, WatchError
 
-from rollout_proxy.core.types import ResponseNode, SessionRecord, SessionStatus
+from rollout_proxy.errors import Conflict, SessionNotFound
+from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus
 from rollout_proxy.state import keys
 from rollout_proxy.state.codec import decode_node, encode_node
+from rollout_proxy.state.connection import connect_redis
 
 #: A path deeper than this is refused (a cycle would otherwise loop in the script).
 MAX_DEPTH = 100_000
+#: Optimistic-lock retries of a finish before giving up with a 409 (only concurrent finishes collide).
+MAX_FINISH_ATTEMPTS = 8
 
 _GET_PATH = """
 -- KEYS: parents, nodes, routing; ARGV: leaf id, depth limit, "1" to add routing blobs
@@ -77,17 +79,7 @@ class RedisStore:
     @classmethod
     async def connect(cls, url: str, *, retries: int = 5, delay: float = 0.5) -> RedisStore:
         """Connect and ping, retrying while the server comes up."""
-        client = aioredis.Redis.from_url(url, decode_responses=False)
-        for attempt in range(retries + 1):
-            try:
-                await client.ping()
-                return cls(client)
-            except (RedisConnectionError, OSError):
-                if attempt == retries:
-                    await client.aclose()
-                    raise
-                await asyncio.sleep(delay * (2**attempt))
-        raise AssertionError("unreachable")
+        return cls(await connect_redis(url, retries=retries, delay=delay))
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -95,7 +87,7 @@ class RedisStore:
     async def ping(self) -> bool:
         try:
             return bool(await self._redis.ping())
-        except (RedisConnectionError, OSError):
+        except (RedisError, OSError):
             return False
 
     async def create_session(self, session: SessionRecord) -> None:
@@ -110,7 +102,7 @@ class RedisStore:
     async def finish_session(self, session_id: str, result: dict) -> SessionRecord | None:
         key = keys.session_key(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
-            while True:
+            for _ in range(MAX_FINISH_ATTEMPTS):
                 try:
                     await pipe.watch(key)
                     raw = await pipe.get(key)
@@ -126,6 +118,9 @@ class RedisStore:
                     return session
                 except WatchError:
                     continue  # someone else touched the session: read it again
+        raise Conflict(
+            f"session {session_id!r} kept changing while it was being finished; try again", param="session_id"
+        )
 
     async def put_node(
         self,
@@ -152,15 +147,8 @@ class RedisStore:
             await self._put_node(keys=keys.session_keys(session_id), args=args)
         except ResponseError as exc:
             if "NOSESSION" in str(exc):
-                raise KeyError(session_id) from exc
+                raise SessionNotFound(f"session {session_id!r} not found (unknown or expired)", param="session_id") from None
             raise
-
-    async def get_node(self, session_id: str, node_id: str) -> ResponseNode | None:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hget(keys.nodes_key(session_id), node_id)
-            pipe.hget(keys.routing_key(session_id), node_id)
-            blob, routing = await pipe.execute()
-        return None if blob is None else decode_node(blob, routing)
 
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
         blobs = await self._get_path(

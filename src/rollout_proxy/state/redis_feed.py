@@ -9,13 +9,13 @@ claimed by another one. Nothing is delivered to two consumers as new.
 
 from __future__ import annotations
 
-from typing import Any
-
-import orjson
 from redis import asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from rollout_proxy.state.connection import connect_redis
+from rollout_proxy.state.feed import bad_cursor
 from rollout_proxy.state.keys import feed_published_key, feed_stream_key
+from rollout_proxy.wire.feed import FeedEntry, FeedGroup
 
 _PUBLISH = """
 local existing = redis.call("HGET", KEYS[2], ARGV[1])
@@ -26,8 +26,13 @@ return {1, id}
 """
 
 
-def _entry(fields: dict[bytes, bytes]) -> dict[str, Any]:
-    return orjson.loads(fields[b"data"])
+def _entries(rows: list) -> list[FeedEntry]:
+    """Stream rows as typed entries (rows of deleted entries, whose fields are gone, are skipped)."""
+    return [
+        FeedEntry(id=entry_id.decode(), group=FeedGroup.model_validate_json(fields[b"data"]))
+        for entry_id, fields in rows
+        if fields
+    ]
 
 
 class RedisStreamFeed:
@@ -39,25 +44,22 @@ class RedisStreamFeed:
 
     @classmethod
     async def connect(cls, url: str, *, stream: str = "trajectories") -> RedisStreamFeed:
-        client = aioredis.Redis.from_url(url, decode_responses=False)
-        await client.ping()
-        return cls(client, stream)
+        return cls(await connect_redis(url), stream)
 
-    async def publish(self, group_id: str, entry: dict[str, Any]) -> str | None:
-        data = orjson.dumps(entry, option=orjson.OPT_SERIALIZE_NUMPY)
-        created, entry_id = await self._publish(keys=self._keys, args=[group_id, data])
+    async def publish(self, group: FeedGroup) -> str | None:
+        created, entry_id = await self._publish(keys=self._keys, args=[group.group_id, group.model_dump_json()])
         return entry_id.decode() if created else None
 
     async def published(self, group_id: str) -> bool:
         return bool(await self._redis.hexists(self._keys[1], group_id))
 
-    async def read(self, after: str | None = None, limit: int = 100) -> list[tuple[str, dict[str, Any]]]:
+    async def read(self, after: str | None = None, limit: int = 100) -> list[FeedEntry]:
         low = f"({after}" if after else "-"
         try:
             rows = await self._redis.xrange(self._keys[0], min=low, max="+", count=limit)
-        except ResponseError as exc:
-            raise ValueError(f"not a stream id: {after!r}") from exc
-        return [(entry_id.decode(), _entry(fields)) for entry_id, fields in rows]
+        except ResponseError:
+            raise bad_cursor(str(after)) from None
+        return _entries(rows)
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -80,21 +82,21 @@ class StreamConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def fetch(self, count: int, block_ms: int) -> list[tuple[str, dict[str, Any]]]:
+    async def fetch(self, count: int, block_ms: int) -> list[FeedEntry]:
         if not self._backlog_done:  # what this consumer was given before and never acknowledged
             rows = await self._redis.xreadgroup(self.group, self.consumer, {self._stream: "0"}, count=count)
-            pending = rows[0][1] if rows else []
+            pending = _entries(rows[0][1] if rows else [])
             if pending:
-                return [(entry_id.decode(), _entry(fields)) for entry_id, fields in pending]
+                return pending
             self._backlog_done = True
         claimed = await self._redis.xautoclaim(
             self._stream, self.group, self.consumer, min_idle_time=self._claim_idle_ms, start_id="0-0", count=count
         )
-        reclaimed = [(entry_id.decode(), _entry(fields)) for entry_id, fields in claimed[1] if fields]
+        reclaimed = _entries(claimed[1])
         if reclaimed:
             return reclaimed
         rows = await self._redis.xreadgroup(self.group, self.consumer, {self._stream: ">"}, count=count, block=block_ms)
-        return [(entry_id.decode(), _entry(fields)) for entry_id, fields in (rows[0][1] if rows else [])]
+        return _entries(rows[0][1] if rows else [])
 
     async def ack(self, entry_id: str) -> None:
         await self._redis.xack(self._stream, self.group, entry_id)

@@ -8,7 +8,8 @@ Contract (tested once, over both, in tests/state/test_store_contract.py):
 - ``get_path`` returns root-to-leaf nodes in one round trip, whatever the depth
   (routing rows too, when asked);
 - ``match_paths`` answers for many path hashes in one round trip;
-- ids are looked up within the given session only: another session's id is absent.
+- ids are looked up within the given session only: another session's id is absent;
+- a write to a session that is unknown or expired raises ``SessionNotFound``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from rollout_proxy.core.types import ResponseNode, SessionRecord
+from rollout_proxy.records import ResponseNode, SessionRecord
 
 
 class StateStore(Protocol):
@@ -38,10 +39,10 @@ class StateStore(Protocol):
         latest: str | None,
     ) -> None:
         """Store a node. ``paths`` entries overwrite, ``partial_paths`` never do; the
-        latest pointer is set for ``latest`` (an api name) and for ``"*"``."""
-        ...
+        latest pointer is set for ``latest`` (an api name) and for ``"*"``.
 
-    async def get_node(self, session_id: str, node_id: str) -> ResponseNode | None: ...
+        Raises ``SessionNotFound`` when the session is unknown or expired."""
+        ...
 
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
         """Root-to-leaf nodes ending at ``node_id``; None if it is not in the session.
@@ -52,5 +53,9 @@ class StateStore(Protocol):
     async def match_paths(self, session_id: str, hashes: Sequence[str]) -> list[str | None]: ...
 
     async def latest(self, session_id: str, api: str) -> str | None: ...
+
+    async def ping(self) -> bool:
+        """Whether the store answers now (for readiness checks); never raises."""
+        ...
 
     async def close(self) -> None: ...

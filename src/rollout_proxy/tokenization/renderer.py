@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from rollout_proxy.engines.base import Engine
 from rollout_proxy.errors import EngineError
-from rollout_proxy.proxy.engines.base import Engine
 
 ANCHOR_USER = "rollout-proxy anchor question"
 ANCHOR_ASSISTANT = "rollout-proxy anchor answer"

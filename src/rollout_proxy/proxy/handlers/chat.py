@@ -7,13 +7,13 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from rollout_proxy import keys
 from rollout_proxy.core.turns import TurnResult
 from rollout_proxy.errors import InvalidRequest
+from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.handlers.common import plugin_request
 from rollout_proxy.proxy.http import json_response
 from rollout_proxy.proxy.schemas import ChatRequest
-from rollout_proxy.tokenization.messages import normalize_messages, normalize_tools
+from rollout_proxy.wire.messages import normalize_messages, normalize_tools
 
 
 def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | None) -> dict[str, Any]:

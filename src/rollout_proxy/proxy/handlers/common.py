@@ -5,12 +5,12 @@ from __future__ import annotations
 import structlog
 from aiohttp import web
 
-from rollout_proxy import keys
-from rollout_proxy.core.types import SessionRecord
 from rollout_proxy.errors import AuthenticationFailed, InvalidRequest
+from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import Caller, authenticate
 from rollout_proxy.proxy.http import M, read_json_object, validate
 from rollout_proxy.proxy.schemas import refuse_pinned
+from rollout_proxy.records import SessionRecord
 
 
 def request_caller(request: web.Request, *, admin_only: bool = False) -> Caller:

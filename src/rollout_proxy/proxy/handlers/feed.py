@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from rollout_proxy import keys
 from rollout_proxy.errors import InvalidRequest, NotFound
+from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response
 
@@ -24,13 +24,10 @@ async def read_feed(request: web.Request) -> web.Response:
     if not 1 <= limit <= MAX_PAGE:
         raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}", param="limit")
     after = request.query.get("after") or None
-    try:
-        entries = await feed.read(after, limit)
-    except ValueError:
-        raise InvalidRequest(f"{after!r} is not a cursor of this feed", param="after") from None
+    entries = await feed.read(after, limit)
     return json_response(
         {
-            "entries": [{"id": entry_id, "data": data} for entry_id, data in entries],
-            "next": entries[-1][0] if entries else after,
+            "entries": [{"id": entry.id, "data": entry.group.model_dump(mode="json")} for entry in entries],
+            "next": entries[-1].id if entries else after,
         }
     )

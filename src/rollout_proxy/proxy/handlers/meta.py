@@ -6,7 +6,7 @@ import asyncio
 
 from aiohttp import web
 
-from rollout_proxy import keys
+from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response
 

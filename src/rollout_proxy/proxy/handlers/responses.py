@@ -5,15 +5,16 @@ from __future__ import annotations
 import structlog
 from aiohttp import web
 
-from rollout_proxy import keys
 from rollout_proxy.core.turns import path_tokens
 from rollout_proxy.errors import NotFound
 from rollout_proxy.ids import session_of_response
+from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.handlers.common import plugin_request, request_caller
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.openai_responses import input_to_messages, response_body
+from rollout_proxy.proxy.openai_responses import response_body
 from rollout_proxy.proxy.schemas import ResponsesRequest
-from rollout_proxy.tokenization.messages import normalize_tools
+from rollout_proxy.wire.messages import normalize_tools
+from rollout_proxy.wire.responses import input_to_messages
 
 
 async def create_response(request: web.Request) -> web.Response:

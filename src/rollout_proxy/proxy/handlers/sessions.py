@@ -5,11 +5,11 @@ from __future__ import annotations
 import structlog
 from aiohttp import web
 
-from rollout_proxy import keys
+from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response, read_json_object, validate
 from rollout_proxy.proxy.schemas import AppendMessages, FinishRequest, SessionCreate
-from rollout_proxy.tokenization.messages import normalize_messages, normalize_tools
+from rollout_proxy.wire.messages import normalize_messages, normalize_tools
 
 
 def plugin_base_url(request: web.Request) -> str:
@@ -66,7 +66,7 @@ async def finish_session(request: web.Request) -> web.Response:
     session_id = request.match_info["session_id"]
     request_caller(request).require_session(session_id)
     body = validate(FinishRequest, await read_json_object(request))
-    session, trajectories = await request.app[keys.SESSIONS].finish(
+    _session, trajectories = await request.app[keys.SESSIONS].finish(
         session_id,
         status=body.status,
         error=body.error,

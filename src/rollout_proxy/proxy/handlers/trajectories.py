@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from rollout_proxy import keys
+from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response
 

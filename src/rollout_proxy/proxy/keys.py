@@ -8,10 +8,9 @@ from rollout_proxy.core.chat import ChatService
 from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
-from rollout_proxy.core.turns import TurnRunner
+from rollout_proxy.engines.pool import EnginePool
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
-from rollout_proxy.proxy.engines.pool import EnginePool
 from rollout_proxy.settings import Settings
 from rollout_proxy.state.feed import Feed
 from rollout_proxy.state.store import StateStore
@@ -22,7 +21,6 @@ TOKENS = web.AppKey("tokens", SessionTokens)
 STORE = web.AppKey("store", StateStore)
 FEED = web.AppKey("feed", Feed)
 ENGINES = web.AppKey("engines", EnginePool)
-TURNS = web.AppKey("turns", TurnRunner)
 SESSIONS = web.AppKey("sessions", SessionService)
 TREE = web.AppKey("tree", ResponseTree)
 CHAT = web.AppKey("chat", ChatService)

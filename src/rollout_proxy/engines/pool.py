@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
-from rollout_proxy.proxy.engines.base import Engine
+from rollout_proxy.engines.base import Engine
 
 
 class EnginePool:

@@ -1,4 +1,7 @@
-"""Plain data types of the response tree (no HTTP, no Redis, no pydantic).
+"""The records the core and the stores share: sessions and response-tree nodes.
+
+Plain dataclasses and numpy arrays (no HTTP, no Redis, no pydantic); a leaf module that
+``core`` and ``state`` both import, so neither imports the other's internals.
 
 A session is one rollout: the sample it started from, the generation settings it
 pins, and a tree of ``ResponseNode``s. Each node is one model call (or one batch of
@@ -15,29 +18,6 @@ from typing import Any
 import numpy as np
 
 from rollout_proxy.routing.rows import RoutingRows, RoutingSpan
-
-#: Generation settings a plugin may not set in create(): the session pins them (the
-#: seed's rule), and the others would change the distribution the trainer assumes.
-PINNED_GENERATION_PARAMETERS = (
-    "n",
-    "max_tokens",
-    "max_completion_tokens",
-    "max_new_tokens",
-    "max_output_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "thinking",
-    "reasoning_effort",
-    "reasoning",
-    "seed",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "chat_template_kwargs",
-)
 
 EMPTY_IDS = np.zeros(0, dtype=np.int32)
 EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
@@ -152,7 +132,3 @@ class ResponseNode:
     def with_routing(self, rows: RoutingRows | None) -> ResponseNode:
         self.routing, self.routing_span = rows, None if rows is None else rows.span
         return self
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)

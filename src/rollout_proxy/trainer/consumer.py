@@ -2,33 +2,24 @@
 
     async with TrajectoryConsumer("redis://localhost:6379/0", consumer="trainer-0") as feed:
         async for entry in feed:
-            train_on(entry.data)
+            train_on(entry.group)          # a wire.FeedGroup: trajectories, rewards, advantages
             await feed.ack(entry)
 
 At least once, in order: an entry stays pending for its consumer until acknowledged
 (and comes back when that consumer restarts); entries left pending by a consumer idle
-longer than ``claim_idle_ms`` are claimed by another one.
+longer than ``claim_idle_ms`` are claimed by another one. The connection is opened on
+first use (with the same retries as the proxy's own), never in the constructor.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
 from redis import asyncio as aioredis
 
+from rollout_proxy.state.connection import connect_redis, is_redis_url
 from rollout_proxy.state.redis_feed import StreamConsumer
-
-
-@dataclass(frozen=True, slots=True)
-class FeedEntry:
-    id: str
-    data: dict[str, Any]
-
-    @property
-    def group_id(self) -> str | None:
-        return self.data.get("group_id")
+from rollout_proxy.wire.feed import FeedEntry
 
 
 class TrajectoryConsumer:
@@ -44,13 +35,15 @@ class TrajectoryConsumer:
         claim_idle_ms: int = 60_000,
         stop_when_idle: bool = False,
     ) -> None:
-        self._client = aioredis.Redis.from_url(redis_url, decode_responses=False)
-        self._reader = StreamConsumer(
-            self._client, stream=stream, group=group, consumer=consumer, claim_idle_ms=claim_idle_ms
-        )
+        if not is_redis_url(redis_url):
+            raise ValueError(f"TrajectoryConsumer reads a Redis feed; {redis_url!r} is not a Redis URL")
+        self._url = redis_url
+        self._stream, self._group, self._consumer = stream, group, consumer
+        self._claim_idle_ms = claim_idle_ms
         self._batch, self._block_ms = batch, block_ms
         self._stop_when_idle = stop_when_idle
-        self._ready = False
+        self._client: aioredis.Redis | None = None
+        self._reader: StreamConsumer | None = None
 
     async def __aenter__(self) -> TrajectoryConsumer:
         return self
@@ -58,12 +51,24 @@ class TrajectoryConsumer:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    async def _connected(self) -> StreamConsumer:
+        if self._reader is None:
+            self._client = await connect_redis(self._url)
+            reader = StreamConsumer(
+                self._client,
+                stream=self._stream,
+                group=self._group,
+                consumer=self._consumer,
+                claim_idle_ms=self._claim_idle_ms,
+            )
+            await reader.ensure_group()
+            self._reader = reader
+        return self._reader
+
     async def fetch(self) -> list[FeedEntry]:
         """The next entries for this consumer (waits up to ``block_ms`` for new ones)."""
-        if not self._ready:
-            await self._reader.ensure_group()
-            self._ready = True
-        return [FeedEntry(entry_id, data) for entry_id, data in await self._reader.fetch(self._batch, self._block_ms)]
+        reader = await self._connected()
+        return await reader.fetch(self._batch, self._block_ms)
 
     async def __aiter__(self) -> AsyncIterator[FeedEntry]:
         while True:
@@ -74,7 +79,10 @@ class TrajectoryConsumer:
                 yield entry
 
     async def ack(self, entry: FeedEntry | str) -> None:
-        await self._reader.ack(entry.id if isinstance(entry, FeedEntry) else entry)
+        reader = await self._connected()
+        await reader.ack(entry.id if isinstance(entry, FeedEntry) else entry)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = self._reader = None

@@ -16,8 +16,8 @@ import aiohttp
 import numpy as np
 import orjson
 
+from rollout_proxy.engines.base import EngineCompletion, EngineInfo, SamplingParams
 from rollout_proxy.errors import EngineError, EngineUnavailable
-from rollout_proxy.proxy.engines.base import EngineCompletion, EngineInfo, SamplingParams
 
 #: vLLM's own floor for -inf logprobs; non-finite values are clamped to it and counted.
 LOGPROB_FLOOR = -9999.0

@@ -1,0 +1,44 @@
+"""The trainer feed's entries: one graded group of trajectories each.
+
+The runner publishes ``FeedGroup``s; the Redis Stream / JSONL feed stores them as JSON;
+``GET /v1/feed`` pages them as ``{"id", "data"}``; the trainer's ``TrajectoryConsumer``
+yields ``FeedEntry``s (the entry id, for acknowledging, and the typed group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_proxy.wire.trajectory import Trajectory
+
+
+class FeedGroup(BaseModel):
+    """A sample's graded trajectories with their rewards and advantages."""
+
+    model_config = ConfigDict(extra="allow")
+
+    group_id: str
+    job_id: str
+    step: int
+    sample_index: int
+    sample: dict[str, Any] = Field(default_factory=dict)
+    trajectories: list[Trajectory]
+    rewards: list[float]
+    grader_rewards: dict[str, list[float]] = Field(default_factory=dict)
+    #: one per trajectory ("grpo", "seq") or one per token of each trajectory ("tok")
+    advantages: list[Any]
+    advantage_kind: str
+    metrics: list[dict[str, float]] = Field(default_factory=list)
+
+
+class FeedEntry(BaseModel):
+    """One entry of the feed as a trainer reads it: its id (the cursor, what to ack) and the group."""
+
+    id: str
+    group: FeedGroup
+
+    @property
+    def group_id(self) -> str:
+        return self.group.group_id

@@ -1,0 +1,28 @@
+"""Generation settings a session pins: a plugin may not set them in ``create()``.
+
+The seed's rule (GenerationConfig belongs to the sample or the job), plus the other
+settings that would change the distribution the trainer assumes it sampled from.
+"""
+
+from __future__ import annotations
+
+PINNED_GENERATION_PARAMETERS: tuple[str, ...] = (
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_new_tokens",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "thinking",
+    "reasoning_effort",
+    "reasoning",
+    "seed",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "chat_template_kwargs",
+)

@@ -1,0 +1,112 @@
+"""Responses API input items and answers, as messages.
+
+Input items: messages (string or content parts), ``function_call_output``, and prior
+``function_call`` / ``reasoning`` items echoed back by clients (folded into the
+assistant message they came from). The other direction, for replaying a conversation
+where nothing is stored: a conversation as input items, and the assistant message an
+answer stands for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_proxy.wire.errors import WireFormatError
+from rollout_proxy.wire.messages import content_text, normalize_message
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    parts = item.get("content") or item.get("summary") or []
+    return "\n".join(part.get("text", "") for part in parts if isinstance(part, dict))
+
+
+def input_to_messages(value: Any, *, param: str = "input") -> list[dict[str, Any]]:
+    """Responses ``input`` as normalized chat messages."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise WireFormatError("input must be a string or a list of items", param=param)
+    messages: list[dict[str, Any]] = []
+    reasoning: str | None = None
+    for index, item in enumerate(value):
+        where = f"{param}[{index}]"
+        if not isinstance(item, dict):
+            raise WireFormatError("an input item must be an object", param=where)
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            message = normalize_message({"role": item.get("role"), "content": item.get("content")}, param=where)
+            if message["role"] == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = reasoning, None
+            messages.append(message)
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item) or None
+        elif kind == "function_call":
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("name"), str):
+                raise WireFormatError("a function_call item needs call_id and name", param=where)
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if reasoning:
+                    message["reasoning_content"], reasoning = reasoning, None
+                messages.append(normalize_message(message, param=where))
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise WireFormatError("a function_call_output item needs call_id", param=where)
+            output = content_text(item.get("output"), param=where)
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output or ""})
+        else:
+            raise WireFormatError(f"unsupported input item type {kind!r}", param=f"{where}.type")
+    return messages
+
+
+def as_dict(value: Any) -> dict[str, Any]:
+    """An openai SDK object (or a plain mapping) as a dict."""
+    return value.model_dump() if hasattr(value, "model_dump") else dict(value)
+
+
+def assistant_message_of_response(response: Any) -> dict[str, Any]:
+    """The assistant message a Responses API answer stands for."""
+    reasoning, text, calls = [], [], []
+    for item in as_dict(response).get("output") or []:
+        kind = item.get("type")
+        if kind == "reasoning":
+            reasoning += [part.get("text", "") for part in (item.get("content") or item.get("summary") or [])]
+        elif kind == "message":
+            text += [part.get("text", "") for part in item.get("content") or [] if part.get("type") == "output_text"]
+        elif kind == "function_call":
+            function = {"name": item["name"], "arguments": item.get("arguments") or "{}"}
+            calls.append({"id": item["call_id"], "type": "function", "function": function})
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = calls
+    if reasoning:
+        message["reasoning_content"] = "\n".join(reasoning)
+    return message
+
+
+def messages_as_input(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A whole conversation as Responses input items (to replay it where nothing is stored)."""
+    items: list[dict[str, Any]] = []
+    for message in messages:
+        if message["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]})
+        elif message["role"] == "assistant":
+            if message.get("content"):
+                items.append({"role": "assistant", "content": message["content"]})
+            for call in message.get("tool_calls") or []:
+                function = call["function"]
+                items.append(
+                    {"type": "function_call", "call_id": call["id"], "name": function["name"], "arguments": function["arguments"]}
+                )
+        else:
+            items.append({"role": message["role"], "content": message["content"]})
+    return items

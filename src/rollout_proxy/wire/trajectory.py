@@ -1,0 +1,55 @@
+"""``Trajectory``: what graders and the trainer receive, one schema for everyone.
+
+The server assembles it from the response tree (``core.trajectory``) and answers it as
+JSON of exactly these fields; the SDK hands it to graders, the runner publishes it in
+feed groups, the trainer's consumer reads it back. Token arrays travel as JSON lists
+(``routed_experts`` as a compact base64 array); the methods give numpy views.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout_proxy.wire.routed_experts import decode_routed_experts
+
+
+class Trajectory(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    response_id: str | None = None
+    session_id: str | None = None
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    extra: dict[str, Any] | None = None
+    #: every token, from the sample's first message to the end
+    total_token_ids: list[int] | None = None
+    #: 1.0 where the policy sampled the token, 0.0 elsewhere
+    total_loss_weight: list[float] | None = None
+    #: the sampling logprob where the weight is 1, 0.0 elsewhere
+    total_token_logprobs: list[float] | None = None
+    #: MoE routing replay rows, ``{"dtype", "shape", "data"}``; None for dense models
+    routed_experts: dict[str, Any] | None = None
+    turns: int | None = None
+    #: where the plugin rewrote history: ``{"response_id", "diverged_from", "at_message"}``
+    forks: list[dict[str, Any]] = Field(default_factory=list)
+    routing_disagreements: int = 0
+
+    def token_ids(self) -> np.ndarray:
+        return np.asarray(self.total_token_ids or [], dtype=np.int32)
+
+    def loss_weight(self) -> np.ndarray:
+        return np.asarray(self.total_loss_weight or [], dtype=np.float32)
+
+    def token_logprobs(self) -> np.ndarray:
+        return np.asarray(self.total_token_logprobs or [], dtype=np.float32)
+
+    def routed_experts_array(self) -> np.ndarray | None:
+        return decode_routed_experts(self.routed_experts)
+
+    @property
+    def assistant_turns(self) -> int:
+        return sum(1 for message in self.messages if message.get("role") == "assistant")
