@@ -113,6 +113,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", meta.healthz)
     app.router.add_get("/readyz", meta.readyz)
     app.router.add_get("/metrics", meta.metrics)
+    app.router.add_get("/v1/admin/counters", meta.counters)
     app.router.add_get("/v1/models", meta.models)
     app.router.add_post("/v1/sessions", sessions.create_session)
     app.router.add_get("/v1/sessions/{session_id}", sessions.get_session)

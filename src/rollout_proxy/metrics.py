@@ -19,6 +19,13 @@ class Metrics:
     def value(self, name: str, **labels: str) -> float:
         return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
 
+    def counters(self) -> dict[str, float]:
+        """Every counter summed over its labels, by name (without the ``rollout_proxy_`` prefix)."""
+        totals: dict[str, float] = {}
+        for (name, _), value in self._counters.items():
+            totals[name] = totals.get(name, 0.0) + value
+        return totals
+
     def render(self) -> str:
         lines = []
         for (name, labels), value in sorted(self._counters.items()):

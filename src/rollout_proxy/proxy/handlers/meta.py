@@ -18,9 +18,7 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     """Ready when the store answers and at least one engine is healthy."""
     app = request.app
-    store = app[keys.STORE]
-    ping = getattr(store, "ping", None)
-    store_ok = True if ping is None else await ping()
+    store_ok = await app[keys.STORE].ping()
     engines = app[keys.ENGINES].engines
     health = await asyncio.gather(*(engine.healthy() for engine in engines))
     ready = store_ok and any(health)
@@ -34,6 +32,12 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=request.app[keys.METRICS].render(), content_type="text/plain")
+
+
+async def counters(request: web.Request) -> web.Response:
+    """``GET /v1/admin/counters``: the proxy's counters as JSON (admin key), for runners and dashboards."""
+    request_caller(request, admin_only=True)
+    return json_response(request.app[keys.METRICS].counters())
 
 
 async def models(request: web.Request) -> web.Response:
