@@ -1,4 +1,8 @@
-"""A running proxy for tests, reached over real HTTP (the openai SDK needs a socket)."""
+"""A running proxy for tests, reached over real HTTP (the openai SDK needs a socket).
+
+Raw requests go through the SDK's own transport (``ProxyClient.asend``), so the tests
+exercise the one HTTP client plugins use.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import openai
 from aiohttp import web
 
 from rollout_proxy.app import create_app
 from rollout_proxy.devtools.fake_engine import FakeEngine
 from rollout_proxy.embedded import serve_app
+from rollout_proxy.sdk.transport import ProxyClient
 from rollout_proxy.settings import Settings
 
 ADMIN_KEY = "test-admin-key"
@@ -46,7 +50,7 @@ class ProxyHarness:
     url: str
     app: web.Application
     fake: FakeEngine | None
-    http: aiohttp.ClientSession
+    http: ProxyClient  # no token of its own: each request names its own
     clients: list[openai.AsyncOpenAI] = field(default_factory=list)
 
     @classmethod
@@ -64,14 +68,14 @@ class ProxyHarness:
         config = Settings(engines=tuple(engine_urls), admin_key=ADMIN_KEY, store=store_url, **settings)
         app = create_app(config, store=store)
         runner, url = await serve_app(app)
-        async with aiohttp.ClientSession() as http:
-            harness = cls(url=url, app=app, fake=fake, http=http)
-            try:
-                yield harness
-            finally:
-                for client in harness.clients:
-                    await client.close()
-                await runner.cleanup()
+        harness = cls(url=url, app=app, fake=fake, http=ProxyClient(url, None))
+        try:
+            yield harness
+        finally:
+            for client in harness.clients:
+                await client.close()
+            await harness.http.aclose()
+            await runner.cleanup()
 
     async def request(
         self,
@@ -86,9 +90,7 @@ class ProxyHarness:
         all_headers = dict(headers or {})
         if token is not None:
             all_headers["Authorization"] = f"Bearer {token}"
-        async with self.http.request(method, self.url + path, json=json, data=data, headers=all_headers) as response:
-            body = await response.json(content_type=None) if response.content_length != 0 else None
-            return response.status, body
+        return await self.http.asend(method, path, json=json, content=data, headers=all_headers)
 
     async def create_session(
         self,

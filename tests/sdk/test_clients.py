@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+
 import openai
 import pytest
 
@@ -18,7 +22,7 @@ from rollout_proxy.sdk import (
     wrap_responses_client_inplace,
 )
 from tests.harness import ADMIN_KEY
-from tests.sdk.conftest import Stack
+from tests.sdk.conftest import SLOW_APPEND_SECONDS, Relay, Stack
 
 SAMPLE = ChatCompletionSample(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=32)
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -101,13 +105,51 @@ def test_training_mode_inference_proxy_opens_a_session(stack: Stack):
     assert stack.fake.completions[-1]["max_tokens"] == 32  # the sample's GenerationConfig, pinned by the session
 
 
-async def test_async_state_update_does_not_block_the_loop(stack: Stack):
-    proxy = stack.session(SAMPLE)
+class LoopGaps:
+    """The longest stretch the running event loop went without running a ticker task on it.
+
+    A coroutine that awaits its I/O lets the ticker run every few milliseconds; one that
+    blocks the loop shows as a single gap as long as the block (measured up to the exit too,
+    since a blocked ticker cannot record its own gap).
+    """
+
+    TICK = 0.01
+
+    async def __aenter__(self) -> LoopGaps:
+        self.largest = 0.0
+        self.started = self._last = time.perf_counter()
+        self._ticker = asyncio.create_task(self._tick())
+        await asyncio.sleep(0)  # the ticker runs before the measured code
+        return self
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.TICK)
+            self._note(time.perf_counter())
+
+    def _note(self, now: float) -> None:
+        self.largest = max(self.largest, now - self._last)
+        self._last = now
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        now = time.perf_counter()
+        self._note(now)
+        self.elapsed = now - self.started
+        self._ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._ticker
+
+
+async def test_async_state_update_does_not_block_the_loop(stack: Stack, slow_relay: Relay):
+    proxy = stack.session(SAMPLE, via=slow_relay.url)  # appended messages answer after SLOW_APPEND_SECONDS
     client = proxy.async_rollout_client()
     first = await client.chat.completions.create(model="m", messages=MESSAGES)
-    injected = await proxy.aupdate_state_from_messages(
-        [{"role": "user", "content": "Again?"}], previous_response_id=first.id
-    )
+    async with LoopGaps() as gaps:
+        injected = await proxy.aupdate_state_from_messages(
+            [{"role": "user", "content": "Again?"}], previous_response_id=first.id
+        )
+    assert gaps.elapsed >= SLOW_APPEND_SECONDS  # the answer was slow...
+    assert gaps.largest < 0.2  # ...and the plugin's loop kept running all along
     assert [m["content"] for m in proxy.messages] == ["Hi", first.choices[0].message.content, "Again?"]
     status, trajectory = stack.request("GET", f"/v1/responses/{injected}/trajectory")
     assert status == 200 and trajectory["messages"][-1]["content"] == "Again?"
@@ -115,3 +157,15 @@ async def test_async_state_update_does_not_block_the_loop(stack: Stack):
         await proxy.aupdate_state_from_messages(
             [{"role": "user", "content": "x"}], previous_response_id="resp_" + "0" * 32
         )
+    await proxy.aclose()
+
+
+async def test_a_blocking_state_update_would_show_as_a_long_gap(stack: Stack, slow_relay: Relay):
+    """The measurement above can fail: the sync update, called on the loop, stalls it for the whole answer."""
+    proxy = stack.session(SAMPLE, via=slow_relay.url)
+    first = proxy.rollout_client().chat.completions.create(model="m", messages=MESSAGES)
+    async with LoopGaps() as gaps:
+        injected = proxy.update_state_from_messages([{"role": "user", "content": "Again?"}], first.id)
+    assert gaps.largest >= 0.4
+    assert proxy._histories[injected][-1]["content"] == "Again?"
+    proxy.close()

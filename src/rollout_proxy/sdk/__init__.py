@@ -6,6 +6,9 @@ from rollout_proxy.sdk import (
     PluginStatus, RolloutResult, GroupRolloutResult, SingleResponse, Trajectory,
     SingleGraderResult, GroupGraderResult, TeacherContext, CriticContext, test_with_dataset,
 )
+
+Every failure to reach the proxy or of a request it refused is a ``ProxyRequestError``
+(``ProxyUnreachable`` when no answer came), with the HTTP status and the OpenAI error body.
 """
 
 from rollout_proxy.sdk.clients import (
@@ -26,8 +29,9 @@ from rollout_proxy.sdk.decorators import (
     single_rollout,
 )
 from rollout_proxy.sdk.local import test_with_dataset
-from rollout_proxy.sdk.proxy import InferenceProxy, Mode, ProxyRequestError, RolloutInferenceProxy
+from rollout_proxy.sdk.proxy import InferenceProxy, Mode, RolloutInferenceProxy
 from rollout_proxy.sdk.runtime import PluginInstance, Runtime
+from rollout_proxy.sdk.transport import ProxyRequestError, ProxyUnreachable
 from rollout_proxy.sdk.types import (
     ChatCompletionMessage,
     ChatCompletionMessageToolCall,
@@ -66,6 +70,7 @@ __all__ = [
     "PluginStatus",
     "PluginValidationError",
     "ProxyRequestError",
+    "ProxyUnreachable",
     "RolloutApiError",
     "RolloutInferenceProxy",
     "RolloutResult",

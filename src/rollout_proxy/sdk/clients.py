@@ -2,13 +2,17 @@
 
 The wrappers replace ``chat.completions.create`` / ``responses.create`` on one client
 instance: they refuse GenerationConfig parameters before anything is sent (the
-session pins them), and record each answer on the proxy (``messages``, ``usage``,
-``finish_reason``) so a grader can be fed without another request.
+session pins them), open a lazily-created session if it is not open yet (an async
+client's without blocking the event loop) and point the client at it, and record
+each answer on the proxy (``messages``, ``usage``, ``finish_reason``) so a grader can
+be fed without another request.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import openai
@@ -39,79 +43,92 @@ def refuse_generation_parameters(kwargs: dict[str, Any]) -> None:
                 )
 
 
-def _point_at(client: openai.OpenAI | openai.AsyncOpenAI, proxy: RolloutInferenceProxy) -> None:
-    client.base_url = proxy.url
-    client.api_key = proxy.jwt_token
+@dataclass(frozen=True)
+class _Api:
+    """One wrapped API: ``check`` refuses a call before any I/O, ``request`` turns the
+    plugin's arguments into what is sent, ``record`` keeps the answer on the proxy."""
+
+    check: Callable[[dict[str, Any]], None]
+    request: Callable[[dict[str, Any]], dict[str, Any]]
+    record: Callable[[dict[str, Any], Any], None]
 
 
-def _wrap(resource: Any, before, after, *, is_async: bool) -> None:
-    original = resource.create
-    if is_async:
-
-        @functools.wraps(original)
-        async def create(*args: Any, **kwargs: Any) -> Any:
-            sent = before(kwargs)
-            return after(sent, await original(*args, **sent))
-
-    else:
-
-        @functools.wraps(original)
-        def create(*args: Any, **kwargs: Any) -> Any:
-            sent = before(kwargs)
-            return after(sent, original(*args, **sent))
-
-    resource.create = create
-
-
-def _chat_hooks(proxy: RolloutInferenceProxy):
-    def before(kwargs: dict[str, Any]) -> dict[str, Any]:
+def _chat(proxy: RolloutInferenceProxy) -> _Api:
+    def check(kwargs: dict[str, Any]) -> None:
         if proxy.group:
             raise RolloutApiError("a group rollout must use the Responses API (client.responses.create), not chat")
         refuse_generation_parameters(kwargs)
-        return proxy._chat_request(kwargs)
 
-    def after(kwargs: dict[str, Any], completion: Any) -> Any:
-        proxy.process_completion(completion, messages=kwargs.get("messages"))
-        return completion
+    def record(sent: dict[str, Any], completion: Any) -> None:
+        proxy.process_completion(completion, messages=sent.get("messages"))
 
-    return before, after
+    return _Api(check, proxy._chat_request, record)
 
 
-def _responses_hooks(proxy: RolloutInferenceProxy):
-    def before(kwargs: dict[str, Any]) -> dict[str, Any]:
-        refuse_generation_parameters(kwargs)
-        return proxy._responses_request(kwargs)
+def _responses(proxy: RolloutInferenceProxy) -> _Api:
+    return _Api(refuse_generation_parameters, proxy._responses_request, proxy._record_response)
 
-    def after(kwargs: dict[str, Any], response: Any) -> Any:
-        proxy._record_response(kwargs, response)
-        return response
 
-    return before, after
+def _point_at(client: openai.OpenAI | openai.AsyncOpenAI, proxy: RolloutInferenceProxy) -> None:
+    """Aim the client at the session, once it exists (reading ``proxy.url`` never opens one here)."""
+    if proxy.is_open:
+        client.base_url = proxy.url
+        client.api_key = proxy.jwt_token
+
+
+def _wrap_sync(resource: Any, client: openai.OpenAI, proxy: RolloutInferenceProxy, api: _Api) -> None:
+    original = resource.create
+
+    @functools.wraps(original)
+    def create(*args: Any, **kwargs: Any) -> Any:
+        api.check(kwargs)
+        proxy.open()
+        _point_at(client, proxy)
+        sent = api.request(kwargs)
+        answer = original(*args, **sent)
+        api.record(sent, answer)
+        return answer
+
+    resource.create = create
+    _point_at(client, proxy)
+
+
+def _wrap_async(resource: Any, client: openai.AsyncOpenAI, proxy: RolloutInferenceProxy, api: _Api) -> None:
+    original = resource.create
+
+    @functools.wraps(original)
+    async def create(*args: Any, **kwargs: Any) -> Any:
+        api.check(kwargs)
+        await proxy.aopen()
+        _point_at(client, proxy)
+        sent = api.request(kwargs)
+        answer = await original(*args, **sent)
+        api.record(sent, answer)
+        return answer
+
+    resource.create = create
+    _point_at(client, proxy)
 
 
 def wrap_client_inplace(client: openai.OpenAI, proxy: RolloutInferenceProxy) -> openai.OpenAI:
     """Chat Completions of a sync client, for a single rollout."""
-    _point_at(client, proxy)
-    _wrap(client.chat.completions, *_chat_hooks(proxy), is_async=False)
+    _wrap_sync(client.chat.completions, client, proxy, _chat(proxy))
     return client
 
 
 def wrap_async_client_inplace(client: openai.AsyncOpenAI, proxy: RolloutInferenceProxy) -> openai.AsyncOpenAI:
     """Chat Completions of an async client, for a single rollout."""
-    _point_at(client, proxy)
-    _wrap(client.chat.completions, *_chat_hooks(proxy), is_async=True)
+    _wrap_async(client.chat.completions, client, proxy, _chat(proxy))
     return client
 
 
 def wrap_responses_client_inplace(client: openai.OpenAI, proxy: RolloutInferenceProxy) -> openai.OpenAI:
     """The Responses API of a sync client (group rollouts must use it)."""
-    _point_at(client, proxy)
-    _wrap(client.responses, *_responses_hooks(proxy), is_async=False)
+    _wrap_sync(client.responses, client, proxy, _responses(proxy))
     return client
 
 
 def wrap_responses_async_client_inplace(client: openai.AsyncOpenAI, proxy: RolloutInferenceProxy) -> openai.AsyncOpenAI:
     """The Responses API of an async client (group rollouts must use it)."""
-    _point_at(client, proxy)
-    _wrap(client.responses, *_responses_hooks(proxy), is_async=True)
+    _wrap_async(client.responses, client, proxy, _responses(proxy))
     return client

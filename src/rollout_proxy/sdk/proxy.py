@@ -2,23 +2,28 @@
 
 ``RolloutInferenceProxy`` is handed to every rollout call: its clients go to the
 plugin's own rollout-proxy session (where every token is recorded). For local
-debugging, ``InferenceProxy(sample, url=..., jwt_token=..., mode=Mode.Inference)``
-talks to any OpenAI-compatible endpoint directly, applying the sample's generation
-settings itself and keeping the same ``messages`` / ``usage`` / ``finish_reason``;
-``Mode.Training`` opens a real session on a rollout-proxy (``jwt_token`` is then the
-proxy's admin key).
+debugging, ``InferenceProxy(sample, url=..., jwt_token=..., mode=...)`` builds one of
+two subclasses:
+
+- ``LocalInferenceProxy`` (``Mode.Inference``) talks to any OpenAI-compatible endpoint
+  directly, applying the sample's generation settings itself and keeping the same
+  ``messages`` / ``usage`` / ``finish_reason``;
+- ``TrainingInferenceProxy`` (``Mode.Training``) opens a real session on a rollout-proxy
+  (``jwt_token`` is then the proxy's admin key) on first need, never in the constructor.
+
+Each proxy object owns one ``ProxyClient`` (no I/O until a request) and closes it, and
+the openai clients it made, with ``close()`` / ``aclose()`` or as a context manager.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import enum
-import json
-import urllib.error
-import urllib.request
-from typing import Any
+import threading
+from dataclasses import dataclass
+from typing import Any, Self
 
-import aiohttp
 import jwt
 import openai
 
@@ -28,32 +33,30 @@ from rollout_proxy.sdk.clients import (
     wrap_responses_async_client_inplace,
     wrap_responses_client_inplace,
 )
+from rollout_proxy.sdk.transport import ProxyClient, ProxyRequestError, ProxyUnreachable
 from rollout_proxy.sdk.types import ChatCompletionSample, Trajectory
 from rollout_proxy.wire.messages import normalize_messages
 from rollout_proxy.wire.responses import as_dict, assistant_message_of_response, input_to_messages, messages_as_input
+
+__all__ = [
+    "InferenceProxy",
+    "LocalInferenceProxy",
+    "Mode",
+    "ProxyRequestError",
+    "ProxyUnreachable",
+    "RolloutInferenceProxy",
+    "TrainingInferenceProxy",
+    "session_body",
+]
+
+# Where a client of a not-yet-opened training session points until its first create() opens it.
+UNOPENED_URL = "http://session-not-open.invalid/v1"
+UNOPENED_KEY = "session-not-open"
 
 
 class Mode(str, enum.Enum):
     Inference = "inference"  # straight to an OpenAI-compatible endpoint, nothing recorded
     Training = "training"  # through a rollout-proxy session, every token recorded
-
-
-class ProxyRequestError(RuntimeError):
-    """The rollout-proxy refused a state update; the message is the proxy's."""
-
-
-def post_json(url: str, body: dict[str, Any], token: str, *, what: str) -> dict[str, Any]:
-    """A blocking JSON POST to the proxy; its error body becomes a ProxyRequestError."""
-    request = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return json.loads(answer.read())
-    except urllib.error.HTTPError as exc:
-        raise ProxyRequestError(f"{what} failed ({exc.code}): {exc.read().decode()}") from None
 
 
 def session_body(sample: ChatCompletionSample, *, n_sample: int | None = None, **fields: Any) -> dict[str, Any]:
@@ -73,6 +76,22 @@ def session_body(sample: ChatCompletionSample, *, n_sample: int | None = None, *
     return body
 
 
+def _root(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
+
+
+@dataclass(frozen=True)
+class SessionEndpoint:
+    """Where a session's plugin requests go: its OpenAI base URL and its bearer token."""
+
+    url: str
+    token: str
+
+    @property
+    def session_id(self) -> str:
+        return jwt.decode(self.token, options={"verify_signature": False})["sub"]
+
+
 class RolloutInferenceProxy:
     """The plugin's handle on its rollout session (``url`` + ``jwt_token``)."""
 
@@ -81,25 +100,64 @@ class RolloutInferenceProxy:
     def __init__(
         self, url: str, jwt_token: str, *, sample: ChatCompletionSample | None = None, group: bool = False
     ) -> None:
-        self.url = url.rstrip("/")
-        self.jwt_token = jwt_token
+        endpoint = SessionEndpoint(url.rstrip("/"), jwt_token)
+        self._setup(endpoint, ProxyClient(_root(endpoint.url), jwt_token), sample=sample, group=group)
+
+    def _setup(
+        self,
+        endpoint: SessionEndpoint | None,
+        transport: ProxyClient,
+        *,
+        sample: ChatCompletionSample | None,
+        group: bool,
+    ) -> None:
+        self._endpoint = endpoint
+        self._transport = transport
         self.sample = sample
         self.group = group  # set by @group_rollout: clients then use the Responses API
         self.messages: list[dict[str, Any]] = []
         self.usage: dict[str, Any] | None = None
         self.finish_reason: str | None = None
         self._histories: dict[str, list[dict[str, Any]]] = {}
+        self._sync_clients: list[openai.OpenAI] = []
+        self._async_clients: list[openai.AsyncOpenAI] = []
 
-    # -- what plugins use -------------------------------------------------------------------
+    # -- the session ------------------------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the session exists yet (a rollout session always does)."""
+        return self._endpoint is not None
+
+    def open(self) -> None:
+        """Make sure the session exists (blocking); a no-op once it does."""
+
+    async def aopen(self) -> None:
+        """Make sure the session exists, without blocking the event loop."""
+
+    def _opened(self) -> SessionEndpoint:
+        if self._endpoint is None:
+            self.open()
+        assert self._endpoint is not None
+        return self._endpoint
+
+    @property
+    def url(self) -> str:
+        return self._opened().url
+
+    @property
+    def jwt_token(self) -> str:
+        return self._opened().token
+
+    @property
+    def session_id(self) -> str:
+        return self._opened().session_id
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.jwt_token}"}
 
-    @property
-    def session_id(self) -> str:
-        claims = jwt.decode(self.jwt_token, options={"verify_signature": False})
-        return claims["sub"]
+    # -- what plugins use -------------------------------------------------------------------
 
     def get_extra_body(self) -> dict[str, Any]:
         """Extra request fields to send with hand-built requests (none: the session pins them)."""
@@ -107,31 +165,36 @@ class RolloutInferenceProxy:
 
     def rollout_client(self) -> openai.OpenAI:
         """A client of this session (chat for single rollouts; group rollouts must use Responses)."""
-        client = openai.OpenAI(base_url=self.url, api_key=self.jwt_token)
+        self.open()
+        client = openai.OpenAI(base_url=UNOPENED_URL, api_key=UNOPENED_KEY)
+        self._sync_clients.append(client)
         return wrap_responses_client_inplace(wrap_client_inplace(client, self), self)
 
     def async_rollout_client(self) -> openai.AsyncOpenAI:
-        """The async twin of ``rollout_client``."""
-        client = openai.AsyncOpenAI(base_url=self.url, api_key=self.jwt_token)
+        """The async twin of ``rollout_client`` (a lazy session opens at its first ``create``)."""
+        client = openai.AsyncOpenAI(base_url=UNOPENED_URL, api_key=UNOPENED_KEY)
+        self._async_clients.append(client)
         return wrap_responses_async_client_inplace(wrap_async_client_inplace(client, self), self)
 
     def update_state_from_messages(self, messages: list[Any], previous_response_id: str | None = None) -> str:
         """Append messages the policy did not generate (weight 0); returns their response id."""
-        body = {"messages": [as_dict(m) for m in messages], "previous_response_id": previous_response_id}
-        answer = post_json(self._session_url("messages"), body, self.jwt_token, what="update_state_from_messages")
-        return self._remember(answer["response_id"], previous_response_id, body["messages"])
+        self.open()
+        sent = [as_dict(m) for m in messages]
+        body = {"messages": sent, "previous_response_id": previous_response_id}
+        answer = self._transport.post(
+            self._session_url("messages"), body, token=self.jwt_token, what="update_state_from_messages"
+        )
+        return self._remember(answer["response_id"], previous_response_id, sent)
 
     async def aupdate_state_from_messages(self, messages: list[Any], previous_response_id: str | None = None) -> str:
         """``update_state_from_messages`` without blocking the event loop."""
-        body = {"messages": [as_dict(m) for m in messages], "previous_response_id": previous_response_id}
-        async with (
-            aiohttp.ClientSession() as http,
-            http.post(self._session_url("messages"), json=body, headers=self.headers) as answer,
-        ):
-            payload = await answer.json(content_type=None)
-            if answer.status >= 400:
-                raise ProxyRequestError(f"update_state_from_messages failed ({answer.status}): {payload}")
-        return self._remember(payload["response_id"], previous_response_id, body["messages"])
+        await self.aopen()
+        sent = [as_dict(m) for m in messages]
+        body = {"messages": sent, "previous_response_id": previous_response_id}
+        answer = await self._transport.apost(
+            self._session_url("messages"), body, token=self.jwt_token, what="update_state_from_messages"
+        )
+        return self._remember(answer["response_id"], previous_response_id, sent)
 
     def process_completion(self, completion: Any, messages: list[Any] | None = None) -> None:
         """Record a chat completion: the conversation it ends, its usage and finish reason."""
@@ -149,11 +212,39 @@ class RolloutInferenceProxy:
         """What a grader sees of the latest call (tokens come from the proxy in training)."""
         return Trajectory(messages=self.messages, usage=self.usage, finish_reason=self.finish_reason, extra=extra or {})
 
+    # -- closing ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the sync connections and sync clients (async ones need ``aclose``)."""
+        for client in self._sync_clients:
+            client.close()
+        self._sync_clients.clear()
+        self._transport.close()
+
+    async def aclose(self) -> None:
+        """Close every connection and client this proxy made."""
+        self.close()
+        for client in self._async_clients:
+            await client.close()
+        self._async_clients.clear()
+        await self._transport.aclose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
     # -- hooks for the client wrappers ------------------------------------------------------
 
     def _session_url(self, action: str) -> str:
-        root = self.url.removesuffix("/v1")
-        return f"{root}/v1/sessions/{self.session_id}/{action}"
+        return f"{_root(self.url)}/v1/sessions/{self.session_id}/{action}"
 
     def _root_history(self) -> list[dict[str, Any]]:
         return self.sample.message_dicts() if self.sample is not None else []
@@ -180,15 +271,30 @@ class RolloutInferenceProxy:
 
 
 class InferenceProxy(RolloutInferenceProxy):
-    """Local debugging: ``Mode.Inference`` against any OpenAI-compatible endpoint, or
-    ``Mode.Training`` through a rollout-proxy (``url`` its root, ``jwt_token`` its admin key)."""
+    """Local debugging: ``InferenceProxy(sample, url=..., jwt_token=..., mode=...)`` is a
+    ``LocalInferenceProxy`` for ``Mode.Inference``, a ``TrainingInferenceProxy`` for ``Mode.Training``."""
+
+    mode: Mode
+
+    def __new__(
+        cls,
+        sample: ChatCompletionSample | None = None,
+        url: str = "",
+        jwt_token: str = "",
+        mode: Mode | str = Mode.Inference,
+        *,
+        group: bool = False,
+        n_sample: int | None = None,
+        model: str | None = None,
+    ) -> InferenceProxy:
+        return super().__new__(_BY_MODE[Mode(mode)] if cls is InferenceProxy else cls)
 
     def __init__(
         self,
         sample: ChatCompletionSample,
         url: str,
         jwt_token: str,
-        mode: Mode = Mode.Inference,
+        mode: Mode | str | None = None,
         *,
         group: bool = False,
         n_sample: int | None = None,
@@ -196,30 +302,49 @@ class InferenceProxy(RolloutInferenceProxy):
     ) -> None:
         """``model``, when given, replaces the plugin's model name in inference requests
         (plugins often name the production model, which a local endpoint does not serve)."""
-        self.mode = Mode(mode)
-        self.model = model
-        if self.mode is Mode.Training:
-            root = url.rstrip("/").removesuffix("/v1")
-            body = session_body(sample, n_sample=n_sample if group else None)
-            session = post_json(f"{root}/v1/sessions", body, jwt_token, what="creating a session")
-            super().__init__(session["base_url"], session["api_key"], sample=sample, group=group)
-            self.admin_url, self.admin_key = url.rstrip("/").removesuffix("/v1"), jwt_token
-        else:
-            super().__init__(url, jwt_token, sample=sample, group=group)
+        if mode is not None and Mode(mode) is not self.mode:
+            raise ValueError(f"{type(self).__name__} runs in {self.mode.value} mode, not {Mode(mode).value}")
+        self.model = model  # each mode sets up its own endpoint and transport (``_setup``)
+        self.n_sample = n_sample
+
+    def finish(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Send the rollout result and get the trajectories back (``Mode.Training`` only)."""
+        raise RuntimeError(f"finish() needs Mode.Training: {self.mode.value} mode records no trajectories")
+
+    async def afinish(self, result: dict[str, Any]) -> dict[str, Any]:
+        """``finish`` without blocking the event loop."""
+        return self.finish(result)
+
+
+class LocalInferenceProxy(InferenceProxy):
+    """``Mode.Inference``: straight to an OpenAI-compatible endpoint; nothing recorded but here."""
+
+    mode = Mode.Inference
+
+    def __init__(
+        self,
+        sample: ChatCompletionSample,
+        url: str,
+        jwt_token: str,
+        mode: Mode | str | None = None,
+        *,
+        group: bool = False,
+        n_sample: int | None = None,
+        model: str | None = None,
+    ) -> None:
+        super().__init__(sample, url, jwt_token, mode, group=group, n_sample=n_sample, model=model)
+        endpoint = SessionEndpoint(url.rstrip("/"), jwt_token)
+        self._setup(endpoint, ProxyClient(_root(endpoint.url), jwt_token), sample=sample, group=group)
 
     def update_state_from_messages(self, messages: list[Any], previous_response_id: str | None = None) -> str:
-        if self.mode is Mode.Training:
-            return super().update_state_from_messages(messages, previous_response_id)
         local_id = f"local_{len(self._histories)}"
         return self._remember(local_id, previous_response_id, [as_dict(m) for m in messages])
 
     async def aupdate_state_from_messages(self, messages: list[Any], previous_response_id: str | None = None) -> str:
-        if self.mode is Mode.Training:
-            return await super().aupdate_state_from_messages(messages, previous_response_id)
-        return self.update_state_from_messages(messages, previous_response_id)
+        return self.update_state_from_messages(messages, previous_response_id)  # no I/O: kept here
 
     def get_extra_body(self) -> dict[str, Any]:
-        if self.mode is Mode.Training or self.sample is None or self.sample.top_k <= 0:
+        if self.sample is None or self.sample.top_k <= 0:
             return {}
         return {"top_k": self.sample.top_k}
 
@@ -236,14 +361,10 @@ class InferenceProxy(RolloutInferenceProxy):
         return settings
 
     def _chat_request(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if self.mode is Mode.Training:
-            return kwargs
         return {**kwargs, **self._generation("max_tokens")}
 
     def _responses_request(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Inference endpoints may keep no responses: replay the conversation instead."""
-        if self.mode is Mode.Training:
-            return kwargs
         previous = kwargs.get("previous_response_id")
         history = self._histories.get(previous, []) if previous else self._root_history()
         new_input = normalize_messages(input_to_messages(kwargs.get("input")))
@@ -255,17 +376,73 @@ class InferenceProxy(RolloutInferenceProxy):
         return {**sent, **generation}
 
     def _record_response(self, kwargs: dict[str, Any], response: Any) -> None:
-        if self.mode is Mode.Training:
-            return super()._record_response(kwargs, response)
         data = as_dict(response)
         history = normalize_messages(input_to_messages(kwargs["input"]))
         self._histories[data["id"]] = self.messages = [*history, assistant_message_of_response(data)]
         self.usage = data.get("usage")
         self.finish_reason = "length" if data.get("status") == "incomplete" else "stop"
 
+
+class TrainingInferenceProxy(InferenceProxy):
+    """``Mode.Training``: a real session on a rollout-proxy (``url`` its root, ``jwt_token`` its admin key).
+
+    The session is opened on first need, not in the constructor: by the first sync call
+    that needs it (``rollout_client()``, ``update_state_from_messages``, ``finish``, reading
+    ``url`` / ``jwt_token`` / ``session_id``) or, without blocking, by ``await aopen()`` and
+    the async methods (an async client's first ``create``, ``aupdate_state_from_messages``,
+    ``afinish``). Concurrent first calls open one session.
+    """
+
+    mode = Mode.Training
+
+    def __init__(
+        self,
+        sample: ChatCompletionSample,
+        url: str,
+        jwt_token: str,
+        mode: Mode | str | None = None,
+        *,
+        group: bool = False,
+        n_sample: int | None = None,
+        model: str | None = None,
+    ) -> None:
+        super().__init__(sample, url, jwt_token, mode, group=group, n_sample=n_sample, model=model)
+        self.admin_url, self.admin_key = _root(url), jwt_token
+        self._setup(None, ProxyClient(self.admin_url, jwt_token), sample=sample, group=group)
+        self._opening = threading.Lock()
+        self._aopening = asyncio.Lock()
+
+    def _session_request(self) -> dict[str, Any]:
+        assert self.sample is not None
+        return session_body(self.sample, n_sample=self.n_sample if self.group else None)
+
+    def _open_with(self, created: dict[str, Any]) -> None:
+        self._endpoint = SessionEndpoint(created["base_url"].rstrip("/"), created["api_key"])
+
+    def open(self) -> None:
+        with self._opening:
+            if self._endpoint is None:
+                self._open_with(
+                    self._transport.post("/v1/sessions", self._session_request(), what="creating a session")
+                )
+
+    async def aopen(self) -> None:
+        async with self._aopening:
+            if self._endpoint is None:
+                body = self._session_request()
+                self._open_with(await self._transport.apost("/v1/sessions", body, what="creating a session"))
+
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
-        """Training mode: send the rollout result, get the trajectories back."""
-        if self.mode is not Mode.Training:
-            raise RuntimeError("finish() needs Mode.Training: an inference endpoint records no trajectories")
-        url = f"{self.admin_url}/v1/sessions/{self.session_id}/finish"
-        return post_json(url, result, self.admin_key, what="finish")
+        """Send the rollout result (with the admin key); the proxy's answer holds the trajectories."""
+        return self._transport.post(f"/v1/sessions/{self.session_id}/finish", result, what="finish")
+
+    async def afinish(self, result: dict[str, Any]) -> dict[str, Any]:
+        """``finish`` without blocking the event loop."""
+        await self.aopen()
+        return await self._transport.apost(f"/v1/sessions/{self.session_id}/finish", result, what="finish")
+
+
+_BY_MODE: dict[Mode, type[InferenceProxy]] = {
+    Mode.Inference: LocalInferenceProxy,
+    Mode.Training: TrainingInferenceProxy,
+}
