@@ -13,7 +13,8 @@ from pathlib import Path
 
 from rollout_proxy.runner.job import JobConfig, JobError
 from rollout_proxy.runner.progress import JobSummary
-from rollout_proxy.runner.runner import JobFailed, JobRunner
+from rollout_proxy.runner.retries import JobFailed
+from rollout_proxy.runner.runner import JobRunner
 from rollout_proxy.settings import DEFAULT_ENGINE, Settings
 from rollout_proxy.state.feed import open_feed
 

@@ -1,4 +1,8 @@
-"""Rewards, metrics and advantages of a graded group.
+"""Grading a group with the job's graders: rewards, metrics and advantages.
+
+Each grader (of either kind, ``sdk.execution.grade``) is called with the seed's
+retries and within its own ``Runtime.max_concurrency``; the group's reward is the
+graders' rewards summed with their weights.
 
 Standard GRPO, as the seed's example computes it: within a group,
 ``(r - mean) / (std + 1e-6)`` with the sample standard deviation (n - 1); a group of
@@ -9,12 +13,17 @@ sequence-level ones expanded to every token when mixed with token-level ones.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from rollout_proxy.sdk.types import GroupGraderResult
+from rollout_proxy.runner.retries import with_retries
+from rollout_proxy.sdk.decorators import Plugin
+from rollout_proxy.sdk.execution import Attempt, Grades, PluginCall, attempt, grade
+from rollout_proxy.sdk.types import ChatCompletionSample, GroupGraderResult, PluginContext, Trajectory
 
 EPSILON = 1e-6
 
@@ -58,18 +67,80 @@ def custom_advantages(
     if all(r.seq_advantages is not None for _, r in custom):
         total = [0.0] * len(token_counts)
         for weight, result in custom:
-            for index, value in enumerate(result.seq_advantages):
+            for index, value in enumerate(result.seq_advantages or []):
                 total[index] += weight * value
         return "seq", total
     tokens = [[0.0] * count for count in token_counts]
     for weight, result in custom:
         for index, count in enumerate(token_counts):
-            values = (
-                result.tok_advantages[index]
-                if result.tok_advantages is not None
-                else [result.seq_advantages[index]] * count
-            )
+            values = _token_advantages(result, index, count)
             row = tokens[index]
             for position, value in enumerate(values):
                 row[position] += weight * value
     return "tok", tokens
+
+
+def _token_advantages(result: GroupGraderResult, index: int, count: int) -> list[float]:
+    """Trajectory ``index``'s per-token advantages (a sequence-level one repeated on its ``count`` tokens)."""
+    if result.tok_advantages is not None:
+        return result.tok_advantages[index]
+    assert result.seq_advantages is not None  # only results carrying one or the other get here
+    return [result.seq_advantages[index]] * count
+
+
+@dataclass(slots=True)
+class GroupGrade:
+    """What the job's graders said about a group, together."""
+
+    rewards: list[float]
+    grader_rewards: dict[str, list[float]]
+    metrics: list[dict[str, float]]
+    custom: tuple[str, list[Any]] | None
+
+
+def combine_grades(weighted: Sequence[tuple[float, Grades]], trajectories: Sequence[Trajectory]) -> GroupGrade:
+    """Weighted rewards, rewards by grader, every call's metrics, and custom advantages, if any."""
+    group_results = [(weight, g.group_result) for weight, g in weighted if g.group_result is not None]
+    token_counts = [len(t.total_token_ids or []) for t in trajectories]
+    return GroupGrade(
+        rewards=weighted_rewards([(weight, g.rewards) for weight, g in weighted], len(trajectories)),
+        grader_rewards={g.grader: g.rewards for _, g in weighted},
+        metrics=[metric for _, g in weighted for metric in g.metrics],
+        custom=custom_advantages(group_results, token_counts),
+    )
+
+
+def _no_op() -> None:
+    return None
+
+
+class Graders:
+    """The job's graders with their weights, each behind its own concurrency limit."""
+
+    def __init__(self, graders: Sequence[tuple[Plugin, float]], *, on_failed_attempt: Callable[[], None] = _no_op):
+        self.plugins = list(graders)
+        self._on_failed_attempt = on_failed_attempt
+        self._limits: dict[str, asyncio.Semaphore] = {}
+        for plugin, _ in self.plugins:
+            self._limits.setdefault(plugin.spec.name, asyncio.Semaphore(plugin.spec.runtime.max_concurrency))
+
+    async def grade_group(
+        self, what: str, context: PluginContext, sample: ChatCompletionSample, trajectories: list[Trajectory]
+    ) -> GroupGrade:
+        """Every grader in turn (raises ``SampleDropped`` / ``JobFailed`` as the seed's statuses say)."""
+        weighted = []
+        for grader, weight in self.plugins:
+            call = self._retried_call(f"{what}: grader {grader.spec.name}")
+            weighted.append((weight, await grade(grader, context, sample, trajectories, call=call)))
+        return combine_grades(weighted, trajectories)
+
+    def _retried_call(self, what: str) -> PluginCall:
+        async def call(grader: Plugin, *args: Any) -> Attempt:
+            limit = self._limits[grader.spec.name]
+
+            async def limited() -> Attempt:
+                return await attempt(grader, *args, limit=limit)
+
+            return await with_retries(what, limited, on_failed_attempt=self._on_failed_attempt)
+
+        return call

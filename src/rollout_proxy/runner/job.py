@@ -14,6 +14,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from rollout_proxy.sdk.types import ChatCompletionSample, PluginContext
+
 
 class JobError(ValueError):
     """The job file is unusable; the message lists every problem with its path."""
@@ -105,6 +107,29 @@ class JobConfig(Strict):
 
     def dataset_files(self) -> list[Path]:
         return [(self.base_dir / path).resolve() for path in self.data.training_set.local_files]
+
+    def sample(self, record: dict[str, Any]) -> ChatCompletionSample:
+        """A dataset record with the job's generation settings (one trajectory per session request)."""
+        hyper = self.hyperparameters
+        settings = {
+            "max_new_tokens": hyper.max_new_tokens,
+            "temperature": hyper.temperature,
+            "top_p": hyper.top_p,
+            "top_k": hyper.top_k,
+        }
+        return ChatCompletionSample.model_validate({**record, **settings, "n": 1})
+
+    def plugin_context(self, job_id: str, step: int) -> PluginContext:
+        """What the plugins of training step ``step`` are told about the job."""
+        model = (self.model_reference or {}).get("foundation_model") or {}
+        return PluginContext(
+            model_customization_job_id=job_id,
+            foundation_model_name=model.get("name", ""),
+            foundation_model_version=str(model.get("model_version", "")),
+            customization_type=self.customization_type,
+            phase="train",
+            current_training_step=step,
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> JobConfig:

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from rollout_proxy.runner.job import JobError
+from rollout_proxy.runner.job import JobConfig, JobError
 from rollout_proxy.sdk.decorators import Plugin, PluginKind
 
 
@@ -36,3 +36,32 @@ def load_plugin(
             f"{where}.python_func: {python_func} is a @{plugin.spec.kind.value}, expected {' or '.join(k.value for k in kinds)}"
         )
     return plugin
+
+
+def load_rollout(job: JobConfig) -> Plugin:
+    """The job's rollout plugin (single or group)."""
+    declared = job.custom_rl_pipeline.rollout.plugin
+    return load_plugin(
+        declared.python_func,
+        base_dir=job.base_dir,
+        kinds=(PluginKind.SINGLE_ROLLOUT, PluginKind.GROUP_ROLLOUT),
+        envs=declared.envs,
+        where="custom_rl_pipeline.rollout.plugin",
+    )
+
+
+def load_graders(job: JobConfig) -> list[tuple[Plugin, float]]:
+    """The job's grader plugins (single or group), each with its weight, in the job file's order."""
+    return [
+        (
+            load_plugin(
+                grader.plugin.python_func,
+                base_dir=job.base_dir,
+                kinds=(PluginKind.SINGLE_GRADER, PluginKind.GROUP_GRADER),
+                envs=grader.plugin.envs,
+                where=f"custom_rl_pipeline.graders[{index}].plugin",
+            ),
+            grader.weight,
+        )
+        for index, grader in enumerate(job.custom_rl_pipeline.graders)
+    ]

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from rollout_proxy.sdk.proxy import RolloutInferenceProxy
 from rollout_proxy.sdk.runtime import Runtime
 from rollout_proxy.sdk.types import (
@@ -139,7 +141,7 @@ class Plugin:
         return result
 
 
-def _coerce(result: Any, model: type, kind: PluginKind) -> Any:
+def _coerce(result: Any, model: type[BaseModel], kind: PluginKind) -> Any:
     if isinstance(result, model):
         return result
     if isinstance(result, dict) or hasattr(result, "__dataclass_fields__") or hasattr(result, "model_dump"):

@@ -2,7 +2,10 @@
 
 Inference mode against any OpenAI-compatible endpoint (no proxy, no tokens), with
 bounded concurrency and a progress bar: the way to check a plugin, and the load it
-puts on its tools, before a job runs it at ``batch_size`` concurrency.
+puts on its tools, before a job runs it at ``batch_size`` concurrency. Plugins are
+called as a job calls them (``sdk.execution``: the runtime timeout, a raised
+exception or an invalid result is a failure), but nothing is retried: what does not
+succeed is skipped.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from rollout_proxy.sdk.decorators import Plugin, PluginKind
+from rollout_proxy.sdk.execution import attempt_rollout, grade
 from rollout_proxy.sdk.proxy import InferenceProxy, Mode
-from rollout_proxy.sdk.types import ChatCompletionSample, PluginContext, PluginStatus, Trajectory
+from rollout_proxy.sdk.types import ChatCompletionSample, GroupRolloutResult, PluginContext, Trajectory
 
 
 def load_samples(jsonl_path: str | Path, limit: int | None = None, **overrides: Any) -> list[ChatCompletionSample]:
-    samples = []
+    samples: list[ChatCompletionSample] = []
     with open(jsonl_path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -36,41 +40,37 @@ def load_samples(jsonl_path: str | Path, limit: int | None = None, **overrides: 
     return samples
 
 
+def _test_context() -> PluginContext:
+    return PluginContext(phase="test", is_mock=True)
+
+
 async def _rollout_sample(
     rollout: Plugin, sample: ChatCompletionSample, *, api_key: str, base_url: str, n_sample: int, model: str | None
 ) -> list[Trajectory]:
-    context = PluginContext(phase="test", is_mock=True)
-    if rollout.spec.kind is PluginKind.GROUP_ROLLOUT:
-        proxy = InferenceProxy(sample, url=base_url, jwt_token=api_key, mode=Mode.Inference, group=True, model=model)
-        result = await rollout.arun(context, proxy, sample, n_sample)
-        if result.status != PluginStatus.SUCCESS:
-            return []
+    """The trajectories of the rollouts that succeeded (one group call, or ``n_sample`` single calls)."""
+    group = rollout.spec.kind is PluginKind.GROUP_ROLLOUT
+    calls = 1 if group else n_sample
+    trajectories: list[Trajectory] = []
+    for _ in range(calls):
+        async with InferenceProxy(
+            sample, url=base_url, jwt_token=api_key, mode=Mode.Inference, group=group, model=model
+        ) as proxy:
+            outcome = await attempt_rollout(rollout, _test_context(), proxy, sample, n_sample)
+        if outcome.succeeded:
+            trajectories += _trajectories(proxy, outcome.result)
+    return trajectories
+
+
+def _trajectories(proxy: InferenceProxy, result: Any) -> list[Trajectory]:
+    """What a successful call produced: one trajectory per group response, or the single one."""
+    if isinstance(result, GroupRolloutResult):
         return [
             Trajectory(
                 messages=proxy._histories.get(response.id, []), extra=response.extra or {}, response_id=response.id
             )
             for response in result.responses
         ]
-    trajectories = []
-    for _ in range(n_sample):
-        proxy = InferenceProxy(sample, url=base_url, jwt_token=api_key, mode=Mode.Inference, model=model)
-        result = await rollout.arun(context, proxy, sample)
-        if result is None or result.status == PluginStatus.SUCCESS:
-            trajectories.append(proxy.trajectory(extra=result.extra if result else {}))
-    return trajectories
-
-
-async def _grade(grader: Plugin, sample: ChatCompletionSample, trajectories: list[Trajectory]) -> list[float]:
-    context = PluginContext(phase="test", is_mock=True)
-    if grader.spec.kind is PluginKind.GROUP_GRADER:
-        result = await grader.arun(context, sample, trajectories)
-        return list(result.rewards) if result.status == PluginStatus.SUCCESS else []
-    rewards = []
-    for trajectory in trajectories:
-        result = await grader.arun(context, sample, trajectory)
-        if result.status == PluginStatus.SUCCESS:
-            rewards.append(result.reward)
-    return rewards
+    return [proxy.trajectory(extra=result.extra if result is not None else {})]
 
 
 async def test_with_dataset(
@@ -109,7 +109,7 @@ async def test_with_dataset(
                 rollout, sample, api_key=api_key, base_url=base_url, n_sample=n_sample, model=model
             )
             if trajectories:
-                rewards.extend(await _grade(grader, sample, trajectories))
+                rewards.extend((await grade(grader, _test_context(), sample, trajectories)).rewards)
         bar.update(1)
         if rewards:
             bar.set_postfix(mean_reward=f"{sum(rewards) / len(rewards):.3f}")

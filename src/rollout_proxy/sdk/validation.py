@@ -42,7 +42,9 @@ def _text_only(message: Any, where: str) -> None:
         raise PluginValidationError(f"{where}.message.content must be text (a string), not {type(content).__name__}")
 
 
-def _check_contexts(items: Sequence[Any], model: type, where: str, assistant_turns: int) -> None:
+def _check_contexts(
+    items: Sequence[Any], model: type[TeacherContext] | type[CriticContext], where: str, assistant_turns: int
+) -> None:
     if not isinstance(items, list):
         raise PluginValidationError(f"{where} must be a list of {model.__name__} dicts")
     if len(items) > assistant_turns:
@@ -50,7 +52,7 @@ def _check_contexts(items: Sequence[Any], model: type, where: str, assistant_tur
             f"{where} has {len(items)} entries but the trajectory has only {assistant_turns} assistant turns"
         )
     for index, item in enumerate(items):
-        context = item if isinstance(item, model) else model.model_validate(item)
+        context: TeacherContext | CriticContext = item if isinstance(item, model) else model.model_validate(item)
         if not 0 <= context.qa_index < assistant_turns:
             raise PluginValidationError(
                 f"{where}[{index}].qa_index={context.qa_index} is outside the trajectory's assistant turns "

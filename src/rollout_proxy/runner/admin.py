@@ -1,0 +1,61 @@
+"""The runner's side of the proxy's trainer API: sessions, finishing, counters.
+
+Every call goes through the SDK's transport with the admin key, so an error
+answer surfaces as ``ProxyRequestError`` (its ``status`` and the proxy's
+``message``), and no answer at all as ``ProxyUnreachable``, never as a transport
+library's own exception.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_proxy.sdk.proxy import RolloutInferenceProxy, session_body
+from rollout_proxy.sdk.transport import ProxyClient
+from rollout_proxy.sdk.types import ChatCompletionSample, Trajectory
+
+#: seconds an admin request may take (finishing a long session assembles its trajectories)
+ADMIN_TIMEOUT = 300.0
+
+
+class AdminClient:
+    """Admin requests to one proxy. Pass a ``transport`` to share one; else it owns its own."""
+
+    def __init__(
+        self, proxy_url: str, admin_key: str, *, transport: ProxyClient | None = None, timeout: float = ADMIN_TIMEOUT
+    ) -> None:
+        self._owned = transport is None
+        self._transport = transport or ProxyClient(proxy_url, admin_key, timeout=timeout)
+
+    async def create_session(
+        self, sample: ChatCompletionSample, *, n_sample: int | None = None, **fields: Any
+    ) -> RolloutInferenceProxy:
+        """Open a rollout session for ``sample`` (its generation settings pinned); the plugin's handle on it."""
+        body = session_body(sample, n_sample=n_sample, **fields)
+        created = await self._transport.apost("/v1/sessions", body, what="creating a session")
+        return RolloutInferenceProxy(created["base_url"], created["api_key"], sample=sample)
+
+    async def finish(self, session_id: str, body: dict[str, Any]) -> list[Trajectory]:
+        """Send a rollout's result; the trajectories the proxy emitted for it."""
+        finished = await self._transport.apost(
+            f"/v1/sessions/{session_id}/finish", body, what=f"finishing session {session_id}"
+        )
+        return [Trajectory.model_validate(trajectory) for trajectory in finished["trajectories"]]
+
+    async def counters(self) -> dict[str, float]:
+        """The proxy's counters summed over their labels (``prompt_drift_total``, ``forks_total``, ...).
+
+        A counter that never moved is absent."""
+        counters = await self._transport.aget("/v1/admin/counters", what="reading the proxy's counters")
+        return {str(name): float(value) for name, value in counters.items()}
+
+    async def aclose(self) -> None:
+        """Close the transport if this client opened it."""
+        if self._owned:
+            await self._transport.aclose()
+
+    async def __aenter__(self) -> AdminClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

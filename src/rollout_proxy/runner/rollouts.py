@@ -1,0 +1,91 @@
+"""A job's rollouts: each call in its own proxy session, under the seed's retries.
+
+Per sample, a group rollout is called once for the whole group (``n_sample =
+num_generations``), a single rollout once per generation (the generations run
+together). Every call opens a session, runs the plugin within its
+``Runtime.max_concurrency``, finishes the session with the plugin's result, whatever
+its status, so the proxy frees it, and closes the clients the plugin opened; a
+successful call's trajectories are those the proxy emits at finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from rollout_proxy.runner.admin import AdminClient
+from rollout_proxy.runner.retries import gather_first_error, with_retries
+from rollout_proxy.sdk.decorators import Plugin, PluginKind
+from rollout_proxy.sdk.execution import Attempt, attempt_rollout
+from rollout_proxy.sdk.types import ChatCompletionSample, PluginContext, PluginStatus, Trajectory
+
+
+def _no_op() -> None:
+    return None
+
+
+class Rollouts:
+    """The job's rollout plugin, run through the proxy with retries."""
+
+    def __init__(
+        self, plugin: Plugin, admin: AdminClient, *, job_id: str, on_failed_attempt: Callable[[], None] = _no_op
+    ) -> None:
+        runtime = plugin.spec.runtime
+        self.plugin = plugin
+        self._admin = admin
+        self._on_failed_attempt = on_failed_attempt
+        self._limit = asyncio.Semaphore(runtime.max_concurrency)
+        self._concurrency = {"key": job_id, "max_requests": runtime.request_concurrency}
+
+    @property
+    def is_group(self) -> bool:
+        return self.plugin.spec.kind is PluginKind.GROUP_ROLLOUT
+
+    async def trajectories(
+        self, what: str, sample: ChatCompletionSample, context: PluginContext, generations: int
+    ) -> list[Trajectory]:
+        """``generations`` trajectories of ``sample`` (raises ``SampleDropped`` / ``JobFailed``)."""
+        if self.is_group:
+            return await self._retried(what, lambda: self._session(sample, context, generations))
+        return await gather_first_error(
+            [self._single(f"{what} generation {generation}", sample, context) for generation in range(generations)]
+        )
+
+    async def _single(self, what: str, sample: ChatCompletionSample, context: PluginContext) -> Trajectory:
+        async def call() -> Attempt:
+            attempt = await self._session(sample, context, 1)
+            if attempt.succeeded and len(attempt.result) != 1:
+                return Attempt(PluginStatus.FAILURE, "the rollout made no model call, so it has no trajectory")
+            return attempt
+
+        return (await self._retried(what, call))[0]
+
+    async def _retried(self, what: str, call: Callable[[], Awaitable[Attempt]]) -> list[Trajectory]:
+        return (await with_retries(what, call, on_failed_attempt=self._on_failed_attempt)).result
+
+    async def _session(self, sample: ChatCompletionSample, context: PluginContext, n_sample: int) -> Attempt:
+        """One call in a new session; its ``result`` is the trajectories the proxy emitted."""
+        proxy = await self._admin.create_session(
+            sample,
+            n_sample=n_sample if self.is_group else None,
+            context=context.model_dump(),
+            concurrency=self._concurrency,
+        )
+        async with proxy:  # closes the clients the plugin made
+            attempt = await attempt_rollout(self.plugin, context, proxy, sample, n_sample, limit=self._limit)
+            trajectories = await self._admin.finish(proxy.session_id, self._finish_body(attempt))
+        return Attempt(attempt.status, attempt.error, trajectories)
+
+    def _finish_body(self, attempt: Attempt) -> dict[str, Any]:
+        """The session's finish: the status, and what the plugin returned for the trainer."""
+        body: dict[str, Any] = {"status": attempt.status.value, "error": attempt.error}
+        result = attempt.result
+        if result is None:
+            return body
+        body["config"] = result.config
+        if self.is_group:
+            body["responses"] = [response.model_dump() for response in result.responses] if attempt.succeeded else []
+        else:
+            body["extra"] = result.extra
+        return body
