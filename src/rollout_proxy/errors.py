@@ -4,6 +4,7 @@
     ├── InvalidRequest              400 invalid_request_error
     │   ├── PinnedParameter         400 a generation setting the session pins
     │   ├── ContextLengthExceeded   400 the prompt leaves no room to generate
+    │   ├── MessagesMergeIntoParent 400 the template folds new messages into a fixed turn
     │   └── BadCursor               400 a feed cursor the feed never gave out
     ├── AuthenticationFailed        401 authentication_error
     ├── NotFound                    404 not_found_error
@@ -58,6 +59,10 @@ class PinnedParameter(InvalidRequest):
 
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
+
+
+class MessagesMergeIntoParent(InvalidRequest):
+    code = "messages_merge_into_parent"
 
 
 class BadCursor(InvalidRequest):

@@ -1,13 +1,20 @@
-"""Messages echoed back the way clients do must match the node that produced them."""
+"""Message identity and path hashes: echoes the way clients send them match the node that produced them.
+
+Normalization itself is tested with the wire package (tests/wire/test_messages.py)."""
 
 from __future__ import annotations
 
 import pytest
 from openai.types.chat import ChatCompletionMessage
 
-from rollout_proxy.tokenization.messages import canonical_key, path_hashes
-from rollout_proxy.wire.errors import WireFormatError
-from rollout_proxy.wire.messages import normalize_message, normalize_tools
+from rollout_proxy.tokenization.messages import (
+    EMPTY_PATH_HASH,
+    canonical_key,
+    extend_path_hash,
+    path_hashes,
+    same_messages,
+)
+from rollout_proxy.wire.messages import normalize_message
 
 PRODUCED = {
     "role": "assistant",
@@ -95,18 +102,15 @@ def test_path_hashes_are_rolling():
     assert path_hashes(list(reversed(messages)))[-1] != full[-1]
 
 
-def test_bad_shapes_name_the_field():
-    with pytest.raises(WireFormatError) as raised:
-        normalize_message({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, param="messages[3]")
-    assert raised.value.param == "messages[3].tool_calls[0].function.name"
+def test_a_path_hash_extends_its_parents():
+    message = {"role": "user", "content": "a"}
+    assert path_hashes([message]) == [extend_path_hash(EMPTY_PATH_HASH, message)]
+    assert extend_path_hash("parent-1", message) != extend_path_hash("parent-2", message)
 
 
-def test_tools_in_responses_form_become_chat_form():
-    flat = [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}]
-    nested = [
-        {
-            "type": "function",
-            "function": {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}},
-        }
-    ]
-    assert normalize_tools(flat) == normalize_tools(nested) == nested
+def test_same_messages_compares_identities_and_lengths():
+    produced = normalize_message(PRODUCED)
+    echoed = normalize_message({**PRODUCED, "reasoning_content": None})
+    assert same_messages([produced], [echoed])
+    assert not same_messages([produced], [produced, produced])
+    assert not same_messages([produced], [{**echoed, "content": "other"}])

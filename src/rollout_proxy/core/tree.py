@@ -59,7 +59,10 @@ def choose_parent(matches: Sequence[str | None], n_messages: int) -> tuple[str |
     """(parent id, how many messages it covers, fork provenance or None).
 
     ``matches[i]`` is the path-index entry for the first i+1 messages: ``"id"`` where
-    a node's path ends, ``"id#k"`` inside a node's messages.
+    a node's path ends, ``"id#k"`` inside a node's messages. Only the deepest entry
+    inside a node decides: the request forks there if it goes on past it with other
+    messages, and is a sibling of that node's output if it simply ends there (a group's
+    samples all send the same prompt).
     """
     parent_id, covered = None, 0
     for index, value in enumerate(matches):
@@ -67,8 +70,10 @@ def choose_parent(matches: Sequence[str | None], n_messages: int) -> tuple[str |
             parent_id, covered = value, index + 1
     for index in range(len(matches) - 1, covered - 1, -1):
         value = matches[index]
-        if value is not None and "#" in value and index + 1 < n_messages:
-            return parent_id, covered, {"diverged_from": value.split("#", 1)[0], "at_message": index + 1}
+        if value is not None and "#" in value:
+            if index + 1 < n_messages:
+                return parent_id, covered, {"diverged_from": value.split("#", 1)[0], "at_message": index + 1}
+            break
     return parent_id, covered, None
 
 

@@ -48,8 +48,9 @@ def _sampled_logprobs(choice: dict[str, Any], n_tokens: int) -> tuple[np.ndarray
     values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
     if not isinstance(values, list) or len(values) != n_tokens:
         raise EngineError("engine returned no sampled logprob for every token (was logprobs=0 ignored?)")
+    missing = sum(1 for value in values if value is None)
     clean = [LOGPROB_FLOOR if value is None else float(value) for value in values]
-    nonfinite = sum(1 for value in clean if not math.isfinite(value))
+    nonfinite = missing + sum(1 for value in clean if not math.isfinite(value))
     array = np.asarray(clean, dtype=np.float32)
     if nonfinite:
         array = np.nan_to_num(array, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR, posinf=0.0)
@@ -95,15 +96,18 @@ class VLLMEngine:
                 status = response.status
         except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
             raise EngineUnavailable(f"engine {self.url} is unreachable: {exc!r}") from exc
-        try:
-            parsed = _loads(body) if body else None
-        except ValueError as exc:
-            raise EngineError(f"engine {self.url} answered {path} with a body that is not JSON") from exc
         if status >= 400:
-            message = _error_message(parsed, body[:200].decode(errors="replace"))
+            raw = body[:200].decode(errors="replace")
+            try:
+                message = _error_message(_loads(body), raw) if body else raw
+            except ValueError:  # a plain-text error page (a gateway in front of the engine, or the engine's own)
+                message = raw
             error = EngineUnavailable if status == 503 else EngineError
             raise error(f"engine {self.url} answered {path} with {status}: {message}")
-        return parsed
+        try:
+            return _loads(body) if body else None
+        except ValueError as exc:
+            raise EngineError(f"engine {self.url} answered {path} with a body that is not JSON") from exc
 
     async def info(self) -> EngineInfo:
         if self._info is None:

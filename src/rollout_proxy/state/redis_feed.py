@@ -9,6 +9,9 @@ claimed by another one. Nothing is delivered to two consumers as new.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any, cast
+
 from redis import asyncio as aioredis
 from redis.exceptions import ResponseError
 
@@ -26,8 +29,8 @@ return {1, id}
 """
 
 
-def _entries(rows: list) -> list[FeedEntry]:
-    """Stream rows as typed entries (rows of deleted entries, whose fields are gone, are skipped)."""
+def _entries(rows: Iterable[tuple[Any, Any]]) -> list[FeedEntry]:
+    """Stream rows (id, fields; bytes) as typed entries (rows of deleted entries, whose fields are gone, are skipped)."""
     return [
         FeedEntry(id=entry_id.decode(), group=FeedGroup.model_validate_json(fields[b"data"]))
         for entry_id, fields in rows
@@ -35,10 +38,17 @@ def _entries(rows: list) -> list[FeedEntry]:
     ]
 
 
+def _read_reply(reply: object) -> list[list[Any]]:
+    """An XREADGROUP reply as our clients get it (RESP2): ``[[stream, rows]]``, empty when nothing came.
+
+    redis-py types the reply for every protocol (RESP3 answers a dict); this says which one applies.
+    """
+    return cast(list[list[Any]], reply)
+
+
 class RedisStreamFeed:
     def __init__(self, client: aioredis.Redis, stream: str = "trajectories") -> None:
         self._redis = client
-        self.stream = stream
         self._keys = [feed_stream_key(stream), feed_published_key(stream)]
         self._publish = client.register_script(_PUBLISH)
 
@@ -59,7 +69,7 @@ class RedisStreamFeed:
             rows = await self._redis.xrange(self._keys[0], min=low, max="+", count=limit)
         except ResponseError:
             raise bad_cursor(str(after)) from None
-        return _entries(rows)
+        return _entries(rows or [])  # redis-py types the reply as optional; XRANGE always answers a list
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -75,6 +85,22 @@ class StreamConsumer:
         self._claim_idle_ms = claim_idle_ms
         self._backlog_done = False
 
+    @classmethod
+    async def connect(cls, url: str, *, stream: str, group: str, consumer: str, claim_idle_ms: int) -> StreamConsumer:
+        """A consumer on its own connection (closed by ``close``), its group created if missing."""
+        reader = cls(
+            await connect_redis(url), stream=stream, group=group, consumer=consumer, claim_idle_ms=claim_idle_ms
+        )
+        try:
+            await reader.ensure_group()
+        except BaseException:
+            await reader.close()
+            raise
+        return reader
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
     async def ensure_group(self) -> None:
         try:
             await self._redis.xgroup_create(self._stream, self.group, id="0", mkstream=True)
@@ -84,7 +110,9 @@ class StreamConsumer:
 
     async def fetch(self, count: int, block_ms: int) -> list[FeedEntry]:
         if not self._backlog_done:  # what this consumer was given before and never acknowledged
-            rows = await self._redis.xreadgroup(self.group, self.consumer, {self._stream: "0"}, count=count)
+            rows = _read_reply(
+                await self._redis.xreadgroup(self.group, self.consumer, {self._stream: "0"}, count=count)
+            )
             pending = _entries(rows[0][1] if rows else [])
             if pending:
                 return pending
@@ -95,7 +123,9 @@ class StreamConsumer:
         reclaimed = _entries(claimed[1])
         if reclaimed:
             return reclaimed
-        rows = await self._redis.xreadgroup(self.group, self.consumer, {self._stream: ">"}, count=count, block=block_ms)
+        rows = _read_reply(
+            await self._redis.xreadgroup(self.group, self.consumer, {self._stream: ">"}, count=count, block=block_ms)
+        )
         return _entries(rows[0][1] if rows else [])
 
     async def ack(self, entry_id: str) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import orjson
 
 from rollout_proxy.engines.base import Engine
-from rollout_proxy.errors import EngineError
+from rollout_proxy.errors import EngineError, MessagesMergeIntoParent
 
 ANCHOR_USER = "rollout-proxy anchor question"
 ANCHOR_ASSISTANT = "rollout-proxy anchor answer"
@@ -77,7 +77,7 @@ class ChatRenderer:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._end_of_turn: int | None = None
-        self._anchor_turns: OrderedDict[bytes, int] = OrderedDict()
+        self._anchors: OrderedDict[bytes, np.ndarray] = OrderedDict()
 
     async def end_of_turn_id(self) -> int:
         """The token the template closes every message with (``<|im_end|>`` for ChatML)."""
@@ -126,7 +126,8 @@ class ChatRenderer:
         """
         end_of_turn = await self.end_of_turn_id()
         anchor = anchor_conversation(after_role)
-        turns = await self._anchor_turn_count(anchor, tools, chat_template_kwargs)
+        alone = await self._anchor_render(anchor, tools, chat_template_kwargs)
+        turns = int(np.count_nonzero(alone == end_of_turn))
         rendered = await self._engine.tokenize_messages(
             [*anchor, *messages],
             tools=tools,
@@ -136,6 +137,18 @@ class ChatRenderer:
         cut = _nth_position(rendered, end_of_turn, turns)
         if cut < 0:
             raise EngineError("the chat template closed fewer turns than expected while rendering new messages")
+        if after_role != "assistant" and not np.array_equal(rendered[: cut + 1], alone):
+            # A template may re-render an earlier assistant turn once more messages follow (Qwen3
+            # drops its empty <think> block), which is why the cut counts turns. Other roles render
+            # verbatim, so if the anchor changed, the template folded the new messages into the
+            # parent's last turn (Qwen3 merges consecutive tool results). The parent's tokens are
+            # fixed, so no bridge can be exact: refuse rather than drop or mis-render them.
+            raise MessagesMergeIntoParent(
+                f"the chat template renders these messages into the previous {after_role} turn (it merges them "
+                f"with the messages before, as some templates do with consecutive tool results); that turn's "
+                "tokens are already fixed, so send these messages together with the ones before them",
+                param="messages",
+            )
         bridge = rendered[cut + 1 :]
         if not add_generation_prompt:
             bridge = await self._close_at_last_turn(bridge)
@@ -143,27 +156,27 @@ class ChatRenderer:
             bridge = np.concatenate([np.asarray([end_of_turn], dtype=np.int32), bridge])
         return bridge
 
-    async def _anchor_turn_count(
+    async def _anchor_render(
         self,
         anchor: list[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None,
         chat_template_kwargs: dict[str, Any] | None,
-    ) -> int:
+    ) -> np.ndarray:
+        """The anchor rendered alone, up to its last end-of-turn token (cached per shape)."""
         key = _cache_key(anchor[-1]["role"], tools, chat_template_kwargs)
-        turns = self._anchor_turns.get(key)
-        if turns is not None:
-            self._anchor_turns.move_to_end(key)
-        else:
-            rendered = await self._engine.tokenize_messages(
-                anchor, tools=tools, add_generation_prompt=False, chat_template_kwargs=chat_template_kwargs
-            )
-            turns = int(np.count_nonzero(rendered == await self.end_of_turn_id()))
-            if turns == 0:
-                raise EngineError("the chat template closed no turn in a one-message conversation")
-            self._anchor_turns[key] = turns
-            if len(self._anchor_turns) > _MAX_CACHED_SHAPES:
-                self._anchor_turns.popitem(last=False)
-        return turns
+        alone = self._anchors.get(key)
+        if alone is not None:
+            self._anchors.move_to_end(key)
+            return alone
+        rendered = await self._engine.tokenize_messages(
+            anchor, tools=tools, add_generation_prompt=False, chat_template_kwargs=chat_template_kwargs
+        )
+        if not np.count_nonzero(rendered == await self.end_of_turn_id()):
+            raise EngineError("the chat template closed no turn in a one-message conversation")
+        alone = self._anchors[key] = await self._close_at_last_turn(rendered)
+        if len(self._anchors) > _MAX_CACHED_SHAPES:
+            self._anchors.popitem(last=False)
+        return alone
 
     async def _close_at_last_turn(self, ids: np.ndarray) -> np.ndarray:
         """Drop what follows the last end-of-turn token (it belongs to the next bridge)."""

@@ -1,5 +1,7 @@
 """What a trainer imports: the feed's consumer and its typed entries.
 
+Usage::
+
     from rollout_proxy.trainer import TrajectoryConsumer, FeedEntry, FeedGroup
 """
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from redis import asyncio as aioredis
-
-from rollout_proxy.state.connection import connect_redis, is_redis_url
+from rollout_proxy.state.connection import is_redis_url
 from rollout_proxy.state.redis_feed import StreamConsumer
 from rollout_proxy.wire.feed import FeedEntry
 
@@ -42,7 +40,6 @@ class TrajectoryConsumer:
         self._claim_idle_ms = claim_idle_ms
         self._batch, self._block_ms = batch, block_ms
         self._stop_when_idle = stop_when_idle
-        self._client: aioredis.Redis | None = None
         self._reader: StreamConsumer | None = None
 
     async def __aenter__(self) -> TrajectoryConsumer:
@@ -53,16 +50,13 @@ class TrajectoryConsumer:
 
     async def _connected(self) -> StreamConsumer:
         if self._reader is None:
-            self._client = await connect_redis(self._url)
-            reader = StreamConsumer(
-                self._client,
+            self._reader = await StreamConsumer.connect(
+                self._url,
                 stream=self._stream,
                 group=self._group,
                 consumer=self._consumer,
                 claim_idle_ms=self._claim_idle_ms,
             )
-            await reader.ensure_group()
-            self._reader = reader
         return self._reader
 
     async def fetch(self) -> list[FeedEntry]:
@@ -83,6 +77,6 @@ class TrajectoryConsumer:
         await reader.ack(entry.id if isinstance(entry, FeedEntry) else entry)
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = self._reader = None
+        if self._reader is not None:
+            await self._reader.close()
+            self._reader = None

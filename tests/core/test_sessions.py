@@ -1,0 +1,182 @@
+"""SessionService over each store: create, the open-session check, and finishing exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollout_proxy.core.sessions import SessionService
+from rollout_proxy.engines.pool import EnginePool
+from rollout_proxy.engines.vllm_http import VLLMEngine
+from rollout_proxy.errors import Conflict, InvalidRequest, NotFound, SessionNotFound
+from rollout_proxy.ids import new_response_id, new_session_id
+from rollout_proxy.records import GenerationConfig, SessionStatus
+from tests.core.builders import put_node
+
+SAMPLE = [{"role": "user", "content": "What is 2+2?"}]
+ANSWER = {"role": "assistant", "content": "4."}
+TTL = 120.0
+
+
+@pytest.fixture
+async def pool():
+    # the service only pins an engine's URL; nothing here contacts an engine
+    engines = EnginePool([VLLMEngine("http://127.0.0.1:1/a"), VLLMEngine("http://127.0.0.1:1/b")])
+    yield engines
+    await engines.close()
+
+
+@pytest.fixture
+def service(store, pool) -> SessionService:
+    return SessionService(store=store, engines=pool, ttl=TTL)
+
+
+async def create(service: SessionService, *, n_sample: int | None = None):
+    return await service.create(
+        messages=list(SAMPLE),
+        tools=None,
+        extra={"answer": 4},
+        generation=GenerationConfig(max_new_tokens=16),
+        context={"step": 3},
+        n_sample=n_sample,
+    )
+
+
+async def answer(store, session_id: str) -> str:
+    path = await put_node(store, session_id, [], [*SAMPLE, ANSWER])
+    return path[-1].id
+
+
+async def finish(service: SessionService, session_id: str, *, status: str = "success", responses=None, extra=None):
+    return await service.finish(
+        session_id, status=status, error=None, extra=extra or {}, responses=responses, config=None
+    )
+
+
+async def test_create_stores_an_open_session_pinned_to_the_least_loaded_engine(service, pool):
+    busy, idle = pool.engines
+    async with pool.slot(busy):
+        session = await create(service)
+    assert session.engine == idle.url
+    assert session.status is SessionStatus.OPEN and session.result is None
+    assert session.expires_at - session.created_at == pytest.approx(TTL)
+    assert (await service.get(session.id)).to_dict() == session.to_dict()
+    assert (await service.get_open(session.id)).id == session.id
+
+
+async def test_an_unknown_session_is_not_found(service):
+    with pytest.raises(SessionNotFound) as raised:
+        await service.get(new_session_id())
+    assert raised.value.param == "session_id"
+    with pytest.raises(SessionNotFound):
+        await finish(service, new_session_id())
+
+
+async def test_a_single_rollout_that_names_nothing_emits_its_latest_response(service, store):
+    session = await create(service)
+    response_id = await answer(store, session.id)
+    finished, trajectories = await finish(service, session.id)
+    assert [t.response_id for t in trajectories] == [response_id]
+    assert trajectories[0].messages == [*SAMPLE, ANSWER]
+    assert finished.status is SessionStatus.FINISHED
+    assert finished.result["responses"] == [{"id": response_id, "extra": None}]
+    assert (await service.get(session.id)).result == finished.result
+
+
+async def test_a_rollout_without_responses_emits_nothing(service, store):
+    empty = await create(service)
+    assert (await finish(service, empty.id))[1] == []
+    failed = await create(service)
+    await answer(store, failed.id)
+    finished, trajectories = await finish(service, failed.id, status="failure")
+    assert trajectories == [] and finished.result["status"] == "failure"
+
+
+async def test_each_response_extra_is_merged_over_the_rollout_extra(service, store):
+    session = await create(service)
+    first, second = await answer(store, session.id), await answer(store, session.id)
+    responses = [{"id": second, "extra": {"score": 1}}, {"id": first, "extra": None}]
+    _, trajectories = await finish(service, session.id, responses=responses, extra={"score": 0, "tag": "x"})
+    assert [t.response_id for t in trajectories] == [second, first]
+    assert [t.extra for t in trajectories] == [{"score": 1, "tag": "x"}, {"score": 0, "tag": "x"}]
+    assert (await service.trajectory(second)).extra == {"score": 1, "tag": "x"}
+
+
+async def assert_nothing_recorded(service, session_id: str) -> None:
+    session = await service.get(session_id)
+    assert session.status is SessionStatus.OPEN and session.result is None
+
+
+async def test_response_ids_must_belong_to_the_session(service, store):
+    session, other = await create(service), await create(service)
+    mine, theirs = await answer(store, session.id), await answer(store, other.id)
+    for bad in (theirs, new_response_id(session.id), "not-a-response-id"):
+        with pytest.raises(InvalidRequest) as raised:
+            await finish(service, session.id, responses=[{"id": mine}, {"id": bad}])
+        assert raised.value.param == "responses[1].id"
+        await assert_nothing_recorded(service, session.id)
+    with pytest.raises(InvalidRequest) as raised:
+        await finish(service, session.id, responses=[{"id": mine}, {"id": mine}])
+    assert raised.value.param == "responses"
+    await assert_nothing_recorded(service, session.id)
+    # the failed checks left the session finishable
+    _, trajectories = await finish(service, session.id, responses=[{"id": mine}])
+    assert [t.response_id for t in trajectories] == [mine]
+
+
+async def test_a_group_that_succeeds_names_exactly_n_sample(service, store):
+    session = await create(service, n_sample=2)
+    ids = [await answer(store, session.id) for _ in range(3)]
+    for named in ([], ids[:1], ids):
+        with pytest.raises(InvalidRequest) as raised:
+            await finish(service, session.id, responses=[{"id": i} for i in named])
+        assert raised.value.param == "responses"
+        await assert_nothing_recorded(service, session.id)
+    with pytest.raises(InvalidRequest):  # a group never falls back to its latest response
+        await finish(service, session.id)
+    _, trajectories = await finish(service, session.id, responses=[{"id": i} for i in ids[1:]])
+    assert [t.response_id for t in trajectories] == ids[1:]
+
+
+async def test_a_failed_group_may_name_fewer(service, store):
+    session = await create(service, n_sample=4)
+    response_id = await answer(store, session.id)
+    _, trajectories = await finish(service, session.id, status="failure", responses=[{"id": response_id}])
+    assert [t.response_id for t in trajectories] == [response_id]
+
+
+async def test_a_session_finishes_once(service, store):
+    session = await create(service)
+    await answer(store, session.id)
+    await finish(service, session.id)
+    with pytest.raises(Conflict):
+        await finish(service, session.id)
+    with pytest.raises(Conflict):
+        await service.get_open(session.id)
+    assert (await service.get(session.id)).status is SessionStatus.FINISHED
+
+
+async def test_concurrent_finishes_record_one_result(service, store):
+    session = await create(service)
+    await answer(store, session.id)
+    outcomes = await asyncio.gather(
+        *(finish(service, session.id, extra={"n": n}) for n in range(6)), return_exceptions=True
+    )
+    winners = [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
+    assert len(winners) == 1
+    assert all(isinstance(outcome, Conflict) for outcome in outcomes if isinstance(outcome, BaseException))
+    assert (await service.get(session.id)).result == winners[0][0].result
+
+
+async def test_trajectories_are_found_only_in_their_session(service, store):
+    session, other = await create(service), await create(service)
+    response_id = await answer(store, session.id)
+    assert (await service.trajectory(response_id, session_id=session.id)).response_id == response_id
+    with pytest.raises(NotFound):
+        await service.trajectory(response_id, session_id=other.id)
+    with pytest.raises(NotFound):
+        await service.trajectory(new_response_id(session.id))
+    assert (await service.latest_trajectory(session.id)).response_id == response_id
+    with pytest.raises(NotFound):
+        await service.latest_trajectory(other.id)

@@ -1,0 +1,207 @@
+"""VLLMEngine against the fake vLLM server and a scripted one: what it sends, what it reads, how it fails."""
+
+from __future__ import annotations
+
+import aiohttp
+import numpy as np
+import pytest
+
+from rollout_proxy.devtools.fake_engine import fake_logprob
+from rollout_proxy.engines.base import SamplingParams
+from rollout_proxy.engines.vllm_http import LOGPROB_FLOOR, VLLMEngine
+from rollout_proxy.errors import EngineError, EngineUnavailable
+from tests.conftest import free_port
+
+MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
+PARAMS = SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0, top_k=0)
+
+
+@pytest.fixture
+async def client(fake):
+    engine = VLLMEngine(fake.url + "/")
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture
+async def scripted_client(scripted):
+    engine = VLLMEngine(scripted.url)
+    yield engine
+    await engine.close()
+
+
+def completion_body(choice: str) -> str:
+    return '{"id": "cmpl-1", "object": "text_completion", "choices": [' + choice + "]}"
+
+
+async def test_info_reads_the_model_card(client, fake):
+    info = await client.info()
+    assert (info.url, info.model, info.max_model_len) == (fake.url, fake.model_name, fake.max_model_len)
+    assert await client.healthy()
+
+
+async def test_tokenize_uses_the_engines_template(fake_engine):
+    engine = VLLMEngine(fake_engine.url)
+    try:
+        for add_generation_prompt in (True, False):
+            ids = await engine.tokenize_messages(
+                MESSAGES, tools=None, add_generation_prompt=add_generation_prompt, chat_template_kwargs=None
+            )
+            expected = fake_engine.encode(fake_engine.render(MESSAGES, add_generation_prompt=add_generation_prompt))
+            assert ids.dtype == np.int32 and ids.tolist() == expected
+        text = "Hello <|im_end|> world"
+        assert (await engine.tokenize_text(text)).tolist() == fake_engine.encode(text)
+    finally:
+        await engine.close()
+
+
+async def test_complete_sends_every_sampling_setting(client, fake):
+    prompt = np.asarray(fake.encode("Count to three:"), dtype=np.int32)
+    await client.complete(prompt, SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=0))
+    payload = fake.completions[-1]
+    assert payload == {
+        "model": fake.model_name,
+        "prompt": prompt.tolist(),
+        "max_tokens": 9,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,  # vLLM's "disabled"
+        "n": 1,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "stream": False,
+        "min_p": 0.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+    }
+    params = SamplingParams(
+        max_tokens=4, temperature=0.5, top_p=1.0, top_k=20, seed=3, stop=("\n",), routed_experts_prompt_start=5
+    )
+    await client.complete(prompt, params)
+    payload = fake.completions[-1]
+    assert payload["top_k"] == 20 and payload["seed"] == 3 and payload["stop"] == ["\n"]
+    assert payload["routed_experts_prompt_start"] == 5
+
+
+async def test_complete_returns_the_sampled_tokens_and_logprobs(client, fake):
+    prompt = np.asarray(fake.encode("Say hi:"), dtype=np.int32)
+    fake.queue("Hi there")
+    completion = await client.complete(prompt, PARAMS)
+    sampled = [*fake.encode("Hi there"), fake.eos_id]
+    assert completion.output_ids.dtype == np.int32 and completion.output_ids.tolist() == sampled
+    expected = [fake_logprob(len(prompt) + i, token) for i, token in enumerate(sampled)]
+    assert np.array_equal(completion.output_logprobs, np.asarray(expected, dtype=np.float32))
+    assert completion.prompt_ids.tolist() == prompt.tolist()
+    assert completion.text == "Hi there" and completion.finish_reason == "stop"
+    assert completion.nonfinite_logprobs == 0 and completion.routed_experts is None
+    assert client.returns_routing is False
+
+
+async def test_non_finite_logprobs_are_clamped_and_counted(scripted, scripted_client):
+    scripted.answer(
+        "/v1/completions",
+        200,
+        completion_body(
+            '{"text": "abcd", "token_ids": [5, 6, 7, 8], "finish_reason": "stop", "prompt_token_ids": [1, 2],'
+            ' "logprobs": {"token_logprobs": [NaN, -Infinity, -0.5, Infinity]}}'
+        ),
+    )
+    completion = await scripted_client.complete(np.asarray([1, 2], dtype=np.int32), PARAMS)
+    assert completion.nonfinite_logprobs == 3
+    assert completion.output_logprobs.tolist() == [LOGPROB_FLOOR, LOGPROB_FLOOR, -0.5, 0.0]
+    assert np.isfinite(completion.output_logprobs).all()
+
+
+@pytest.mark.parametrize("status", [400, 404, 500])
+async def test_an_error_answer_is_an_engine_error_with_the_engines_message(client, fake, status):
+    fake.failures.append((status, "the engine's own words"))
+    with pytest.raises(EngineError) as raised:
+        await client.complete(np.asarray([1, 2, 3], dtype=np.int32), PARAMS)
+    assert raised.value.status == 502 and not isinstance(raised.value, EngineUnavailable)
+    assert "the engine's own words" in raised.value.message and str(status) in raised.value.message
+
+
+async def test_an_overloaded_engine_is_unavailable(client, fake):
+    fake.failures.append((503, "busy"))
+    with pytest.raises(EngineUnavailable) as raised:
+        await client.complete(np.asarray([1, 2, 3], dtype=np.int32), PARAMS)
+    assert raised.value.status == 503 and "busy" in raised.value.message
+
+
+async def test_an_engine_nobody_listens_on_is_unavailable():
+    engine = VLLMEngine(f"http://127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(EngineUnavailable):
+            await engine.info()
+        assert not await engine.healthy()
+    finally:
+        await engine.close()
+
+
+async def test_an_engine_that_does_not_answer_in_time_is_unavailable(fake):
+    fake.delay = 1.0
+    engine = VLLMEngine(fake.url, request_timeout=0.2)
+    try:
+        await engine.info()
+        with pytest.raises(EngineUnavailable):
+            await engine.complete(np.asarray([1, 2, 3], dtype=np.int32), PARAMS)
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", "<html>not json</html>"),
+        ("/v1/completions", '{"object": "text_completion", "choices": []}'),
+        ("/v1/completions", completion_body('{"text": "a", "finish_reason": "stop", "logprobs": null}')),
+        ("/v1/completions", completion_body('{"text": "a", "token_ids": [5], "logprobs": null}')),
+        (
+            "/v1/completions",
+            completion_body('{"text": "a", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-1]}}'),
+        ),
+        ("/v1/models", '{"object": "list", "data": [{"id": "m"}]}'),
+        ("/v1/models", '{"object": "list", "data": []}'),
+    ],
+    ids=["not-json", "no-choices", "no-token-ids", "no-logprobs", "short-logprobs", "no-max-len", "no-model"],
+)
+async def test_an_unusable_answer_is_an_engine_error(scripted, scripted_client, path, body):
+    scripted.answer(path, 200, body)
+    with pytest.raises(EngineError) as raised:
+        await scripted_client.complete(np.asarray([1, 2], dtype=np.int32), PARAMS)
+    assert not isinstance(raised.value, EngineUnavailable)
+
+
+async def test_tokenize_without_tokens_is_an_engine_error(scripted, scripted_client):
+    scripted.answer("/tokenize", 200, '{"count": 0}')
+    with pytest.raises(EngineError):
+        await scripted_client.tokenize_text("hello")
+
+
+async def test_a_503_with_a_plain_text_body_is_unavailable(scripted, scripted_client):
+    scripted.answer("/v1/completions", 503, "Service Unavailable")
+    with pytest.raises(EngineUnavailable):
+        await scripted_client.complete(np.asarray([1, 2], dtype=np.int32), PARAMS)
+
+
+async def test_a_plain_text_error_keeps_the_engines_message(scripted, scripted_client):
+    scripted.answer("/v1/completions", 500, "Internal Server Error: CUDA out of memory")
+    with pytest.raises(EngineError) as raised:
+        await scripted_client.complete(np.asarray([1, 2], dtype=np.int32), PARAMS)
+    assert "CUDA out of memory" in raised.value.message
+
+
+async def test_close_closes_only_the_client_it_created(fake):
+    owned = VLLMEngine(fake.url)
+    await owned.info()
+    created = owned._session  # the client it opened itself
+    await owned.close()
+    assert created is not None and created.closed
+
+    async with aiohttp.ClientSession() as http:
+        borrowing = VLLMEngine(fake.url, session=http)
+        await borrowing.info()
+        await borrowing.close()
+        assert not http.closed
+        assert (await borrowing.info()).model == fake.model_name

@@ -1,0 +1,81 @@
+"""connect_redis: the one way Redis is opened (URL check, ping, retry while the server comes up)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from rollout_proxy.state.connection import connect_redis, is_redis_url
+from tests.conftest import free_port
+
+
+@pytest.fixture
+def late_redis() -> Iterator[tuple[str, Callable[[], None]]]:
+    """A URL on a free port, and a function that starts redis-server there (stopped at the end)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed; run scripts/test.sh or apt-get install redis-server")
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="rp-redis-late-")
+    started: list[subprocess.Popen] = []
+
+    def start() -> None:
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        started.append(
+            subprocess.Popen([*args, "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
+
+    yield f"redis://127.0.0.1:{port}/0", start
+    for process in started:
+        process.terminate()
+        process.wait(timeout=10)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def test_waits_for_a_server_that_comes_up_late(late_redis):
+    url, start = late_redis
+
+    async def start_later() -> None:
+        await asyncio.sleep(0.3)
+        start()
+
+    starter = asyncio.create_task(start_later())
+    client = await connect_redis(url, retries=8, delay=0.05)
+    try:
+        await starter
+        assert await client.ping()
+        await client.set(b"k", b"v")
+        assert await client.get(b"k") == b"v"
+    finally:
+        await client.aclose()
+
+
+async def test_gives_up_when_nothing_listens():
+    with pytest.raises((RedisConnectionError, OSError)):
+        await connect_redis(f"redis://127.0.0.1:{free_port()}/0", retries=2, delay=0.01)
+
+
+@pytest.mark.parametrize("url", ["memory", "http://127.0.0.1:6379", "127.0.0.1:6379", ""])
+async def test_refuses_a_url_that_is_not_redis(url):
+    with pytest.raises(ValueError, match="not a Redis URL"):
+        await connect_redis(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://127.0.0.1:6379/0", True),
+        ("rediss://cache.example:6380/1", True),
+        ("unix:///run/redis.sock", True),
+        ("memory", False),
+        ("http://127.0.0.1:6379", False),
+    ],
+)
+def test_is_redis_url(url, expected):
+    assert is_redis_url(url) is expected
