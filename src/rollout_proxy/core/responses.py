@@ -62,7 +62,7 @@ class ResponsesService:
         placement = await self._place(
             session, messages, previous_response_id=previous_response_id, instructions=instructions, api="responses"
         )
-        meta = {
+        meta: dict[str, Any] = {
             "previous_response_id": previous_response_id,
             "instructions": instructions if previous_response_id is None else root_instructions(placement.parent),
             "store": store,

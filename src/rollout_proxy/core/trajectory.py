@@ -57,7 +57,9 @@ class AssembledTrajectory:
         }
 
 
-def assemble(session_id: str, path: Sequence[ResponseNode], *, extra: dict[str, Any] | None = None) -> AssembledTrajectory:
+def assemble(
+    session_id: str, path: Sequence[ResponseNode], *, extra: dict[str, Any] | None = None
+) -> AssembledTrajectory:
     ids, weights, logprobs, messages = [], [], [], []
     forks = []
     for node in path:

@@ -95,7 +95,12 @@ class TurnRunner:
         return await self.record(session, placement, turn, completion, api=api, meta=meta)
 
     async def prepare(
-        self, session: SessionRecord, placement: Placement, *, tools: Sequence[dict[str, Any]] | None, stop: Sequence[str]
+        self,
+        session: SessionRecord,
+        placement: Placement,
+        *,
+        tools: Sequence[dict[str, Any]] | None,
+        stop: Sequence[str],
     ) -> PreparedTurn:
         """The engine, the whole prompt (parent's tokens + bridge) and the sampling settings."""
         engine = self._engines.get(session.engine)

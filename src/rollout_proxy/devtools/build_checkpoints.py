@@ -88,14 +88,14 @@ def _generation_config(tok) -> dict:
 
 def build_dense(gguf: Path, out: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     t0 = time.monotonic()
     log(f"loading + dequantizing {gguf.name}")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quant = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quant.config
-    if config.model_type != "llama":
+    if config.model_type != "llama" or not isinstance(config, LlamaConfig):
         raise RuntimeError(f"expected a llama GGUF, got {config.model_type}")
     for attr in ("quantization_config", "gguf_file"):
         if hasattr(config, attr):
@@ -198,12 +198,13 @@ def build_moe(dense_dir: Path, out: Path) -> None:
 def verify(dense_dir: Path, moe_dir: Path) -> None:
     """Greedy tokens must match between dense and upcycled MoE (and the MoE must load fully)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
 
     tok = AutoTokenizer.from_pretrained(dense_dir)
-    ids = tok.apply_chat_template(CHECK_PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
-        "input_ids"
-    ]
+    encoded = tok.apply_chat_template(CHECK_PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    if not isinstance(encoded, BatchEncoding):  # what return_dict=True returns; the annotation lists every mode
+        raise TypeError(f"apply_chat_template returned {type(encoded).__name__}, not a BatchEncoding")
+    ids = encoded["input_ids"]
     results = {}
     for name, d in (("dense", dense_dir), ("moe", moe_dir)):
         model, info = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)

@@ -46,7 +46,8 @@ def write_trajectories(feed_path: Path, out: Path) -> int:
 async def run_demo(out_dir: Path, samples: int, generations: int, engine_url: str) -> None:
     from rollout_proxy.runner import JobConfig, run_job
 
-    job = JobConfig.load(resources.files("rollout_proxy.examples") / "weather_job.yaml")
+    with resources.as_file(resources.files("rollout_proxy.examples") / "weather_job.yaml") as job_file:
+        job = JobConfig.load(job_file)
     job.hyperparameters.batch_size = samples
     job.hyperparameters.num_generations = generations
     run_id = f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -22,7 +22,9 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rollout_proxy.devtools import paths
 
@@ -51,7 +53,7 @@ def log(msg: str) -> None:
     print(f"[engine_env] {msg}", file=sys.stderr, flush=True)
 
 
-def _run(cmd: list[str], **kw) -> None:
+def _run(cmd: Sequence[str | os.PathLike[str]], **kw: Any) -> None:
     """Run a step, streaming its output to our stderr; raise with the command on failure."""
     log("$ " + " ".join(str(c) for c in cmd))
     t0 = time.monotonic()

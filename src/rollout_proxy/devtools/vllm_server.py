@@ -221,7 +221,7 @@ class VLLMServer:
         self.extra_args = list(extra_args or [])
         self.run_dir = Path(run_dir) if run_dir else paths.run_dir()
         self.die_with_parent = die_with_parent
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None
         self.model_dir: Path | None = None  # resolved checkpoint dir, set by start()
         self.startup_seconds: float | None = None
@@ -314,7 +314,7 @@ class VLLMServer:
         with open(self.log_file, "wb") as logf:
             logf.write(("$ " + " ".join(cmd) + "\n").encode())
             logf.flush()
-            self.proc = subprocess.Popen(
+            proc = self.proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
@@ -324,7 +324,7 @@ class VLLMServer:
                 # Only prctl runs between fork and exec, so the threads caveat is moot.
                 preexec_fn=_die_with_parent if self.die_with_parent else None,
             )
-        self.pid = self.proc.pid
+        self.pid = proc.pid
         self.pid_file.write_text(f"{self.pid}\n")
         self.info_file.write_text(
             json.dumps(
@@ -341,7 +341,7 @@ class VLLMServer:
             )
         )
         try:
-            self._wait_healthy(t0, timeout)
+            self._wait_healthy(proc, t0, timeout)
         except BaseException:
             self.stop()
             raise
@@ -349,13 +349,13 @@ class VLLMServer:
         log(f"[vllm_server] ready in {self.startup_seconds:.0f}s: {self.base_url}")
         return self.base_url
 
-    def _wait_healthy(self, t0: float, timeout: float) -> None:
+    def _wait_healthy(self, proc: subprocess.Popen[bytes], t0: float, timeout: float) -> None:
         last_dot = 0.0
         while True:
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 log("")
                 raise RuntimeError(
-                    f"vLLM exited with code {self.proc.returncode} during startup; log tail:\n{self.log_tail()}"
+                    f"vLLM exited with code {proc.returncode} during startup; log tail:\n{self.log_tail()}"
                 )
             if self.healthy():
                 log("")
@@ -391,10 +391,8 @@ class VLLMServer:
             if stop_pid(pid, grace):
                 log(f"[vllm_server] stopped pid {pid}")
             if self.proc is not None:
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=5)  # reap our child
-                except subprocess.TimeoutExpired:
-                    pass
         if self.port is not None:
             for f in (self.pid_file, self.info_file):
                 f.unlink(missing_ok=True)

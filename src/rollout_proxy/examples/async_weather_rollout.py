@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import cast
+
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+
 from rollout_proxy.examples.weather_tool import WEATHER_TOOL, follow_reply
 from rollout_proxy.sdk import (
     ChatCompletionSample,
@@ -28,14 +32,15 @@ async def demo_rollout(
     sample: ChatCompletionSample,
 ) -> RolloutResult | None:
     client = proxy.async_rollout_client()
-    messages = [message.model_dump(exclude_none=True) for message in sample.messages]
-    tools = sample.tools or [WEATHER_TOOL]
+    # the sample's JSON messages and tools, typed as what the OpenAI client takes
+    messages = cast(list[ChatCompletionMessageParam], [m.model_dump(exclude_none=True) for m in sample.messages])
+    tools = cast(list[ChatCompletionToolParam], sample.tools or [WEATHER_TOOL])
     follow_ups = list((sample.extra or {}).get("follow_ups", []))  # user turns to ask after each answer
     tool_calls = 0
     for _ in range(MAX_TURNS):
         completion = await client.chat.completions.create(model=LOCAL_TEST_MODEL, messages=messages, tools=tools)
         reply = completion.choices[0].message.model_dump(exclude_none=True)
-        messages.append(reply)
+        messages.append(cast(ChatCompletionMessageParam, reply))
         more, calls = follow_reply(reply, follow_ups)
         if not more:
             break

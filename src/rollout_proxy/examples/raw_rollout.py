@@ -8,7 +8,10 @@ revises. ``process_completion`` records each policy answer, and
 
 from __future__ import annotations
 
+from typing import cast
+
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from rollout_proxy.sdk import (
     ChatCompletionSample,
@@ -29,7 +32,7 @@ def raw_rollout(
     context: PluginContext, proxy: RolloutInferenceProxy, sample: ChatCompletionSample
 ) -> RolloutResult | None:
     client = openai.OpenAI(base_url=proxy.url, api_key=proxy.jwt_token)  # not wrapped: state is ours to keep
-    messages = [message.model_dump(exclude_none=True) for message in sample.messages]
+    messages = cast(list[ChatCompletionMessageParam], [m.model_dump(exclude_none=True) for m in sample.messages])
     first = client.chat.completions.create(model="policy", messages=messages)
     proxy.process_completion(first, messages=messages)
     critique = [
@@ -38,6 +41,8 @@ def raw_rollout(
         {"role": "user", "content": "Revise your answer."},
     ]
     reviewed_id = proxy.update_state_from_messages(critique, previous_response_id=first.id)
-    revised = client.chat.completions.create(model="policy", messages=proxy.messages)
+    revised = client.chat.completions.create(
+        model="policy", messages=cast(list[ChatCompletionMessageParam], proxy.messages)
+    )
     proxy.process_completion(revised, messages=proxy.messages)
     return RolloutResult(status=PluginStatus.SUCCESS, extra={"reviewed_id": reviewed_id, "final_id": revised.id})

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
+from typing import Any
+
+from openai.types.chat import ChatCompletionMessageParam
 
 CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "snowy"]
 
@@ -44,14 +48,14 @@ def run_tool_call(name: str, arguments: str) -> str:
         return json.dumps({"error": f"bad arguments: {exc}"})
 
 
-def follow_reply(message: dict, follow_ups: list[str]) -> tuple[list[dict], int]:
+def follow_reply(message: Mapping[str, Any], follow_ups: list[str]) -> tuple[list[ChatCompletionMessageParam], int]:
     """What the agent appends after a reply: tool results, else the next follow-up question.
 
     Returns (messages to append, tool calls made); no messages means the episode is over.
     """
     calls = message.get("tool_calls") or []
     if calls:
-        results = [
+        results: list[ChatCompletionMessageParam] = [
             {
                 "role": "tool",
                 "tool_call_id": call["id"],

@@ -19,6 +19,7 @@ from rollout_proxy.wire.errors import WireFormatError
 
 log = structlog.get_logger(__name__)
 
+
 def _http_error(exc: web.HTTPException) -> ProxyError:
     """aiohttp's own HTTP errors (raised before or around our handlers) as our error tree."""
     if exc.status == 413:

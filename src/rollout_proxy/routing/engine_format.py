@@ -31,7 +31,7 @@ def decode_engine_routing(encoded: str) -> tuple[np.ndarray, np.ndarray]:
     if array.dtype.kind == "u":
         return array, np.ones(len(array), dtype=bool)
     negative = array < 0
-    missing = negative.all(axis=(1, 2))
+    missing = np.asarray(negative.all(axis=(1, 2)))  # asarray: the stubs say .all(axis) may be a scalar
     if (negative.any(axis=(1, 2)) & ~missing).any() or (array[missing] != -1).any():
         raise RoutingFormatError("routed_experts has negative expert ids outside whole -1 rows")
     return array, ~missing

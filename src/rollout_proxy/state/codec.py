@@ -64,7 +64,7 @@ def decode_node(blob: bytes, routing: bytes | None = None) -> ResponseNode:
     start = 4 + _LENGTH.size
     header = orjson.loads(blob[start : start + size])
     offset = start + size
-    arrays = {}
+    arrays: dict[str, Any] = {}  # ResponseNode fields by name, passed as keywords
     for (name, dtype), length in zip(ARRAYS.items(), header.pop("lengths"), strict=True):
         arrays[name] = np.frombuffer(blob, dtype=dtype, count=length, offset=offset).astype(dtype[1:], copy=False)
         offset += length * np.dtype(dtype).itemsize

@@ -70,6 +70,11 @@ return 1
 """
 
 
+def _text(value: bytes | str) -> str:
+    """A reply as text. Our clients get bytes (``decode_responses=False``); redis-py types replies as either."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class RedisStore:
     def __init__(self, client: aioredis.Redis) -> None:
         self._redis = client
@@ -147,7 +152,9 @@ class RedisStore:
             await self._put_node(keys=keys.session_keys(session_id), args=args)
         except ResponseError as exc:
             if "NOSESSION" in str(exc):
-                raise SessionNotFound(f"session {session_id!r} not found (unknown or expired)", param="session_id") from None
+                raise SessionNotFound(
+                    f"session {session_id!r} not found (unknown or expired)", param="session_id"
+                ) from None
             raise
 
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
@@ -165,8 +172,8 @@ class RedisStore:
         if not hashes:
             return []
         values = await self._redis.hmget(keys.paths_key(session_id), list(hashes))
-        return [None if value is None else value.decode() for value in values]
+        return [None if value is None else _text(value) for value in values]
 
     async def latest(self, session_id: str, api: str) -> str | None:
         value = await self._redis.hget(keys.latest_key(session_id), api)
-        return None if value is None else value.decode()
+        return None if value is None else _text(value)

@@ -98,14 +98,21 @@ def messages_as_input(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     for message in messages:
         if message["role"] == "tool":
-            items.append({"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]})
+            items.append(
+                {"type": "function_call_output", "call_id": message["tool_call_id"], "output": message["content"]}
+            )
         elif message["role"] == "assistant":
             if message.get("content"):
                 items.append({"role": "assistant", "content": message["content"]})
             for call in message.get("tool_calls") or []:
                 function = call["function"]
                 items.append(
-                    {"type": "function_call", "call_id": call["id"], "name": function["name"], "arguments": function["arguments"]}
+                    {
+                        "type": "function_call",
+                        "call_id": call["id"],
+                        "name": function["name"],
+                        "arguments": function["arguments"],
+                    }
                 )
         else:
             items.append({"role": message["role"], "content": message["content"]})

@@ -35,4 +35,6 @@ def decode_routed_experts(field: dict[str, Any] | None) -> np.ndarray | None:
         data = np.frombuffer(base64.b64decode(field["data"], validate=True), dtype=dtype)
         return data.reshape(shape)
     except (KeyError, TypeError, ValueError, binascii.Error) as exc:
-        raise WireFormatError(f"routed_experts is not a {{dtype, shape, data}} array: {exc}", param="routed_experts") from None
+        raise WireFormatError(
+            f"routed_experts is not a {{dtype, shape, data}} array: {exc}", param="routed_experts"
+        ) from None

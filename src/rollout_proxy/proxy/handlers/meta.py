@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from aiohttp import web
 
@@ -42,7 +43,7 @@ async def counters(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     request_caller(request)
-    data = []
+    data: list[dict[str, Any]] = []
     for engine in request.app[keys.ENGINES].engines:
         info = await engine.info()
         if all(entry["id"] != info.model for entry in data):

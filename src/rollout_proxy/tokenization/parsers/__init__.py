@@ -47,9 +47,8 @@ class OutputParser:
 
     def parse(self, text: str) -> AssistantView:
         reasoning, rest = self.reasoning.split(text)
-        content, calls, outcome = self.tools.extract(rest)
-        if not content and calls:
-            content = None
+        text_part, calls, outcome = self.tools.extract(rest)
+        content = None if not text_part and calls else text_part  # a bare tool call has no content
         return AssistantView(content=content, reasoning=reasoning, tool_calls=calls, tool_parse=outcome)
 
 
