@@ -22,25 +22,19 @@ from typing import Any
 import numpy as np
 import structlog
 
+from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.tree import Placement
+from rollout_proxy.core.turn_routing import align_routing
 from rollout_proxy.engines.base import Engine, EngineCompletion, EngineInfo, SamplingParams
 from rollout_proxy.engines.pool import EnginePool
 from rollout_proxy.errors import ContextLengthExceeded, EngineError
 from rollout_proxy.ids import new_response_id
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind, ResponseNode, SessionRecord
-from rollout_proxy.routing import (
-    RoutingFormatError,
-    RoutingRows,
-    align_turn,
-    decode_engine_routing,
-    first_row_position,
-    prompt_start,
-)
+from rollout_proxy.routing import prompt_start
 from rollout_proxy.state.store import StateStore
 from rollout_proxy.tokenization.messages import extend_path_hash
 from rollout_proxy.tokenization.parsers import AssistantView, OutputParser, ToolParse
-from rollout_proxy.tokenization.renderer import ChatRenderer
 
 log = structlog.get_logger(__name__)
 
@@ -75,7 +69,7 @@ class TurnRunner:
         self._engines = engines
         self._parser = parser
         self._metrics = metrics
-        self._renderers: dict[str, ChatRenderer] = {}
+        self._renderers = Renderers()
         self._limits: dict[str, asyncio.Semaphore] = {}
 
     # -- a generated turn ---------------------------------------------------------------------
@@ -105,7 +99,13 @@ class TurnRunner:
         """The engine, the whole prompt (parent's tokens + bridge) and the sampling settings."""
         engine = self._engines.get(session.engine)
         info = await engine.info()
-        delta = await self._delta(engine, session, placement, tools=tools, add_generation_prompt=True)
+        delta = await self._renderers.delta(
+            engine,
+            placement,
+            tools=tools,
+            chat_template_kwargs=session.generation.chat_template_kwargs,
+            add_generation_prompt=True,
+        )
         prompt = np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
         room = info.max_model_len - len(prompt)
         if room <= 0:
@@ -148,7 +148,16 @@ class TurnRunner:
         meta: dict[str, Any] | None,
     ) -> TurnResult:
         """The sampled tokens as a node (with its parsed view and routing), stored once."""
-        routing, disagreements = await self._routing(session, placement.parent, turn, completion)
+        routing, disagreements = await align_routing(
+            self._store,
+            self._metrics,
+            session.id,
+            placement.parent,
+            completion,
+            prompt_len=len(turn.prompt),
+            requested_start=turn.params.routed_experts_prompt_start or 0,
+            engine_url=turn.engine.url,
+        )
         view = self._parse(completion.text)
         node_meta = dict(meta or {})
         if completion.nonfinite_logprobs:
@@ -192,7 +201,13 @@ class TurnRunner:
         """Append messages the policy did not generate, as a node with loss weight 0."""
         engine = self._engines.get(session.engine)
         info = await engine.info()
-        delta = await self._delta(engine, session, placement, tools=session.tools, add_generation_prompt=False)
+        delta = await self._renderers.delta(
+            engine,
+            placement,
+            tools=session.tools,
+            chat_template_kwargs=session.generation.chat_template_kwargs,
+            add_generation_prompt=False,
+        )
         node = ResponseNode(
             id=new_response_id(session.id),
             parent_id=placement.parent_id,
@@ -212,12 +227,6 @@ class TurnRunner:
 
     # -- the steps' parts -------------------------------------------------------------------------
 
-    def _renderer(self, engine: Engine) -> ChatRenderer:
-        renderer = self._renderers.get(engine.url)
-        if renderer is None:
-            renderer = self._renderers[engine.url] = ChatRenderer(engine)
-        return renderer
-
     def _request_slot(self, session: SessionRecord) -> contextlib.AbstractAsyncContextManager[Any]:
         """A slot of the session's shared request bound (e.g. a job's request_concurrency)."""
         if not session.concurrency:
@@ -228,67 +237,12 @@ class TurnRunner:
             limit = self._limits[key] = asyncio.Semaphore(session.concurrency["max_requests"])
         return limit
 
-    async def _delta(
-        self,
-        engine: Engine,
-        session: SessionRecord,
-        placement: Placement,
-        *,
-        tools: Sequence[dict[str, Any]] | None,
-        add_generation_prompt: bool,
-    ) -> np.ndarray:
-        """Tokens for the new messages: a whole render at the root, else a bridge after the parent."""
-        renderer = self._renderer(engine)
-        kwargs = session.generation.chat_template_kwargs
-        messages = placement.new_messages
-        if not placement.parent:
-            return await renderer.render(
-                messages, tools=tools, chat_template_kwargs=kwargs, add_generation_prompt=add_generation_prompt
-            )
-        last = placement.parent[-1]
-        closed = last.kind is NodeKind.INJECTED or (
-            len(last.output_ids) > 0 and int(last.output_ids[-1]) == await renderer.end_of_turn_id()
-        )
-        return await renderer.bridge(
-            messages,
-            after_role=last.messages[-1]["role"],
-            after_closed=closed,
-            tools=tools,
-            chat_template_kwargs=kwargs,
-            add_generation_prompt=add_generation_prompt,
-        )
-
     def _parse(self, text: str) -> AssistantView:
         view = self._parser.parse(text)
         self._metrics.inc("tool_parse_total", outcome=view.tool_parse.value)
         if view.tool_parse is ToolParse.MALFORMED:
             log.info("tool_call_unparsed", text=text[:200])
         return view
-
-    async def _routing(
-        self, session: SessionRecord, parent: Sequence[ResponseNode], turn: PreparedTurn, completion: EngineCompletion
-    ) -> tuple[RoutingRows | None, int]:
-        """The turn's routed experts aligned to the path (None for dense models)."""
-        if completion.routed_experts is None:
-            return None, 0
-        try:
-            rows, valid = decode_engine_routing(completion.routed_experts)
-            first = first_row_position(
-                prompt_len=len(turn.prompt),
-                output_len=len(completion.output_ids),
-                requested_start=turn.params.routed_experts_prompt_start or 0,
-                n_rows=len(rows),
-            )
-            if first < prompt_start(parent):  # rows we already hold came again: compare them
-                parent = await self._store.get_path(session.id, parent[-1].id, routing=True) or []
-            routing, disagreements = align_turn(parent, first=first, rows=rows, valid=valid)
-        except RoutingFormatError as exc:
-            self._metrics.inc("routing_malformed_total")
-            raise EngineError(f"engine {turn.engine.url} returned unusable routed experts: {exc}") from None
-        if disagreements:
-            self._metrics.inc("routing_disagreements_total", disagreements)
-            log.warning("routing_disagreement", rows=disagreements)
-        return routing, disagreements
 
     async def _save(self, session: SessionRecord, node: ResponseNode, hashes: Sequence[str]) -> None:
         """Store the node with the path hashes of its messages (the last one names the node)."""
