@@ -5,15 +5,20 @@
     │   ├── PinnedParameter         400 a generation setting the session pins
     │   ├── ContextLengthExceeded   400 the prompt leaves no room to generate
     │   ├── MessagesMergeIntoParent 400 the template folds new messages into a fixed turn
+    │   ├── TemplateRenderError     400 the chat template cannot render what was sent
     │   └── BadCursor               400 a feed cursor the feed never gave out
     ├── AuthenticationFailed        401 authentication_error
     ├── NotFound                    404 not_found_error
     │   └── SessionNotFound         404 a session that is unknown or expired
     ├── MethodNotAllowed            405 the route exists, not with this method
     ├── Conflict                    409 conflict (e.g. a session already finished)
+    │   ├── SessionFinished         409 a turn or message for a session already finished
+    │   └── IdempotencyKeyReused    409 an idempotency key sent again with another request
     ├── PayloadTooLarge             413 request_too_large
     ├── EngineError                 502 upstream_error (the engine answered badly)
-    └── EngineUnavailable           503 service_unavailable (no engine reachable)
+    ├── EngineUnavailable           503 service_unavailable (no engine reachable), Retry-After
+    ├── StoreUnavailable            503 service_unavailable (the state store is down), Retry-After
+    └── EngineTimeout               504 timeout (the engine did not answer in time), Retry-After
 
 Core code raises these and knows nothing of HTTP; one middleware turns them into
 ``{"error": {"message", "type", "param", "code"}}`` with the status above (and the
@@ -29,13 +34,19 @@ class ProxyError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str | None = None
+    #: seconds a client should wait before trying again (sent as ``Retry-After``); None: no header
+    retry_after: float | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
+        if retry_after is not None:
+            self.retry_after = retry_after
 
     def to_body(self) -> dict[str, Any]:
         return {
@@ -63,6 +74,10 @@ class ContextLengthExceeded(InvalidRequest):
 
 class MessagesMergeIntoParent(InvalidRequest):
     code = "messages_merge_into_parent"
+
+
+class TemplateRenderError(InvalidRequest):
+    code = "template_render_failed"
 
 
 class BadCursor(InvalidRequest):
@@ -97,6 +112,14 @@ class Conflict(ProxyError):
     code = "conflict"
 
 
+class SessionFinished(Conflict):
+    code = "session_finished"
+
+
+class IdempotencyKeyReused(Conflict):
+    code = "idempotency_key_reused"
+
+
 class PayloadTooLarge(ProxyError):
     status = 413
     type = "invalid_request_error"
@@ -113,3 +136,18 @@ class EngineUnavailable(ProxyError):
     status = 503
     type = "service_unavailable"
     code = "engine_unavailable"
+    retry_after = 1.0
+
+
+class StoreUnavailable(ProxyError):
+    status = 503
+    type = "service_unavailable"
+    code = "store_unavailable"
+    retry_after = 1.0
+
+
+class EngineTimeout(ProxyError):
+    status = 504
+    type = "timeout"
+    code = "engine_timeout"
+    retry_after = 1.0

@@ -7,6 +7,7 @@ body too large) in the same shape, anything else as a logged 500 (always a bug).
 
 from __future__ import annotations
 
+import math
 import time
 
 import structlog
@@ -66,4 +67,7 @@ async def request_middleware(request: web.Request, handler) -> web.StreamRespons
 def _error_response(exc: ProxyError) -> web.Response:
     if exc.status >= 500:
         log.warning("request_failed", status=exc.status, error=exc.message)
-    return json_response(exc.to_body(), status=exc.status)
+    response = json_response(exc.to_body(), status=exc.status)
+    if exc.retry_after is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return response
