@@ -7,6 +7,7 @@ import json
 import pytest
 
 from rollout_proxy.tokenization.parsers import OutputParser, ToolParse
+from rollout_proxy.tokenization.parsers.hermes import HermesToolParser
 
 PARSER = OutputParser.named("hermes", "think")
 
@@ -67,3 +68,13 @@ def test_parsers_can_be_turned_off():
 def test_unknown_parser_names_are_refused():
     with pytest.raises(ValueError, match="unknown tool parser"):
         OutputParser.named("xml", "think")
+
+
+@pytest.mark.parametrize("depth", [100, 5000])
+def test_a_call_nested_deeper_than_can_be_stored_stays_text(depth):
+    """A model can write anything: arguments nested past what a store encodes (or past Python's
+    recursion limit) are a malformed call kept as content, never an error."""
+    arguments = "[" * depth + "]" * depth
+    text = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+    content, calls, outcome = HermesToolParser().extract(text)
+    assert calls == [] and outcome is ToolParse.MALFORMED and content == text

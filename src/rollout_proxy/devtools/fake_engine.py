@@ -238,13 +238,16 @@ class FakeEngine:
     async def _tokenize(self, request: web.Request) -> web.Response:
         payload = await request.json()
         if "messages" in payload:
-            text = self.render(
-                payload["messages"],
-                tools=payload.get("tools"),
-                add_generation_prompt=payload.get("add_generation_prompt", True),
-                continue_final_message=payload.get("continue_final_message", False),
-                **(payload.get("chat_template_kwargs") or {}),
-            )
+            try:
+                text = self.render(
+                    payload["messages"],
+                    tools=payload.get("tools"),
+                    add_generation_prompt=payload.get("add_generation_prompt", True),
+                    continue_final_message=payload.get("continue_final_message", False),
+                    **(payload.get("chat_template_kwargs") or {}),
+                )
+            except Exception as exc:  # vLLM answers a template that cannot render with a 400
+                return _error(400, str(exc))
             tokens = self.tokenizer.encode(text, add_special_tokens=payload.get("add_special_tokens", False))
         else:
             tokens = self.tokenizer.encode(

@@ -1,14 +1,58 @@
-"""Request bodies at the HTTP edge (pydantic); the core gets plain values."""
+"""Request bodies at the HTTP edge (pydantic, strict: no coercion); the core gets plain values.
+
+Messages, tools and Responses input are checked against their exact shapes
+(``message_models``, ``input_models``) and kept as sent, for the wire normalizers.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout_proxy.errors import PinnedParameter
+from rollout_proxy.proxy.input_models import Input
+from rollout_proxy.proxy.limits import MAX_MESSAGES, MAX_NAME_CHARS
+from rollout_proxy.proxy.message_models import Messages, Tools
+from rollout_proxy.proxy.validation import field_error
 from rollout_proxy.records import GenerationConfig
 from rollout_proxy.wire.generation import PINNED_GENERATION_PARAMETERS
+
+#: ``chat_template_kwargs`` that would override how the proxy renders: what it renders, how
+#: it ends the prompt, the template itself, tokenizer options, the special tokens and the
+#: helpers a template is given (``apply_chat_template``'s own arguments, and vLLM's).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "add_special_tokens",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+        "raise_exception",
+        "strftime_now",
+    }
+)
+
+Id = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 
 
 def refuse_pinned(payload: dict[str, Any]) -> None:
@@ -22,16 +66,16 @@ def refuse_pinned(payload: dict[str, Any]) -> None:
 
 
 class SampleIn(BaseModel):
-    model_config = ConfigDict(extra="allow")  # datasets carry their own fields
+    model_config = ConfigDict(extra="allow", strict=True)  # datasets carry their own fields
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    messages: Messages
+    tools: Tools | None = None
     extra: dict[str, Any] = Field(default_factory=dict)
     thinking: dict[str, Any] | None = None
 
 
 class GenerationIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_new_tokens: int = Field(4096, ge=1)
     temperature: float = Field(1.0, ge=0.0)
@@ -39,6 +83,14 @@ class GenerationIn(BaseModel):
     top_k: int = Field(0, ge=-1)
     seed: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _proxy_renders(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in kwargs or {}:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise field_error(key, f"'{key}' is set by the proxy when it renders; it cannot be a template kwarg")
+        return kwargs
 
     def to_config(self, thinking: dict[str, Any] | None) -> GenerationConfig:
         kwargs = dict(self.chat_template_kwargs or {})
@@ -57,14 +109,14 @@ class GenerationIn(BaseModel):
 class ConcurrencyIn(BaseModel):
     """Bound the model requests in flight across all sessions sharing ``key`` (e.g. one job)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     key: str = Field(min_length=1, max_length=200)
     max_requests: int = Field(ge=1)
 
 
 class SessionCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     sample: SampleIn
     generation: GenerationIn = Field(default_factory=GenerationIn)
@@ -74,11 +126,11 @@ class SessionCreate(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are ignored, as OpenAI does
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown OpenAI fields are ignored, as OpenAI does
 
     model: str | None = None
-    messages: list[Any]
-    tools: list[Any] | None = None
+    messages: Messages
+    tools: Tools | None = None
     tool_choice: Any = None
     stream: bool | None = False
     stop: str | list[str] | None = None
@@ -92,37 +144,39 @@ class ChatRequest(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    input: Any = None
+    input: Input = None
     instructions: str | None = None
-    previous_response_id: str | None = None
-    tools: list[Any] | None = None
+    previous_response_id: Id | None = None
+    tools: Tools | None = None
     tool_choice: Any = None
     store: bool = True
     stream: bool | None = False
 
 
 class AppendMessages(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    messages: list[Any]
-    previous_response_id: str | None = None
+    messages: Messages
+    previous_response_id: Id | None = None
 
 
 class ResponseRef(BaseModel):
-    id: str
+    model_config = ConfigDict(strict=True)
+
+    id: Id
     extra: dict[str, Any] | None = None
 
 
 class FinishRequest(BaseModel):
     """The rollout result, as the seed's RolloutResult / GroupRolloutResult carry it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     status: Literal["success", "failure", "discard", "retry"] = "success"
     error: str | None = None
     extra: dict[str, Any] = Field(default_factory=dict)
-    responses: list[ResponseRef] | None = None
+    responses: Annotated[list[ResponseRef], Field(max_length=MAX_MESSAGES)] | None = None
     config: dict[str, Any] | None = None

@@ -5,6 +5,10 @@ null fields, content as a string or as text parts, with or without the reasoning
 ``normalize_message`` gives the one form the proxy stores and renders and the SDK keeps:
 ``{"role", "content", ["name"], ["tool_calls"], ["reasoning_content"], ["tool_call_id"]}``
 with text content and JSON-string tool arguments.
+
+The normalizers take any JSON value (plugin code calls them too) and raise nothing but
+``WireFormatError``; what they return can always be encoded, hashed and rendered: the
+free-form parts (tool arguments, tool parameters) are bounded to ``MAX_JSON_DEPTH``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,40 @@ from rollout_proxy.wire.errors import WireFormatError
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+#: Nesting allowed in free-form JSON (tool arguments and parameters). JSON encoders refuse
+#: past ~255 levels, and stored records wrap these values a few levels deeper still.
+MAX_JSON_DEPTH = 64
+
+
+def describe(value: Any) -> str:
+    """A short, safe rendering of a client's value for an error message (never a deep repr)."""
+    if isinstance(value, str):
+        return repr(value if len(value) <= 40 else value[:40] + "...")
+    if value is None or isinstance(value, bool | int | float):
+        return repr(value)
+    return f"a JSON {'object' if isinstance(value, dict) else 'array' if isinstance(value, list) else 'value'}"
+
+
+def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether objects and arrays nest more than ``limit`` levels (iterative: no recursion limit)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def is_role(value: Any) -> bool:
+    return isinstance(value, str) and value in ROLES
+
+
+def is_text_part(value: Any) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("type"), str) and value["type"] in TEXT_PART_TYPES
 
 
 def content_text(content: Any, *, param: str = "messages") -> str | None:
@@ -31,11 +69,10 @@ def content_text(content: Any, *, param: str = "messages") -> str | None:
             if isinstance(part, str):
                 texts.append(part)
                 continue
-            if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if not is_text_part(part):
+                kind = describe(part.get("type")) if isinstance(part, dict) else describe(part)
                 raise WireFormatError(
-                    f"only text content parts are supported, got {kind!r}",
-                    param=f"{param}.content[{index}]",
+                    f"only text content parts are supported, got {kind}", param=f"{param}.content[{index}]"
                 )
             text = part.get("text")
             if not isinstance(text, str):
@@ -43,6 +80,31 @@ def content_text(content: Any, *, param: str = "messages") -> str | None:
             texts.append(text)
         return "\n".join(texts)
     raise WireFormatError("content must be a string, a list of text parts or null", param=f"{param}.content")
+
+
+def arguments_json(arguments: Any, *, param: str) -> str:
+    """Tool-call arguments as the JSON string the normal form keeps (an object is encoded)."""
+    if isinstance(arguments, str):
+        # Nesting cannot exceed the number of openers: only a string with many is parsed.
+        if arguments.count("{") + arguments.count("[") > MAX_JSON_DEPTH:
+            try:
+                parsed = orjson.loads(arguments)
+            except orjson.JSONDecodeError:
+                parsed = None  # not JSON: kept as text
+            if too_deep(parsed):
+                raise WireFormatError(f"arguments nest deeper than {MAX_JSON_DEPTH} levels", param=param)
+        return arguments
+    return free_form_json(arguments, what="arguments", param=param).decode()
+
+
+def free_form_json(value: Any, *, what: str, param: str) -> bytes:
+    """``value`` encoded, once it is known to nest within bounds and to be encodable at all."""
+    if too_deep(value):
+        raise WireFormatError(f"{what} nest deeper than {MAX_JSON_DEPTH} levels", param=param)
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        raise WireFormatError(f"{what} cannot be encoded as JSON: {exc}", param=param) from None
 
 
 def _normalize_tool_calls(tool_calls: Any, param: str) -> list[dict[str, Any]]:
@@ -57,16 +119,11 @@ def _normalize_tool_calls(tool_calls: Any, param: str) -> list[dict[str, Any]]:
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise WireFormatError("a tool call needs a function name", param=f"{where}.function.name")
-        arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, str):
-            arguments = orjson.dumps(arguments).decode()
-        normalized.append(
-            {
-                "id": call.get("id") or f"call_{index}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-        )
+        call_id = call.get("id") or f"call_{index}"
+        if not isinstance(call_id, str):
+            raise WireFormatError("a tool call id must be a string", param=f"{where}.id")
+        arguments = arguments_json(function.get("arguments", "{}"), param=f"{where}.function.arguments")
+        normalized.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     return normalized
 
 
@@ -75,13 +132,16 @@ def normalize_message(message: Any, *, param: str = "messages") -> dict[str, Any
     if not isinstance(message, dict):
         raise WireFormatError("a message must be an object", param=param)
     role = message.get("role")
-    if role not in ROLES:
-        raise WireFormatError(f"unknown message role {role!r}", param=f"{param}.role")
+    if not is_role(role):
+        raise WireFormatError(f"unknown message role {describe(role)}", param=f"{param}.role")
     normalized: dict[str, Any] = {"role": role, "content": content_text(message.get("content"), param=param)}
     if role != "assistant" and normalized["content"] is None:
         raise WireFormatError(f"a {role} message needs content", param=f"{param}.content")
-    if message.get("name"):
-        normalized["name"] = message["name"]
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise WireFormatError("a message name must be a string", param=f"{param}.name")
+    if name:
+        normalized["name"] = name
     if role == "assistant":
         if message.get("tool_calls"):
             normalized["tool_calls"] = _normalize_tool_calls(message["tool_calls"], f"{param}.tool_calls")
@@ -113,12 +173,21 @@ def normalize_tools(tools: Any, *, param: str = "tools") -> list[dict[str, Any]]
         where = f"{param}[{index}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
             raise WireFormatError("only function tools are supported", param=where)
-        function = tool.get("function", tool)
+        nested = "function" in tool
+        function = tool["function"] if nested else tool
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise WireFormatError("a function tool needs a name", param=where)
-        spec = {"name": function["name"]}
-        if function.get("description") is not None:
-            spec["description"] = function["description"]
-        spec["parameters"] = function.get("parameters") or {"type": "object", "properties": {}}
+        at = f"{where}.function" if nested else where
+        spec: dict[str, Any] = {"name": function["name"]}
+        description = function.get("description")
+        if description is not None:
+            if not isinstance(description, str):
+                raise WireFormatError("a tool description must be a string", param=f"{at}.description")
+            spec["description"] = description
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise WireFormatError("tool parameters must be a JSON Schema object", param=f"{at}.parameters")
+        free_form_json(parameters, what="tool parameters", param=f"{at}.parameters")
+        spec["parameters"] = parameters
         normalized.append({"type": "function", "function": spec})
     return normalized

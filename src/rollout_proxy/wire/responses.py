@@ -12,12 +12,29 @@ from __future__ import annotations
 from typing import Any
 
 from rollout_proxy.wire.errors import WireFormatError
-from rollout_proxy.wire.messages import content_text, normalize_message
+from rollout_proxy.wire.messages import arguments_json, content_text, describe, normalize_message
 
 
-def _reasoning_text(item: dict[str, Any]) -> str:
-    parts = item.get("content") or item.get("summary") or []
-    return "\n".join(part.get("text", "") for part in parts if isinstance(part, dict))
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """The text of a reasoning item: its ``content`` parts, else its ``summary`` parts."""
+    field = "content" if item.get("content") else "summary"
+    parts = item.get(field) or []
+    if not isinstance(parts, list):
+        raise WireFormatError(f"a reasoning item's {field} must be a list of parts", param=f"{where}.{field}")
+    texts = []
+    for index, part in enumerate(parts):
+        text = part.get("text") if isinstance(part, dict) else None
+        if not isinstance(text, str):
+            raise WireFormatError("a reasoning part needs a string 'text'", param=f"{where}.{field}[{index}]")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(item.get("call_id"), str) or not isinstance(item.get("name"), str):
+        raise WireFormatError("a function_call item needs call_id and name", param=where)
+    arguments = arguments_json(item.get("arguments") or "{}", param=f"{where}.arguments")
+    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": arguments}}
 
 
 def input_to_messages(value: Any, *, param: str = "input") -> list[dict[str, Any]]:
@@ -41,15 +58,9 @@ def input_to_messages(value: Any, *, param: str = "input") -> list[dict[str, Any
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
         elif kind == "reasoning":
-            reasoning = _reasoning_text(item) or None
+            reasoning = _reasoning_text(item, where) or None
         elif kind == "function_call":
-            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("name"), str):
-                raise WireFormatError("a function_call item needs call_id and name", param=where)
-            call = {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"},
-            }
+            call = _function_call(item, where)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -64,7 +75,7 @@ def input_to_messages(value: Any, *, param: str = "input") -> list[dict[str, Any
             output = content_text(item.get("output"), param=where)
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output or ""})
         else:
-            raise WireFormatError(f"unsupported input item type {kind!r}", param=f"{where}.type")
+            raise WireFormatError(f"unsupported input item type {describe(kind)}", param=f"{where}.type")
     return messages
 
 

@@ -8,8 +8,9 @@ from aiohttp import web
 from rollout_proxy.errors import AuthenticationFailed, InvalidRequest
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import Caller, authenticate
-from rollout_proxy.proxy.http import M, read_json_object, validate
+from rollout_proxy.proxy.http import read_json_object
 from rollout_proxy.proxy.schemas import refuse_pinned
+from rollout_proxy.proxy.validation import M, validate
 from rollout_proxy.records import SessionRecord
 
 

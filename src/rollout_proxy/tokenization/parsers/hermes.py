@@ -13,22 +13,31 @@ from typing import Any
 
 from rollout_proxy.ids import new_tool_call_id
 from rollout_proxy.tokenization.parsers.base import ToolParse
+from rollout_proxy.wire.messages import too_deep
 
+_INVALID = object()
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
-def _parse_call(body: str) -> dict[str, Any] | None:
+def _loads(text: str) -> Any:
+    """JSON, or ``_INVALID``: a model can write anything, nesting too deep to store included."""
     try:
-        payload = json.loads(body)
-    except ValueError:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return _INVALID
+    return _INVALID if too_deep(value) else value
+
+
+def _parse_call(body: str) -> dict[str, Any] | None:
+    payload = _loads(body)
+    if payload is _INVALID:
         return None
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return None
     arguments = payload.get("arguments", payload.get("parameters", {}))
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
+        arguments = _loads(arguments)
+        if arguments is _INVALID:
             return None
     return {
         "id": new_tool_call_id(),

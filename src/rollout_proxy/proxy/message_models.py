@@ -1,0 +1,163 @@
+"""The OpenAI chat shapes the proxy takes: messages, content, tool calls, function tools.
+
+Strict (no coercion) and open to unknown fields: the openai SDK's ``model_dump()`` adds
+``refusal``, ``audio``, ``annotations``, ``function_call``... and an echoed assistant
+message must still be taken. A dataset's conveniences stay accepted as the wire
+normalizers accept them: bare strings among content parts, a single part as content.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from rollout_proxy.proxy.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOL_CALLS, MAX_TOOLS
+from rollout_proxy.proxy.validation import field_error, sent_as, tag
+from rollout_proxy.wire.messages import describe, is_text_part
+
+OPEN = ConfigDict(extra="allow", strict=True)
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+JsonObject = dict[str, Any]
+
+
+def json_kind(value: Any) -> str | None:
+    """The tag of a JSON value's kind, for unions of string / object / list / null."""
+    if value is None:
+        return "<null>"
+    if isinstance(value, str):
+        return "<string>"
+    if isinstance(value, dict):
+        return "<object>"
+    return "<list>" if isinstance(value, list) else None
+
+
+class TextPart(BaseModel):
+    model_config = OPEN
+
+    type: Literal["text", "input_text", "output_text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if not is_text_part(value):
+            kind = describe(value.get("type")) if isinstance(value, dict) else describe(value)
+            raise PydanticCustomError(
+                "content_part", "only text content parts are supported, got {kind}", {"kind": kind}
+            )
+        return value
+
+
+Part = Annotated[
+    Annotated[str, tag("string")] | Annotated[TextPart, tag("object")],
+    Discriminator(lambda value: "<string>" if isinstance(value, str) else "<object>"),
+]
+
+Content = Annotated[
+    Annotated[None, tag("null")]
+    | Annotated[str, tag("string")]
+    | Annotated[list[Part], Field(max_length=MAX_CONTENT_PARTS), tag("list")]
+    | Annotated[TextPart, tag("object")],  # a single part, as some datasets store it
+    Discriminator(
+        json_kind,
+        custom_error_type="invalid_content",
+        custom_error_message="content must be a string, a list of text parts or null",
+    ),
+]
+
+Arguments = Annotated[
+    Annotated[None, tag("null")] | Annotated[str, tag("string")] | Annotated[JsonObject, tag("object")],
+    Discriminator(
+        lambda value: None if isinstance(value, list) else json_kind(value),
+        custom_error_type="invalid_arguments",
+        custom_error_message="arguments must be a JSON string or an object",
+    ),
+]
+
+
+class CalledFunction(BaseModel):
+    model_config = OPEN
+
+    name: Name
+    arguments: Arguments = None
+
+
+class ToolCall(BaseModel):
+    model_config = OPEN
+
+    id: Name | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(BaseModel):
+    model_config = OPEN
+
+    role: Role
+    content: Content = None
+    name: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Name | None = None
+
+    @model_validator(mode="after")
+    def _what_the_role_needs(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise field_error("content", f"a {self.role} message needs content")
+        if self.content is None and not self.tool_calls:
+            raise field_error("content", "an assistant message needs content or tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise field_error("tool_call_id", "a tool message needs a tool_call_id")
+        return self
+
+
+class FunctionSpec(BaseModel):
+    model_config = OPEN
+
+    name: Name
+    description: str | None = None
+    parameters: JsonObject | None = None  # a JSON Schema object
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """``{"type": "function", "function": {...}}``, as Chat Completions sends it."""
+
+    model_config = OPEN
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class FlatTool(FunctionSpec):
+    """``{"type": "function", "name": ...}``, as the Responses API sends it."""
+
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"not": {"required": ["function"]}})
+
+    type: Literal["function"] = "function"
+
+
+def _function_tool(value: Any) -> Any:
+    """Refused as a whole, as the normalizer refuses it: not a function tool, or no name."""
+    if not isinstance(value, dict) or value.get("type", "function") != "function":
+        raise PydanticCustomError("tool_type", "only function tools are supported")
+    function = value.get("function", value)
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise PydanticCustomError("tool_name", "a function tool needs a name")
+    return value
+
+
+Tool = Annotated[
+    Annotated[ChatTool, tag("chat")] | Annotated[FlatTool, tag("flat")],
+    Discriminator(lambda value: "<chat>" if "function" in value else "<flat>"),
+    BeforeValidator(_function_tool),
+]
+
+#: Fields that keep the JSON as sent (the wire normalizers read it) once it has these shapes.
+Messages = Annotated[
+    list[JsonObject], sent_as(Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)])
+]
+Tools = Annotated[list[JsonObject], sent_as(Annotated[list[Tool], Field(max_length=MAX_TOOLS)])]

@@ -1,0 +1,63 @@
+"""Pydantic at the edge: request bodies checked against exact shapes, errors naming the field.
+
+Three small conventions keep ``param`` exact (``messages[2].tool_calls[0].function.arguments``):
+
+- a union picks its branch with a ``Discriminator`` whose tags start with ``<`` (``tag``);
+  those tags are left out of the location;
+- a rule over several fields (``field_error``) names the field it is about;
+- ``sent_as`` validates a field against a shape but keeps the JSON as it was sent: the
+  wire normalizers, not these models, produce the normal form the proxy stores.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, Tag, TypeAdapter, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+from rollout_proxy.errors import InvalidRequest
+from rollout_proxy.proxy.limits import format_param
+
+M = TypeVar("M", bound=BaseModel)
+
+_TAG_PREFIX = "<"
+
+
+def tag(name: str) -> Tag:
+    """A union branch's tag, left out of error locations."""
+    return Tag(f"{_TAG_PREFIX}{name}>")
+
+
+def field_error(field: str, message: str) -> PydanticCustomError:
+    """An error a model validator raises about one of its fields (``param`` ends with it)."""
+    return PydanticCustomError("invalid_field", "{message}", {"field": field, "message": message})
+
+
+def sent_as(shape: Any) -> WrapValidator:
+    """Validate as ``shape``, keep the value as sent (the field's own type says what that is)."""
+    adapter: TypeAdapter[Any] = TypeAdapter(shape)
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        adapter.validate_python(value)
+        return handler(value)
+
+    return WrapValidator(check, json_schema_input_type=shape)  # what the API documents
+
+
+def error_param(error: ErrorDetails) -> str | None:
+    loc = [part for part in error["loc"] if not (isinstance(part, str) and part.startswith(_TAG_PREFIX))]
+    field = (error.get("ctx") or {}).get("field")
+    if isinstance(field, str):
+        loc.append(field)
+    return format_param(loc)
+
+
+def validate(model: type[M], payload: dict[str, Any]) -> M:
+    """Validate with pydantic; the first error becomes a 400 naming its field."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        param = error_param(first)
+        raise InvalidRequest(f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
