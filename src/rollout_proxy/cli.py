@@ -60,7 +60,21 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--session-ttl", type=float, help="seconds a session and its trajectories are kept (default 86400)"
     )
-    serve.add_argument("--engine-timeout", type=float, help="seconds to wait for one engine call (default 600)")
+    serve.add_argument("--engine-timeout", type=float, help="seconds one engine call may take in all (default 600)")
+    serve.add_argument(
+        "--engine-connect-timeout",
+        type=float,
+        help="seconds to connect to an engine before it is unavailable (default 5)",
+    )
+    serve.add_argument(
+        "--engine-first-byte-timeout",
+        type=float,
+        help="seconds to wait for an engine to start answering; a non-streamed completion answers when it is done, "
+        "so this bounds a generation (default 600)",
+    )
+    serve.add_argument(
+        "--engine-health-timeout", type=float, help="seconds one engine health check may take (default 0.5)"
+    )
     serve.add_argument(
         "--engine-max-inflight", type=int, help="requests in flight per engine before queueing (default 256)"
     )
@@ -68,13 +82,28 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         "--feed", help="trainer feed to serve at GET /v1/feed: jsonl:PATH or redis://HOST:PORT/DB (default: none)"
     )
     serve.add_argument("--feed-stream", help="Redis stream name of the feed (default trajectories)")
+    serve.add_argument(
+        "--redis-socket-timeout", type=float, help="seconds a Redis command may take before a 503 (default 5)"
+    )
+    serve.add_argument("--redis-connect-timeout", type=float, help="seconds to connect to Redis (default 2)")
+    serve.add_argument(
+        "--redis-health-check-interval",
+        type=int,
+        help="seconds a pooled Redis connection may sit idle before it is pinged before use (default 5)",
+    )
+    serve.add_argument(
+        "--redis-retries",
+        type=int,
+        help="retries of a Redis command on a fresh connection after a connection error (default 1)",
+    )
     serve.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
+    import asyncio
 
     from rollout_proxy.app import create_app
+    from rollout_proxy.proxy.server import serve_until_stopped
 
     overrides = {
         key: getattr(args, key)
@@ -91,9 +120,16 @@ def _serve(args: argparse.Namespace) -> int:
             "log_level",
             "session_ttl",
             "engine_timeout",
+            "engine_connect_timeout",
+            "engine_first_byte_timeout",
+            "engine_health_timeout",
             "engine_max_inflight",
             "feed",
             "feed_stream",
+            "redis_socket_timeout",
+            "redis_connect_timeout",
+            "redis_health_check_interval",
+            "redis_retries",
         )
     }
     if args.engines:
@@ -110,7 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"  parsers: tools={settings.tool_parser} reasoning={settings.reasoning_parser}", file=sys.stderr)
     if generated_key:
         print(f"  admin key (generated, pass --admin-key to fix it): {settings.admin_key}", file=sys.stderr)
-    web.run_app(app, host=settings.host, port=settings.port, print=None, access_log=None)
+    asyncio.run(serve_until_stopped(app, settings.host, settings.port))
     return 0
 
 

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from rollout_proxy.proxy.server import ProxyRunner
+
 T = TypeVar("T")
 
 
@@ -39,8 +41,8 @@ class BackgroundLoop:
 
 
 async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, str]:
-    """Start ``app`` on the current loop; returns its runner and base URL."""
-    runner = web.AppRunner(app, access_log=None)
+    """Start ``app`` on the current loop; returns its runner and base URL (malformed HTTP answered as JSON)."""
+    runner = ProxyRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -15,6 +15,7 @@
     │   ├── SessionFinished         409 a turn or message for a session already finished
     │   └── IdempotencyKeyReused    409 an idempotency key sent again with another request
     ├── PayloadTooLarge             413 request_too_large
+    ├── UnsupportedMediaType        415 a body encoding the proxy cannot read
     ├── EngineError                 502 upstream_error (the engine answered badly)
     ├── EngineUnavailable           503 service_unavailable (no engine reachable), Retry-After
     ├── StoreUnavailable            503 service_unavailable (the state store is down), Retry-After
@@ -124,6 +125,12 @@ class PayloadTooLarge(ProxyError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class UnsupportedMediaType(ProxyError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_content_encoding"
 
 
 class EngineError(ProxyError):

@@ -28,8 +28,19 @@ class Settings:
     log_level: str = "info"
     session_ttl: float = 24 * 3600.0
     max_body_bytes: int = 32 * 1024 * 1024
-    engine_timeout: float = 600.0
+    # Engine calls, in aiohttp's terms: sock_connect, sock_read (a non-streamed completion sends
+    # its first byte only when it is done, so this bounds a whole generation) and total.
+    engine_connect_timeout: float = 5.0
+    engine_first_byte_timeout: float = 600.0
+    engine_timeout: float = 600.0  # total, per engine call
+    engine_health_timeout: float = 0.5  # one health check; /readyz must answer within a second
     engine_max_inflight: int = 256
+    # Redis: a command that waits longer is a 503; pooled connections idle this long are pinged
+    # before use; a command that fails on a dead connection is retried this often on a fresh one.
+    redis_socket_timeout: float = 5.0
+    redis_connect_timeout: float = 2.0
+    redis_health_check_interval: int = 5
+    redis_retries: int = 1
     feed: str = ""  # trainer feed to serve at /v1/feed: jsonl:PATH or redis://...; empty: none
     feed_stream: str = "trajectories"
 
@@ -59,8 +70,9 @@ class Settings:
 def _parse(name: str, raw: str) -> Any:
     if name == "engines":
         return tuple(url.strip() for url in raw.split(",") if url.strip())
-    if name in ("port", "max_body_bytes", "engine_max_inflight"):
+    kind = {spec.name: spec.type for spec in fields(Settings)}.get(name)
+    if kind == "int":
         return int(raw)
-    if name in ("session_ttl", "engine_timeout"):
+    if kind == "float":
         return float(raw)
     return raw

@@ -9,7 +9,7 @@ import pytest
 from rollout_proxy.devtools.fake_engine import fake_logprob
 from rollout_proxy.engines.base import SamplingParams
 from rollout_proxy.engines.vllm_http import LOGPROB_FLOOR, VLLMEngine
-from rollout_proxy.errors import EngineError, EngineUnavailable
+from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable
 from tests.conftest import free_port
 
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
@@ -139,12 +139,12 @@ async def test_an_engine_nobody_listens_on_is_unavailable():
         await engine.close()
 
 
-async def test_an_engine_that_does_not_answer_in_time_is_unavailable(fake):
+async def test_an_engine_that_does_not_answer_in_time_is_a_timeout(fake):
     fake.delay = 1.0
     engine = VLLMEngine(fake.url, request_timeout=0.2)
     try:
         await engine.info()
-        with pytest.raises(EngineUnavailable):
+        with pytest.raises(EngineTimeout):
             await engine.complete(np.asarray([1, 2, 3], dtype=np.int32), PARAMS)
     finally:
         await engine.close()

@@ -250,4 +250,4 @@ async def test_unreachable_engine_is_503(store):
         assert raised.value.body["type"] == "service_unavailable"
         assert await unchanged(proxy, before)
         status, body = await proxy.request("GET", "/readyz", token=None)
-        assert status == 503 and body["engines"] == {dead: False}
+        assert status == 503 and body["engines"] == {"healthy": 0, "total": 1}

@@ -50,7 +50,8 @@ async def align_routing(
         routing, disagreements = align_turn(parent, first=first, rows=rows, valid=valid)
     except RoutingFormatError as exc:
         metrics.inc("routing_malformed_total")
-        raise EngineError(f"engine {engine_url} returned unusable routed experts: {exc}") from None
+        log.warning("routing_malformed", engine=engine_url, error=str(exc))
+        raise EngineError(f"the engine returned unusable routed experts: {exc}") from None
     if disagreements:
         metrics.inc("routing_disagreements_total", disagreements)
         log.warning("routing_disagreement", rows=disagreements)

@@ -1,8 +1,11 @@
 """A vLLM OpenAI server driven token-in, token-out over HTTP.
 
-Third-party failures are translated here, once: an engine we cannot reach is
-``EngineUnavailable`` (503), an engine that answers with an error or with a body we
-cannot use is ``EngineError`` (502).
+Third-party failures are translated here, once: an engine we cannot reach (refused,
+reset, no connection within the connect timeout) is ``EngineUnavailable`` (503), one
+that took the request and did not answer in time is ``EngineTimeout`` (504), one that
+answers with an error or with a body we cannot use is ``EngineError`` (502). Messages
+never name the engine: plugins must not learn the fleet's addresses. The URL goes to
+the log line written here (same request id as the client's error).
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ from typing import Any
 import aiohttp
 import numpy as np
 import orjson
+import structlog
 
 from rollout_proxy.engines.base import EngineCompletion, EngineInfo, SamplingParams
-from rollout_proxy.errors import EngineError, EngineUnavailable
+from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable, ProxyError, TemplateRenderError
+
+log = structlog.get_logger(__name__)
 
 #: vLLM's own floor for -inf logprobs; non-finite values are clamped to it and counted.
 LOGPROB_FLOOR = -9999.0
+#: What vLLM's ``/tokenize`` answers when the chat template fails on the messages it was sent.
+TEMPLATE_FAILURE_STATUSES = frozenset({400, 422})
 
 
 def _loads(body: bytes) -> Any:
@@ -57,6 +65,17 @@ def _sampled_logprobs(choice: dict[str, Any], n_tokens: int) -> tuple[np.ndarray
     return array, nonfinite
 
 
+class EngineRejected(EngineError):
+    """The engine answered an HTTP error (a 502 to the client); ``engine_status`` is what it answered.
+
+    Not ``status``: that is the status the proxy answers with, for every error of the tree.
+    """
+
+    def __init__(self, message: str, *, engine_status: int) -> None:
+        super().__init__(message)
+        self.engine_status = engine_status
+
+
 class VLLMEngine:
     """Client of one vLLM server (``/tokenize``, ``/v1/completions``, ``/v1/models``)."""
 
@@ -67,11 +86,18 @@ class VLLMEngine:
         session: aiohttp.ClientSession | None = None,
         request_timeout: float = 600.0,
         connect_timeout: float = 5.0,
+        first_byte_timeout: float | None = None,
+        health_timeout: float = 0.5,
     ) -> None:
+        """Timeouts in seconds: ``request_timeout`` bounds a whole call, ``connect_timeout`` the TCP
+        connect, ``first_byte_timeout`` (default: the whole call) the wait for the answer to start."""
         self.url = url.rstrip("/")
         self._session = session
         self._owns_session = session is None
-        self._timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
+        self._timeout = aiohttp.ClientTimeout(
+            total=request_timeout, sock_connect=connect_timeout, sock_read=first_byte_timeout
+        )
+        self._health_timeout = aiohttp.ClientTimeout(total=health_timeout, sock_connect=health_timeout)
         self._info: EngineInfo | None = None
         #: learned from the first completion: does this engine attach MoE routing?
         self.returns_routing: bool | None = None
@@ -86,28 +112,59 @@ class VLLMEngine:
             await self._session.close()
             self._session = None
 
-    async def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+    def _failed(self, error: ProxyError, path: str, cause: object = None) -> ProxyError:
+        """Log what the client's error leaves out (the engine's URL, the driver's words); return ``error``."""
+        log.warning("engine_call_failed", engine=self.url, path=path, error=error.message, cause=repr(cause))
+        return error
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        limits: aiohttp.ClientTimeout | None = None,
+    ) -> Any:
         url = self.url + path
         data = None if payload is None else orjson.dumps(payload)
         headers = {"Content-Type": "application/json"} if data is not None else None
+        limits = limits or self._timeout
         try:
-            async with self._http().request(method, url, data=data, headers=headers) as response:
+            async with self._http().request(method, url, data=data, headers=headers, timeout=limits) as response:
                 body = await response.read()
                 status = response.status
-        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
-            raise EngineUnavailable(f"engine {self.url} is unreachable: {exc!r}") from exc
+        except aiohttp.ConnectionTimeoutError as exc:  # never connected: the request was not sent
+            raise self._failed(
+                EngineUnavailable(f"the engine could not be reached within {limits.sock_connect}s"), path, exc
+            ) from exc
+        except aiohttp.SocketTimeoutError as exc:
+            raise self._failed(
+                EngineTimeout(f"the engine did not start answering {path} within {limits.sock_read}s"), path, exc
+            ) from exc
+        except TimeoutError as exc:  # the total; aiohttp's ServerTimeoutError is one too
+            raise self._failed(
+                EngineTimeout(f"the engine did not answer {path} within {limits.total}s"), path, exc
+            ) from exc
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+            raise self._failed(
+                EngineUnavailable("the engine is unreachable (connection refused or reset)"), path, exc
+            ) from exc
         if status >= 400:
             raw = body[:200].decode(errors="replace")
             try:
                 message = _error_message(_loads(body), raw) if body else raw
             except ValueError:  # a plain-text error page (a gateway in front of the engine, or the engine's own)
                 message = raw
-            error = EngineUnavailable if status == 503 else EngineError
-            raise error(f"engine {self.url} answered {path} with {status}: {message}")
+            text = f"the engine answered {path} with {status}: {message}"
+            raise self._failed(
+                EngineUnavailable(text) if status == 503 else EngineRejected(text, engine_status=status), path
+            )
         try:
             return _loads(body) if body else None
         except ValueError as exc:
-            raise EngineError(f"engine {self.url} answered {path} with a body that is not JSON") from exc
+            raise self._failed(
+                EngineError(f"the engine answered {path} with a body that is not JSON"), path, exc
+            ) from exc
 
     async def info(self) -> EngineInfo:
         if self._info is None:
@@ -116,14 +173,17 @@ class VLLMEngine:
                 card = payload["data"][0]
                 model, max_model_len = card["id"], int(card["max_model_len"])
             except (KeyError, IndexError, TypeError, ValueError) as exc:
-                raise EngineError(f"engine {self.url} listed no usable model in /v1/models") from exc
+                raise self._failed(
+                    EngineError("the engine listed no usable model in /v1/models"), "/v1/models", exc
+                ) from exc
             self._info = EngineInfo(url=self.url, model=model, max_model_len=max_model_len)
         return self._info
 
     async def healthy(self) -> bool:
+        """``GET /health`` within the health timeout (short: readiness must answer fast, whatever the engine does)."""
         try:
-            await self._request("GET", "/health")
-        except (EngineError, EngineUnavailable):
+            await self._request("GET", "/health", limits=self._health_timeout)
+        except (EngineError, EngineUnavailable, EngineTimeout):
             return False
         return True
 
@@ -147,7 +207,17 @@ class VLLMEngine:
             payload["tools"] = list(tools)
         if chat_template_kwargs:
             payload["chat_template_kwargs"] = chat_template_kwargs
-        return self._tokens(await self._request("POST", "/tokenize", payload))
+        try:
+            answer = await self._request("POST", "/tokenize", payload)
+        except EngineRejected as exc:
+            # vLLM answers a template that cannot render the messages (a Jinja error, a
+            # raise_exception) with 400 (422 for a request it cannot parse): the request's fault.
+            if exc.engine_status not in TEMPLATE_FAILURE_STATUSES:
+                raise
+            raise TemplateRenderError(
+                f"the model's chat template cannot render these messages: {exc.message}", param="messages"
+            ) from exc
+        return self._tokens(answer)
 
     async def tokenize_text(self, text: str) -> np.ndarray:
         info = await self.info()
@@ -157,7 +227,7 @@ class VLLMEngine:
     def _tokens(self, payload: Any) -> np.ndarray:
         tokens = payload.get("tokens") if isinstance(payload, dict) else None
         if not isinstance(tokens, list):
-            raise EngineError(f"engine {self.url} /tokenize returned no token list")
+            raise self._failed(EngineError("the engine's /tokenize returned no token list"), "/tokenize")
         return np.asarray(tokens, dtype=np.int32)
 
     async def complete(self, prompt_ids: np.ndarray, params: SamplingParams) -> EngineCompletion:
@@ -190,10 +260,14 @@ class VLLMEngine:
         try:
             choice = response["choices"][0]
         except (KeyError, IndexError, TypeError) as exc:
-            raise EngineError(f"engine {self.url} returned a completion without choices") from exc
+            raise self._failed(
+                EngineError("the engine returned a completion without choices"), "/v1/completions", exc
+            ) from exc
         token_ids = choice.get("token_ids")
         if not isinstance(token_ids, list):
-            raise EngineError(f"engine {self.url} returned no token_ids (it must support return_token_ids)")
+            raise self._failed(
+                EngineError("the engine returned no token_ids (it must support return_token_ids)"), "/v1/completions"
+            )
         output_ids = np.asarray(token_ids, dtype=np.int32)
         logprobs, nonfinite = _sampled_logprobs(choice, len(output_ids))
         routed_experts = choice.get("routed_experts")

@@ -1,7 +1,8 @@
 """Who is calling: the trainer (admin key) or one plugin (its session's token).
 
-A session token is a JWT (HS256) naming one session and expiring with it; the plugin
-uses it as its OpenAI ``api_key``. It opens that session's data and nothing else.
+A session token is a JWT (HS256) naming one session and expiring with it (a token
+without ``exp`` is refused); the plugin uses it as its OpenAI ``api_key``. It opens
+that session's data and nothing else, and only while the session exists.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from aiohttp import web
 from rollout_proxy.errors import AuthenticationFailed, NotFound
 
 AUDIENCE = "rollout-proxy/session"
+#: ``exp`` above all: a token without it would never expire.
+REQUIRED_CLAIMS = ["sub", "aud", "exp"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +41,12 @@ class SessionTokens:
 
     def verify(self, token: str) -> str:
         try:
-            claims = jwt.decode(token, self._secret, algorithms=["HS256"], audience=AUDIENCE)
+            claims = jwt.decode(
+                token, self._secret, algorithms=["HS256"], audience=AUDIENCE, options={"require": REQUIRED_CLAIMS}
+            )
         except jwt.ExpiredSignatureError:
             raise AuthenticationFailed("session token expired") from None
-        except jwt.InvalidTokenError:
+        except (jwt.InvalidTokenError, UnicodeError):  # UnicodeError: a header that is not UTF-8
             raise AuthenticationFailed("invalid session token") from None
         session_id = claims.get("sub")
         if not isinstance(session_id, str):
@@ -58,7 +63,15 @@ def bearer_token(request: web.Request) -> str:
 
 
 def is_admin_key(token: str, admin_key: str) -> bool:
-    return bool(admin_key) and hmac.compare_digest(token.encode(), admin_key.encode())
+    # surrogateescape: a header that is not UTF-8 reaches us with lone surrogates; it is simply no key
+    encoded = token.encode("utf-8", "surrogateescape")
+    return bool(admin_key) and hmac.compare_digest(encoded, admin_key.encode("utf-8", "surrogateescape"))
+
+
+def presents_admin_key(request: web.Request, admin_key: str) -> bool:
+    """Whether the request carries the admin key, for public routes that show the admin more (never raises)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and is_admin_key(token.strip(), admin_key)
 
 
 def authenticate(request: web.Request, *, admin_key: str, tokens: SessionTokens, admin_only: bool = False) -> Caller:

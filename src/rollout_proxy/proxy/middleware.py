@@ -2,7 +2,9 @@
 
 Errors are OpenAI-style bodies (``{"error": {"message", "type", "param", "code"}}``):
 our ``ProxyError`` tree by its status, aiohttp's own HTTP errors (unknown route,
-body too large) in the same shape, anything else as a logged 500 (always a bug).
+body too large, a body that does not decode) in the same shape, anything else as a
+logged 500 (always a bug). What aiohttp refuses before any handler runs (malformed
+HTTP) is worded the same way by ``proxy/server.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from rollout_proxy.errors import InvalidRequest, MethodNotAllowed, NotFound, PayloadTooLarge, ProxyError
 from rollout_proxy.ids import new_request_id
@@ -50,6 +53,10 @@ async def request_middleware(request: web.Request, handler) -> web.StreamRespons
         if exc.status < 400:
             raise
         response = _error_response(_http_error(exc))
+        if "Allow" in exc.headers:  # a 405 says which methods the route takes
+            response.headers["Allow"] = exc.headers["Allow"]
+    except (web.RequestPayloadError, HttpProcessingError):  # a body read outside read_json_object
+        response = _error_response(InvalidRequest("the request body could not be read", code="unreadable_body"))
     except Exception:
         log.exception("unhandled_error", path=request.path)
         response = _error_response(ProxyError("internal error; see the proxy's log for the request id"))

@@ -4,7 +4,8 @@ Publishing is one script: the group id is checked and the entry appended togethe
 so a group is never added twice. Trainers read through a consumer group: what they
 have not acknowledged stays pending for them (redelivered when the same consumer
 comes back), and the pending entries of a consumer that stayed idle too long are
-claimed by another one. Nothing is delivered to two consumers as new.
+claimed by another one. Nothing is delivered to two consumers as new. Redis outages
+leave every call as ``StoreUnavailable`` (see ``connection``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, cast
 from redis import asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from rollout_proxy.state.connection import connect_redis
+from rollout_proxy.state.connection import connect_redis, translate_errors
 from rollout_proxy.state.feed import bad_cursor
 from rollout_proxy.state.keys import feed_published_key, feed_stream_key
 from rollout_proxy.wire.feed import FeedEntry, FeedGroup
@@ -56,13 +57,16 @@ class RedisStreamFeed:
     async def connect(cls, url: str, *, stream: str = "trajectories") -> RedisStreamFeed:
         return cls(await connect_redis(url), stream)
 
+    @translate_errors
     async def publish(self, group: FeedGroup) -> str | None:
         created, entry_id = await self._publish(keys=self._keys, args=[group.group_id, group.model_dump_json()])
         return entry_id.decode() if created else None
 
+    @translate_errors
     async def published(self, group_id: str) -> bool:
         return bool(await self._redis.hexists(self._keys[1], group_id))
 
+    @translate_errors
     async def read(self, after: str | None = None, limit: int = 100) -> list[FeedEntry]:
         low = f"({after}" if after else "-"
         try:
@@ -101,6 +105,7 @@ class StreamConsumer:
     async def close(self) -> None:
         await self._redis.aclose()
 
+    @translate_errors
     async def ensure_group(self) -> None:
         try:
             await self._redis.xgroup_create(self._stream, self.group, id="0", mkstream=True)
@@ -108,6 +113,7 @@ class StreamConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    @translate_errors
     async def fetch(self, count: int, block_ms: int) -> list[FeedEntry]:
         if not self._backlog_done:  # what this consumer was given before and never acknowledged
             rows = _read_reply(
@@ -128,5 +134,6 @@ class StreamConsumer:
         )
         return _entries(rows[0][1] if rows else [])
 
+    @translate_errors
     async def ack(self, entry_id: str) -> None:
         await self._redis.xack(self._stream, self.group, entry_id)

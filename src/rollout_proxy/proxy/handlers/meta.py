@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 from aiohttp import web
 
+from rollout_proxy.errors import AuthenticationFailed, SessionNotFound
 from rollout_proxy.proxy import keys
+from rollout_proxy.proxy.auth import presents_admin_key
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response
+
+#: Seconds any one readiness check may take: /readyz answers within a second whatever the engines do.
+READY_DEADLINE = 0.8
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -17,18 +23,30 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when the store answers and at least one engine is healthy."""
+    """Ready when the store answers and at least one engine is healthy; answered within a second.
+
+    Every check runs at once, each bounded (a hung engine or store counts as down). Without
+    the admin key it says only counts: the engines' URLs are the operator's, not the world's.
+    """
     app = request.app
-    store_ok = await app[keys.STORE].ping()
     engines = app[keys.ENGINES].engines
-    health = await asyncio.gather(*(engine.healthy() for engine in engines))
+    store_ok, *health = await asyncio.gather(
+        _within_deadline(app[keys.STORE].ping()), *(_within_deadline(engine.healthy()) for engine in engines)
+    )
     ready = store_ok and any(health)
-    body = {
-        "ready": ready,
-        "store": store_ok,
-        "engines": {engine.url: ok for engine, ok in zip(engines, health, strict=True)},
-    }
+    summary: dict[str, Any] = {"healthy": sum(health), "total": len(engines)}
+    if presents_admin_key(request, app[keys.SETTINGS].admin_key):
+        summary["urls"] = {engine.url: ok for engine, ok in zip(engines, health, strict=True)}
+    body = {"ready": ready, "store": store_ok, "engines": summary}
     return json_response(body, status=200 if ready else 503)
+
+
+async def _within_deadline(check: Awaitable[bool]) -> bool:
+    try:
+        async with asyncio.timeout(READY_DEADLINE):
+            return await check
+    except TimeoutError:
+        return False
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -42,7 +60,13 @@ async def counters(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    request_caller(request)
+    """The model list, for the admin key or the token of a session that still exists (401 otherwise)."""
+    caller = request_caller(request)
+    if caller.session_id is not None:
+        try:
+            await request.app[keys.SESSIONS].get(caller.session_id)
+        except SessionNotFound:
+            raise AuthenticationFailed("this session token's session has expired or never existed") from None
     data: list[dict[str, Any]] = []
     for engine in request.app[keys.ENGINES].engines:
         info = await engine.info()

@@ -1,0 +1,107 @@
+"""The HTTP server under the app: what aiohttp refuses before any handler runs, as JSON.
+
+A request line or header too long, bad chunking, conflicting lengths, an unknown method,
+a ``Content-Encoding`` aiohttp cannot decode: aiohttp answers these from its protocol
+handler (``RequestHandler.handle_error``), outside the app and its middleware, with a
+plain-text body. ``JsonRequestHandler`` answers them as OpenAI-style errors instead;
+``ProxyRunner`` is an ``AppRunner`` whose server makes those handlers. Everything that
+serves the app (``embedded.serve_app``, ``rollout-proxy serve``) runs it through
+``ProxyRunner``; ``serve_until_stopped`` is the command line's loop around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import structlog
+from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from rollout_proxy.errors import InvalidRequest, ProxyError, UnsupportedMediaType
+from rollout_proxy.proxy.http import json_response
+
+log = structlog.get_logger(__name__)
+
+
+def protocol_error(status: int, exc: BaseException | None, message: str | None) -> ProxyError:
+    """The error tree's word for what aiohttp's protocol handler gives up on."""
+    if status >= 500:  # 504: a handler's timeout escaped the middleware; 500: a bug
+        return ProxyError("internal error; see the proxy's log", code="timeout" if status == 504 else None)
+    if isinstance(exc, ContentEncodingError):  # raised while parsing headers: an encoding aiohttp cannot decode
+        return UnsupportedMediaType("this Content-Encoding is not supported: send the body as is, gzip or deflate")
+    if isinstance(exc, LineTooLong):
+        reason = "the request line or a header is too long"
+    elif isinstance(exc, HttpProcessingError) and exc.message:
+        reason = exc.message.splitlines()[0].rstrip(":")
+    else:
+        reason = (message or "bad request").splitlines()[0]
+    return InvalidRequest(f"malformed HTTP request: {reason}", code="malformed_request")
+
+
+class JsonRequestHandler(RequestHandler):
+    """aiohttp's protocol handler for one connection, answering what it refuses in our error shape."""
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's ``handle_error`` with an OpenAI-style body (and without a traceback for a client's mistake)."""
+        if request.writer.output_size > 0:  # as aiohttp: an answer has started, the connection is broken
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        else:
+            log.info("malformed_request", status=status, remote=request.remote, error=str(exc or message))
+        error = protocol_error(status, exc, message)
+        response = json_response(error.to_body(), status=error.status if status < 500 else status)
+        response.force_close()
+        return response
+
+
+class JsonServer(web.Server):
+    """A ``web.Server`` whose connections are served by ``JsonRequestHandler``."""
+
+    def __call__(self) -> RequestHandler:
+        return JsonRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class ProxyRunner(web.AppRunner):
+    """An ``AppRunner`` serving through ``JsonServer``; otherwise aiohttp's own."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()  # starts the app and builds aiohttp's server for it
+        return JsonServer(
+            server.request_handler,
+            request_factory=server.request_factory,
+            handler_cancellation=server.handler_cancellation,
+            loop=server._loop,
+            **server._kwargs,
+        )
+
+
+async def serve_until_stopped(app: web.Application, host: str, port: int, *, shutdown_timeout: float = 60.0) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully.
+
+    Graceful: stop accepting, give requests in flight up to ``shutdown_timeout`` seconds to
+    finish, then close the store and engines (the app's cleanup contexts).
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    runner = ProxyRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        await stop.wait()
+        log.info("shutting_down", grace_s=shutdown_timeout)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        await runner.cleanup()
