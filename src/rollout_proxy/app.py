@@ -22,11 +22,11 @@ from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import SessionTokens
-from rollout_proxy.proxy.handlers import chat, meta, responses, sessions, trajectories
+from rollout_proxy.proxy.handlers import chat, docs, meta, responses, sessions, trajectories
 from rollout_proxy.proxy.handlers import feed as feed_handlers
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.settings import Settings
-from rollout_proxy.state.connection import is_redis_url
+from rollout_proxy.state.connection import RedisOptions, is_redis_url
 from rollout_proxy.state.feed import Feed, open_feed
 from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.state.store import StateStore
@@ -40,13 +40,32 @@ def check_store_url(url: str) -> None:
         raise ValueError(f"unknown store {url!r}: use 'memory' or a redis://HOST:PORT/DB URL")
 
 
-async def open_store(url: str) -> StateStore:
+async def open_store(url: str, options: RedisOptions | None = None) -> StateStore:
     check_store_url(url)
     if url == "memory":
         return MemoryStore()
     from rollout_proxy.state.redis import RedisStore
 
-    return await RedisStore.connect(url)
+    return await RedisStore.connect(url, options=options)
+
+
+def redis_options(settings: Settings) -> RedisOptions:
+    return RedisOptions(
+        socket_timeout=settings.redis_socket_timeout,
+        connect_timeout=settings.redis_connect_timeout,
+        health_check_interval=settings.redis_health_check_interval,
+        retries=settings.redis_retries,
+    )
+
+
+def engine_client(url: str, settings: Settings) -> VLLMEngine:
+    return VLLMEngine(
+        url,
+        request_timeout=settings.engine_timeout,
+        connect_timeout=settings.engine_connect_timeout,
+        first_byte_timeout=settings.engine_first_byte_timeout,
+        health_timeout=settings.engine_health_timeout,
+    )
 
 
 def create_app(
@@ -66,7 +85,7 @@ def create_app(
     app[keys.TOKENS] = SessionTokens(settings.token_secret)
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[keys.STORE] = store if store is not None else await open_store(settings.store)
+        app[keys.STORE] = store if store is not None else await open_store(settings.store, redis_options(settings))
         yield
         if store is None:
             await app[keys.STORE].close()
@@ -84,11 +103,7 @@ def create_app(
             await opened.close()
 
     async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
-        clients = (
-            list(engines)
-            if engines is not None
-            else [VLLMEngine(url, request_timeout=settings.engine_timeout) for url in settings.engines]
-        )
+        clients = list(engines) if engines is not None else [engine_client(url, settings) for url in settings.engines]
         pool = EnginePool(clients, max_inflight=settings.engine_max_inflight)
         app[keys.ENGINES] = pool
         yield
@@ -113,6 +128,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", meta.healthz)
     app.router.add_get("/readyz", meta.readyz)
     app.router.add_get("/metrics", meta.metrics)
+    app.router.add_get("/openapi.json", docs.openapi_json)
     app.router.add_get("/v1/admin/counters", meta.counters)
     app.router.add_get("/v1/models", meta.models)
     app.router.add_post("/v1/sessions", sessions.create_session)

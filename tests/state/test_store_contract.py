@@ -8,10 +8,12 @@ import time
 import numpy as np
 import pytest
 
-from rollout_proxy.errors import SessionNotFound
+from rollout_proxy.errors import IdempotencyKeyReused, InvalidRequest, SessionFinished, SessionNotFound
 from rollout_proxy.ids import new_response_id, new_session_id
-from rollout_proxy.records import GenerationConfig, NodeKind, ResponseNode, SessionRecord
+from rollout_proxy.records import GenerationConfig, NodeKind, ResponseNode, SessionRecord, SessionStatus
 from rollout_proxy.state.memory import MemoryStore
+from rollout_proxy.state.store import Idempotency
+from tests.harness import store_snapshot
 
 
 def session_record(ttl: float = 60.0) -> SessionRecord:
@@ -45,9 +47,14 @@ def node(session_id: str, parent_id: str | None, n_tokens: int = 4, seed: int = 
     )
 
 
-async def put(store, session_id, item, latest="chat", paths=None, partial=None):
-    await store.put_node(
-        session_id, item, paths=paths or {item.path_hash: item.id}, partial_paths=partial or {}, latest=latest
+async def put(store, session_id, item, latest="chat", paths=None, partial=None, idempotency=None):
+    return await store.put_node(
+        session_id,
+        item,
+        paths=paths or {item.path_hash: item.id},
+        partial_paths=partial or {},
+        latest=latest,
+        idempotency=idempotency,
     )
 
 
@@ -170,3 +177,77 @@ async def test_deep_path_costs_one_round_trip_and_nodes_do_not_grow_with_depth(s
     else:
         path = await store.get_path(record.id, parent_id)
     assert [n.id for n in path] == [n.id for n in nodes]
+
+
+async def test_a_finished_session_takes_no_more_nodes(store):
+    """The finish and a late turn race in the store: whichever is first, the finished result
+    never gains a node after it was recorded."""
+    record = session_record()
+    await store.create_session(record)
+    first = node(record.id, None, seed=1)
+    assert await store.put_node(record.id, first, paths={"h1": first.id}, partial_paths={}, latest="chat") == first.id
+    assert await store.finish_session(record.id, {"status": "success"}) is not None
+    before = await store_snapshot(store)
+    late = node(record.id, first.id, seed=2)
+    with pytest.raises(SessionFinished):
+        await put(store, record.id, late, idempotency=Idempotency("k", "f"))
+    assert await store_snapshot(store) == before
+    assert await store.get_path(record.id, late.id) is None
+    assert await store.latest(record.id, "*") == first.id
+
+
+async def test_an_idempotency_key_names_one_node(store):
+    record = session_record()
+    await store.create_session(record)
+    claim = Idempotency("key-1", "fingerprint-a")
+    first, again = node(record.id, None, seed=1), node(record.id, None, seed=2)
+    assert await put(store, record.id, first, idempotency=claim) == first.id
+    before = await store_snapshot(store)
+    assert await put(store, record.id, again, idempotency=claim) == first.id  # nothing written
+    assert await store_snapshot(store) == before
+    assert await store.get_path(record.id, again.id) is None
+    with pytest.raises(IdempotencyKeyReused):
+        await put(store, record.id, node(record.id, None, seed=3), idempotency=Idempotency("key-1", "fingerprint-b"))
+    assert await store_snapshot(store) == before
+    # another key, or the same key in another session, is another request
+    other = node(record.id, None, seed=4)
+    assert await put(store, record.id, other, idempotency=Idempotency("key-2", "fingerprint-a")) == other.id
+    elsewhere = session_record()
+    await store.create_session(elsewhere)
+    theirs = node(elsewhere.id, None, seed=5)
+    assert await put(store, elsewhere.id, theirs, idempotency=claim) == theirs.id
+
+
+async def test_concurrent_writes_with_one_key_make_one_node(store):
+    record = session_record()
+    await store.create_session(record)
+    claim = Idempotency("same", "fingerprint")
+    candidates = [node(record.id, None, seed=seed) for seed in range(8)]
+    stored = await asyncio.gather(*(put(store, record.id, item, idempotency=claim) for item in candidates))
+    assert len(set(stored)) == 1 and stored[0] in {item.id for item in candidates}
+    assert [await store.get_path(record.id, item.id) is not None for item in candidates].count(True) == 1
+
+
+async def test_a_result_json_cannot_encode_changes_nothing(store):
+    record = session_record()
+    await store.create_session(record)
+    deep: dict = {}
+    for _ in range(300):
+        deep = {"d": deep}
+    before = await store_snapshot(store)
+    with pytest.raises(InvalidRequest):
+        await store.finish_session(record.id, {"status": "success", "extra": deep})
+    assert await store_snapshot(store) == before
+    assert (await store.get_session(record.id)).status is SessionStatus.OPEN
+
+
+async def test_nothing_of_a_session_is_left_after_its_ttl_untouched(store):
+    """Memory comes back after the TTL without any request touching the session
+    (the memory store's timer ticks every second; Redis expires the keys itself)."""
+    record = session_record(ttl=0.3)
+    await store.create_session(record)
+    item = node(record.id, None)
+    await put(store, record.id, item, idempotency=Idempotency("k", "f"))
+    await store.finish_session(record.id, {"status": "success"})
+    await asyncio.sleep(1.5)
+    assert record.id not in str(await store_snapshot(store))

@@ -7,13 +7,34 @@ the session's root: the sample's messages, then the input.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
+
+import orjson
 
 from rollout_proxy.core.tree import Placement, ResponseTree, with_sample
 from rollout_proxy.core.turns import TurnResult, TurnRunner
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.records import ResponseNode, SessionRecord
+from rollout_proxy.state.store import Idempotency
+
+MAX_IDEMPOTENCY_KEY = 255
+
+
+def idempotency(
+    key: str | None, messages: list[dict[str, Any]], previous_response_id: str | None
+) -> Idempotency | None:
+    """The key with a fingerprint of the request it stands for (the normalized body)."""
+    if key is None:
+        return None
+    if not (0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isascii() and key.isprintable()):
+        raise InvalidRequest(
+            f"an Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters",
+            param="Idempotency-Key",
+        )
+    body = orjson.dumps([previous_response_id, messages], option=orjson.OPT_SORT_KEYS)
+    return Idempotency(key, hashlib.blake2b(body, digest_size=16).hexdigest())
 
 
 def root_instructions(path: Sequence[ResponseNode]) -> str | None:
@@ -75,9 +96,18 @@ class ResponsesService:
         return result, placement.parent
 
     async def append_messages(
-        self, session: SessionRecord, messages: list[dict[str, Any]], *, previous_response_id: str | None
+        self,
+        session: SessionRecord,
+        messages: list[dict[str, Any]],
+        *,
+        previous_response_id: str | None,
+        idempotency_key: str | None = None,
     ) -> ResponseNode:
-        """Messages the policy did not generate, as a weight-0 node that can be extended."""
+        """Messages the policy did not generate, as a weight-0 node that can be extended.
+
+        With an ``idempotency_key``, every request with that key makes at most one node,
+        however many run at once: the store claims the key atomically with the write."""
+        claim = idempotency(idempotency_key, messages, previous_response_id)
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         placement = await self._place(
@@ -87,4 +117,4 @@ class ResponsesService:
             if placement.parent:  # all of it is already in the tree: that node is the answer
                 return placement.parent[-1]
             raise InvalidRequest("messages add nothing to the conversation", param="messages")
-        return await self._turns.inject(session, placement, api="messages")
+        return await self._turns.inject(session, placement, api="messages", idempotency=claim)

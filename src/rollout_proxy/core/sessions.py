@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from rollout_proxy.core.trajectory import AssembledTrajectory, assemble
 from rollout_proxy.engines.pool import EnginePool
-from rollout_proxy.errors import Conflict, InvalidRequest, NotFound, SessionNotFound
+from rollout_proxy.errors import (
+    EngineTimeout,
+    EngineUnavailable,
+    InvalidRequest,
+    NotFound,
+    SessionFinished,
+    SessionNotFound,
+    TemplateRenderError,
+)
 from rollout_proxy.ids import new_session_id, session_of_response
 from rollout_proxy.records import GenerationConfig, SessionRecord, SessionStatus
 from rollout_proxy.state.store import StateStore
+from rollout_proxy.tokenization.renderer import ChatRenderer
+
+
+@dataclass(frozen=True, slots=True)
+class FinishPlan:
+    """A finish checked and assembled, not yet recorded: whoever answers it builds the
+    answer first, so an answer that fails leaves the session open."""
+
+    session_id: str
+    result: dict[str, Any]
+    trajectories: list[AssembledTrajectory]
 
 
 class SessionService:
@@ -30,6 +51,23 @@ class SessionService:
         n_sample: int | None = None,
         concurrency: dict[str, Any] | None = None,
     ) -> SessionRecord:
+        """Store a new session, once its engine's template renders the sample (one engine call).
+
+        What the template cannot render is refused here rather than at every turn; when no
+        engine answers, the session is made anyway and its first turn says so.
+        """
+        engine = self._engines.pick()
+        try:
+            await ChatRenderer(engine).render(
+                messages, tools=tools, chat_template_kwargs=generation.chat_template_kwargs, add_generation_prompt=True
+            )
+        except TemplateRenderError as exc:
+            raise TemplateRenderError(
+                f"the sample cannot be rendered (with its tools and chat_template_kwargs): {exc.message}",
+                param="sample.messages",
+            ) from exc
+        except (EngineUnavailable, EngineTimeout):
+            pass
         now = time.time()
         session = SessionRecord(
             id=new_session_id(),
@@ -40,7 +78,7 @@ class SessionService:
             context=context,
             created_at=now,
             expires_at=now + self._ttl,
-            engine=self._engines.pick().url,
+            engine=engine.url,
             n_sample=n_sample,
             concurrency=concurrency,
         )
@@ -57,7 +95,7 @@ class SessionService:
         """The session, if it still takes requests (409 once it is finished)."""
         session = await self.get(session_id)
         if session.status is not SessionStatus.OPEN:
-            raise Conflict(f"session {session_id!r} is already finished", param="session_id")
+            raise SessionFinished(f"session {session_id!r} is already finished", param="session_id")
         return session
 
     async def trajectory(self, response_id: str, *, session_id: str | None = None) -> AssembledTrajectory:
@@ -71,7 +109,7 @@ class SessionService:
             raise NotFound(f"response {response_id!r} not found", param="response_id")
         return assemble(owner, path, extra=_result_extra(session, response_id))
 
-    async def finish(
+    async def prepare_finish(
         self,
         session_id: str,
         *,
@@ -80,12 +118,12 @@ class SessionService:
         extra: dict[str, Any],
         responses: list[dict[str, Any]] | None,
         config: dict[str, Any] | None,
-    ) -> tuple[SessionRecord, list[AssembledTrajectory]]:
-        """Record the rollout result once and return the trajectories it names.
+    ) -> FinishPlan:
+        """Check a rollout result and assemble the trajectories it names; records nothing.
 
         Every response id must be in the session; a group session (``n_sample``) that
-        succeeds must name exactly ``n_sample``. Nothing is recorded when a check fails.
-        A single rollout that names none emits its latest response.
+        succeeds must name exactly ``n_sample``. A single rollout that names none emits
+        its latest response.
         """
         session = await self.get_open(session_id)
         if responses is None:
@@ -112,14 +150,36 @@ class SessionService:
                 )
             paths.append(path)
         result = {"status": status, "error": error, "extra": extra, "responses": responses, "config": config}
-        finished = await self._store.finish_session(session_id, result)
-        if finished is None:
-            raise Conflict(f"session {session_id!r} is already finished", param="session_id")
+        finished = dataclasses.replace(session, status=SessionStatus.FINISHED, result=result)
         trajectories = [
             assemble(session_id, path, extra=_result_extra(finished, response_id))
             for response_id, path in zip(ids, paths, strict=True)
         ]
-        return finished, trajectories
+        return FinishPlan(session_id=session_id, result=result, trajectories=trajectories)
+
+    async def commit_finish(self, plan: FinishPlan) -> SessionRecord:
+        """Record a prepared finish (compare-and-set: 409 if the session finished meanwhile)."""
+        finished = await self._store.finish_session(plan.session_id, plan.result)
+        if finished is None:
+            raise SessionFinished(f"session {plan.session_id!r} is already finished", param="session_id")
+        return finished
+
+    async def finish(
+        self,
+        session_id: str,
+        *,
+        status: str,
+        error: str | None,
+        extra: dict[str, Any],
+        responses: list[dict[str, Any]] | None,
+        config: dict[str, Any] | None,
+    ) -> tuple[SessionRecord, list[AssembledTrajectory]]:
+        """``prepare_finish`` then ``commit_finish``, for callers with no answer to build
+        in between (an HTTP handler serializes its answer between the two)."""
+        plan = await self.prepare_finish(
+            session_id, status=status, error=error, extra=extra, responses=responses, config=config
+        )
+        return await self.commit_finish(plan), plan.trajectories
 
     async def latest_trajectory(self, session_id: str, api: str = "chat") -> AssembledTrajectory:
         await self.get(session_id)

@@ -27,12 +27,12 @@ from rollout_proxy.core.tree import Placement
 from rollout_proxy.core.turn_routing import align_routing
 from rollout_proxy.engines.base import Engine, EngineCompletion, EngineInfo, SamplingParams
 from rollout_proxy.engines.pool import EnginePool
-from rollout_proxy.errors import ContextLengthExceeded, EngineError
+from rollout_proxy.errors import ContextLengthExceeded, EngineError, SessionNotFound
 from rollout_proxy.ids import new_response_id
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind, ResponseNode, SessionRecord
 from rollout_proxy.routing import prompt_start
-from rollout_proxy.state.store import StateStore
+from rollout_proxy.state.store import Idempotency, StateStore
 from rollout_proxy.tokenization.messages import extend_path_hash
 from rollout_proxy.tokenization.parsers import AssistantView, OutputParser, ToolParse
 
@@ -197,8 +197,11 @@ class TurnRunner:
 
     # -- injected messages ----------------------------------------------------------------------
 
-    async def inject(self, session: SessionRecord, placement: Placement, *, api: str) -> ResponseNode:
-        """Append messages the policy did not generate, as a node with loss weight 0."""
+    async def inject(
+        self, session: SessionRecord, placement: Placement, *, api: str, idempotency: Idempotency | None = None
+    ) -> ResponseNode:
+        """Append messages the policy did not generate, as a node with loss weight 0
+        (the earlier node instead, when ``idempotency`` repeats a key already used)."""
         engine = self._engines.get(session.engine)
         info = await engine.info()
         delta = await self._renderers.delta(
@@ -208,6 +211,13 @@ class TurnRunner:
             chat_template_kwargs=session.generation.chat_template_kwargs,
             add_generation_prompt=False,
         )
+        total = sum(len(node.prompt_ids) + len(node.output_ids) for node in placement.parent) + len(delta)
+        if total >= info.max_model_len:
+            raise ContextLengthExceeded(
+                f"with these messages the conversation has {total} tokens and the engine's context is "
+                f"{info.max_model_len}: no room left to generate",
+                param="messages",
+            )
         node = ResponseNode(
             id=new_response_id(session.id),
             parent_id=placement.parent_id,
@@ -221,7 +231,7 @@ class TurnRunner:
             created_at=time.time(),
             model=info.model,
         )
-        await self._save(session, node, placement.new_hashes)
+        node = await self._save(session, node, placement.new_hashes, idempotency=idempotency)
         self._metrics.inc("injected_nodes_total")
         return node
 
@@ -244,10 +254,29 @@ class TurnRunner:
             log.info("tool_call_unparsed", text=text[:200])
         return view
 
-    async def _save(self, session: SessionRecord, node: ResponseNode, hashes: Sequence[str]) -> None:
-        """Store the node with the path hashes of its messages (the last one names the node)."""
+    async def _save(
+        self,
+        session: SessionRecord,
+        node: ResponseNode,
+        hashes: Sequence[str],
+        *,
+        idempotency: Idempotency | None = None,
+    ) -> ResponseNode:
+        """Store the node with the path hashes of its messages (the last one names the node);
+        returns it, or the node an earlier request with the same idempotency key stored."""
         node.path_hash = hashes[-1]
         partial = {path_hash: f"{node.id}#{index + 1}" for index, path_hash in enumerate(hashes[:-1])}
-        await self._store.put_node(
-            session.id, node, paths={node.path_hash: node.id}, partial_paths=partial, latest=node.api
+        stored_id = await self._store.put_node(
+            session.id,
+            node,
+            paths={node.path_hash: node.id},
+            partial_paths=partial,
+            latest=node.api,
+            idempotency=idempotency,
         )
+        if stored_id == node.id:
+            return node
+        path = await self._store.get_path(session.id, stored_id)
+        if not path:
+            raise SessionNotFound(f"session {session.id!r} not found (unknown or expired)", param="session_id")
+        return path[-1]

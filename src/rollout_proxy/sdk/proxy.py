@@ -21,6 +21,7 @@ import asyncio
 import copy
 import enum
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -78,6 +79,11 @@ def session_body(sample: ChatCompletionSample, *, n_sample: int | None = None, *
 
 def _root(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
+
+
+def _idempotency() -> dict[str, str]:
+    """A fresh key per call: a resend of that call (by a transport or a retrying caller) makes one node."""
+    return {"Idempotency-Key": str(uuid.uuid4())}
 
 
 @dataclass(frozen=True)
@@ -177,12 +183,19 @@ class RolloutInferenceProxy:
         return wrap_responses_async_client_inplace(wrap_async_client_inplace(client, self), self)
 
     def update_state_from_messages(self, messages: list[Any], previous_response_id: str | None = None) -> str:
-        """Append messages the policy did not generate (weight 0); returns their response id."""
+        """Append messages the policy did not generate (weight 0); returns their response id.
+
+        Each call sends its own ``Idempotency-Key``, so a resend of the same call makes one node."""
         self.open()
         sent = [as_dict(m) for m in messages]
         body = {"messages": sent, "previous_response_id": previous_response_id}
-        answer = self._transport.post(
-            self._session_url("messages"), body, token=self.jwt_token, what="update_state_from_messages"
+        answer = self._transport.request(
+            "POST",
+            self._session_url("messages"),
+            body,
+            token=self.jwt_token,
+            what="update_state_from_messages",
+            headers=_idempotency(),
         )
         return self._remember(answer["response_id"], previous_response_id, sent)
 
@@ -191,8 +204,13 @@ class RolloutInferenceProxy:
         await self.aopen()
         sent = [as_dict(m) for m in messages]
         body = {"messages": sent, "previous_response_id": previous_response_id}
-        answer = await self._transport.apost(
-            self._session_url("messages"), body, token=self.jwt_token, what="update_state_from_messages"
+        answer = await self._transport.arequest(
+            "POST",
+            self._session_url("messages"),
+            body,
+            token=self.jwt_token,
+            what="update_state_from_messages",
+            headers=_idempotency(),
         )
         return self._remember(answer["response_id"], previous_response_id, sent)
 

@@ -115,18 +115,33 @@ class ProxyClient:
         return payload
 
     def request(
-        self, method: str, path: str, body: Any = None, *, what: str | None = None, token: str | None = None
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        what: str | None = None,
+        token: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
-        """A blocking request (for sync plugin code); the parsed JSON answer."""
+        """A blocking request (for sync plugin code); the parsed JSON answer. ``headers`` add to the client's."""
         what = what or f"{method} {path}"
-        return self._checked(what, self._send(method, path, what, json=body, headers=self._headers(token)))
+        return self._checked(what, self._send(method, path, what, json=body, headers=self._headers(token, headers)))
 
     async def arequest(
-        self, method: str, path: str, body: Any = None, *, what: str | None = None, token: str | None = None
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        what: str | None = None,
+        token: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """The same request without blocking the event loop."""
         what = what or f"{method} {path}"
-        return self._checked(what, await self._asend(method, path, what, json=body, headers=self._headers(token)))
+        answer = await self._asend(method, path, what, json=body, headers=self._headers(token, headers))
+        return self._checked(what, answer)
 
     def post(self, path: str, body: Any, *, what: str | None = None, token: str | None = None) -> Any:
         return self.request("POST", path, body, what=what, token=token)

@@ -40,7 +40,19 @@ def latest_key(session_id: str) -> str:
     return f"{PREFIX}:{{{session_id}}}:latest"
 
 
+def finished_key(session_id: str) -> str:
+    """String: set (with the session's expiry) in the transaction that finishes the session, so
+    the node-writing script refuses a late turn with one EXISTS instead of decoding the record."""
+    return f"{PREFIX}:{{{session_id}}}:finished"
+
+
+def idempotency_key(session_id: str) -> str:
+    """Hash: client idempotency key -> "<request fingerprint> <response id>"."""
+    return f"{PREFIX}:{{{session_id}}}:idempotency"
+
+
 def session_keys(session_id: str) -> list[str]:
+    """Every key of a session, in the order the node-writing script takes them."""
     return [
         session_key(session_id),
         nodes_key(session_id),
@@ -48,6 +60,8 @@ def session_keys(session_id: str) -> list[str]:
         paths_key(session_id),
         latest_key(session_id),
         routing_key(session_id),
+        finished_key(session_id),
+        idempotency_key(session_id),
     ]
 
 

@@ -1,20 +1,28 @@
 """The in-process store: the embedded default, and the reference for the contract.
 
-Everything lives in this object (no module-level state); expired sessions are
-dropped when touched and swept at most once a minute.
+Everything lives in this object (no module-level state). Expired sessions are
+dropped when touched, and by a timer: a heap of (expires_at, session id) is popped
+while its head is due, so a tick costs the sessions that expire, never a scan of the
+live ones, and memory comes back after the TTL whatever the traffic. The timer
+starts with the first session (it needs a running loop) and stops in ``close()``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import heapq
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rollout_proxy.errors import SessionNotFound
+from rollout_proxy.errors import SessionFinished, SessionNotFound
 from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus
+from rollout_proxy.state.store import Idempotency, json_bytes
 
-_SWEEP_EVERY = 60.0
+#: Seconds between expiry sweeps: how long an expired session may still hold memory.
+SWEEP_EVERY = 1.0
 
 
 @dataclass(slots=True)
@@ -23,13 +31,16 @@ class _SessionState:
     nodes: dict[str, ResponseNode] = field(default_factory=dict)
     paths: dict[str, str] = field(default_factory=dict)
     latest: dict[str, str] = field(default_factory=dict)
+    idempotency: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (fingerprint, response id)
 
 
 class MemoryStore:
-    def __init__(self, *, clock=time.time) -> None:
+    def __init__(self, *, clock=time.time, sweep_every: float = SWEEP_EVERY) -> None:
         self._clock = clock
+        self._sweep_every = sweep_every
         self._sessions: dict[str, _SessionState] = {}
-        self._last_sweep = clock()
+        self._expiries: list[tuple[float, str]] = []  # a heap; entries of dropped sessions go when popped
+        self._sweeper: asyncio.Task[None] | None = None
 
     def _state(self, session_id: str) -> _SessionState | None:
         state = self._sessions.get(session_id)
@@ -38,17 +49,31 @@ class MemoryStore:
             return None
         return state
 
-    def _sweep(self) -> None:
+    def expire(self) -> int:
+        """Drop the sessions whose time is up (only they are looked at); how many went."""
         now = self._clock()
-        if now - self._last_sweep < _SWEEP_EVERY:
-            return
-        self._last_sweep = now
-        for session_id in [sid for sid, s in self._sessions.items() if s.session.expires_at <= now]:
-            del self._sessions[session_id]
+        dropped = 0
+        while self._expiries and self._expiries[0][0] <= now:
+            _, session_id = heapq.heappop(self._expiries)
+            state = self._sessions.get(session_id)
+            if state is not None and state.session.expires_at <= now:
+                del self._sessions[session_id]
+                dropped += 1
+        return dropped
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_every)
+            self.expire()
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="memory-store-expiry")
 
     async def create_session(self, session: SessionRecord) -> None:
-        self._sweep()
+        self._start_sweeper()
         self._sessions[session.id] = _SessionState(session=session)
+        heapq.heappush(self._expiries, (session.expires_at, session.id))
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
         state = self._state(session_id)
@@ -58,6 +83,7 @@ class MemoryStore:
         state = self._state(session_id)
         if state is None or state.session.status is not SessionStatus.OPEN:
             return None
+        json_bytes(result, "the rollout result")  # what Redis refuses, refused here too
         state.session = dataclasses.replace(state.session, status=SessionStatus.FINISHED, result=result)
         return state.session
 
@@ -69,16 +95,26 @@ class MemoryStore:
         paths: Mapping[str, str],
         partial_paths: Mapping[str, str],
         latest: str | None,
-    ) -> None:
+        idempotency: Idempotency | None = None,
+    ) -> str:
+        # no await below: the checks and the write are one step of the event loop
         state = self._state(session_id)
         if state is None:
             raise SessionNotFound(f"session {session_id!r} not found (unknown or expired)", param="session_id")
+        if state.session.status is not SessionStatus.OPEN:
+            raise SessionFinished(f"session {session_id!r} is already finished", param="session_id")
+        if idempotency is not None:
+            held = state.idempotency.get(idempotency.key)
+            if held is not None:
+                return idempotency.replay(*held)
+            state.idempotency[idempotency.key] = (idempotency.fingerprint, node.id)
         state.nodes[node.id] = node
         for path_hash, value in partial_paths.items():
             state.paths.setdefault(path_hash, value)
         state.paths.update(paths)
         if latest is not None:
             state.latest[latest] = state.latest["*"] = node.id
+        return node.id
 
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
         state = self._state(session_id)
@@ -107,4 +143,10 @@ class MemoryStore:
         return True
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         self._sessions.clear()
+        self._expiries.clear()

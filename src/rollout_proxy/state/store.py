@@ -2,9 +2,19 @@
 ``memory.MemoryStore`` (in-process, the embedded default) and ``redis.RedisStore``.
 
 Contract (tested once, over both, in tests/state/test_store_contract.py):
-- a session and all its nodes expire together at ``session.expires_at``;
-- ``put_node`` is atomic: the node, its parent link, its path-index entries and the
-  "latest" pointer appear together or not at all;
+- a session and all its nodes expire together at ``session.expires_at``, and their
+  memory is given back soon after (the memory store: within ``memory.SWEEP_EVERY``), whether
+  or not anything touches the session again;
+- ``put_node`` is atomic: the node, its parent link, its path-index entries, the
+  "latest" pointer and its idempotency key appear together or not at all, and only
+  while the session is open: a write that loses the race with ``finish_session``
+  raises ``SessionFinished`` and leaves nothing behind (a finished result never
+  gains nodes after it was recorded);
+- an idempotency key names one node per session: a second write with the same key and
+  fingerprint stores nothing and answers the first node's id; another fingerprint
+  raises ``IdempotencyKeyReused``; keys expire with their session;
+- ``finish_session`` is a compare-and-set from open to finished; a result that cannot
+  be encoded as JSON raises ``InvalidRequest`` and changes nothing;
 - ``get_path`` returns root-to-leaf nodes in one round trip, whatever the depth
   (routing rows too, when asked);
 - ``match_paths`` answers for many path hashes in one round trip;
@@ -15,9 +25,38 @@ Contract (tested once, over both, in tests/state/test_store_contract.py):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+import orjson
+
+from rollout_proxy.errors import IdempotencyKeyReused, InvalidRequest
 from rollout_proxy.records import ResponseNode, SessionRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Idempotency:
+    """A client's idempotency key for one write, with a fingerprint of the request it came
+    with: the same key may only ever stand for the same request."""
+
+    key: str
+    fingerprint: str
+
+    def replay(self, fingerprint: str, response_id: str) -> str:
+        """The answer to a repeated key, given what the store holds for it."""
+        if fingerprint != self.fingerprint:
+            raise IdempotencyKeyReused(
+                f"idempotency key {self.key!r} was already used with another request", param="Idempotency-Key"
+            )
+        return response_id
+
+
+def json_bytes(value: Any, what: str) -> bytes:
+    """``value`` as JSON, or ``InvalidRequest``: a store never commits what it could not read back."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        raise InvalidRequest(f"{what} cannot be stored: {exc}") from None
 
 
 class StateStore(Protocol):
@@ -37,11 +76,16 @@ class StateStore(Protocol):
         paths: Mapping[str, str],
         partial_paths: Mapping[str, str],
         latest: str | None,
-    ) -> None:
-        """Store a node. ``paths`` entries overwrite, ``partial_paths`` never do; the
+        idempotency: Idempotency | None = None,
+    ) -> str:
+        """Store a node; returns the id stored for this write: ``node.id``, or, for an
+        idempotency key already used with the same request, the earlier node's (and
+        nothing is written). ``paths`` entries overwrite, ``partial_paths`` never do; the
         latest pointer is set for ``latest`` (an api name) and for ``"*"``.
 
-        Raises ``SessionNotFound`` when the session is unknown or expired."""
+        Raises ``SessionNotFound`` when the session is unknown or expired,
+        ``SessionFinished`` when it is finished, ``IdempotencyKeyReused`` when the key
+        came with another request."""
         ...
 
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:

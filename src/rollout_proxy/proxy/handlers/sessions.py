@@ -5,9 +5,9 @@ from __future__ import annotations
 import structlog
 from aiohttp import web
 
-from rollout_proxy.proxy import keys
+from rollout_proxy.proxy import keys, validation
 from rollout_proxy.proxy.handlers.common import request_caller
-from rollout_proxy.proxy.http import json_response, read_json_object, validate
+from rollout_proxy.proxy.http import json_response, read_json_object
 from rollout_proxy.proxy.schemas import AppendMessages, FinishRequest, SessionCreate
 from rollout_proxy.wire.messages import normalize_messages, normalize_tools
 
@@ -19,7 +19,7 @@ def plugin_base_url(request: web.Request) -> str:
 
 async def create_session(request: web.Request) -> web.Response:
     request_caller(request, admin_only=True)
-    body = validate(SessionCreate, await read_json_object(request))
+    body = validation.validate(SessionCreate, await read_json_object(request))
     session = await request.app[keys.SESSIONS].create(
         messages=normalize_messages(body.sample.messages, param="sample.messages"),
         tools=normalize_tools(body.sample.tools, param="sample.tools"),
@@ -43,30 +43,39 @@ async def create_session(request: web.Request) -> web.Response:
 
 async def get_session(request: web.Request) -> web.Response:
     session_id = request.match_info["session_id"]
-    request_caller(request).require_session(session_id)
-    session = await request.app[keys.SESSIONS].get(session_id)
-    return json_response(session.to_dict())
+    caller = request_caller(request)
+    caller.require_session(session_id)
+    record = (await request.app[keys.SESSIONS].get(session_id)).to_dict()
+    if not caller.admin:
+        record.pop("engine", None)  # engine URLs are the operator's, not the plugin's
+    return json_response(record)
 
 
 async def append_messages(request: web.Request) -> web.Response:
     """What the SDK's ``update_state_from_messages`` calls: messages the policy did not generate."""
     session_id = request.match_info["session_id"]
     request_caller(request).require_session(session_id)
-    body = validate(AppendMessages, await read_json_object(request))
+    body = validation.validate(AppendMessages, await read_json_object(request))
     session = await request.app[keys.SESSIONS].get_open(session_id)
     node = await request.app[keys.RESPONSES].append_messages(
-        session, normalize_messages(body.messages), previous_response_id=body.previous_response_id
+        session,
+        normalize_messages(body.messages),
+        previous_response_id=body.previous_response_id,
+        idempotency_key=request.headers.get("Idempotency-Key"),
     )
     structlog.contextvars.bind_contextvars(response_id=node.id)
     return json_response({"response_id": node.id, "session_id": session_id}, status=201)
 
 
 async def finish_session(request: web.Request) -> web.Response:
-    """The rollout result: validated, recorded once, answered with its trajectories."""
+    """The rollout result: validated, answered with its trajectories, recorded once.
+
+    The answer is serialized before the finish is committed: one that fails leaves the session open."""
     session_id = request.match_info["session_id"]
     request_caller(request).require_session(session_id)
-    body = validate(FinishRequest, await read_json_object(request))
-    _session, trajectories = await request.app[keys.SESSIONS].finish(
+    body = validation.validate(FinishRequest, await read_json_object(request))
+    sessions = request.app[keys.SESSIONS]
+    plan = await sessions.prepare_finish(
         session_id,
         status=body.status,
         error=body.error,
@@ -74,11 +83,13 @@ async def finish_session(request: web.Request) -> web.Response:
         responses=None if body.responses is None else [ref.model_dump() for ref in body.responses],
         config=body.config,
     )
-    return json_response(
+    answer = json_response(
         {
             "session_id": session_id,
             "status": body.status,
             "error": body.error,
-            "trajectories": [trajectory.to_json() for trajectory in trajectories],
+            "trajectories": [trajectory.to_json() for trajectory in plan.trajectories],
         }
     )
+    await sessions.commit_finish(plan)
+    return answer
