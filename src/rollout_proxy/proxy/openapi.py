@@ -1,0 +1,263 @@
+"""The proxy's own API as one OpenAPI 3.1 document, served at ``GET /openapi.json``.
+
+Request bodies are generated from the pydantic models the handlers validate with, and
+answers from ``openapi_answers`` and the wire models, so the document follows the code
+instead of restating it. Every route that ``app.add_routes`` registers has one
+``Operation`` below: tests/proxy/test_openapi.py fails on a route without one, and the
+fuzz test (tests/proxy/test_fuzz.py) holds the live answers to what is written here.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import TypeAdapter
+
+from rollout_proxy import __version__
+from rollout_proxy.proxy import openapi_answers as answers
+from rollout_proxy.proxy import openapi_examples as examples
+from rollout_proxy.proxy.handlers.feed import MAX_PAGE
+from rollout_proxy.proxy.schemas import AppendMessages, ChatRequest, FinishRequest, ResponsesRequest, SessionCreate
+from rollout_proxy.wire.trajectory import Trajectory
+
+REF = "#/components/schemas/{model}"
+TEXT = "text/plain"  # an answer that is not JSON (the Prometheus metrics)
+
+
+class Access(enum.Enum):
+    """Who may call: the security schemes an operation accepts (any one of them)."""
+
+    PUBLIC = ()
+    ADMIN = ("adminKey",)
+    SESSION = ("sessionToken",)
+    EITHER = ("adminKey", "sessionToken")
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    method: str
+    path: str
+    summary: str
+    tag: str
+    access: Access
+    answer: Any  # a type whose JSON Schema pydantic can generate, or TEXT
+    status: int = 200
+    body: Any = None  # the request model the handler validates with
+    examples: dict[str, dict[str, Any]] | None = None  # bodies that succeed, by name
+    errors: tuple[int, ...] = ()  # beyond what access (401) and a body (400, 413) imply
+    parameters: tuple[dict[str, Any], ...] = ()
+
+
+def _parameter(name: str, where: str, schema: dict[str, Any], what: str) -> dict[str, Any]:
+    return {"name": name, "in": where, "required": where == "path", "schema": schema, "description": what}
+
+
+SESSION_ID = _parameter("session_id", "path", {"type": "string"}, "a session id (`sess_…`) from POST /v1/sessions")
+RESPONSE_ID = _parameter("response_id", "path", {"type": "string"}, "a response id (`resp_…`), chat or Responses API")
+IDEMPOTENCY_KEY = _parameter(
+    "Idempotency-Key",
+    "header",
+    {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[ -~]+$"},
+    "every request with this key makes one node and answers its response_id (printable ASCII)",
+)
+FEED_QUERY = (
+    _parameter("after", "query", {"type": "string"}, "the `next` cursor of the previous page; none: from the start"),
+    _parameter("limit", "query", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 100}, "page size"),
+)
+ENGINE_ERRORS = (502, 503, 504)
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("post", "/v1/chat/completions", "Chat completion, token-exact",
+              "plugin", Access.SESSION, answers.ChatCompletion, body=ChatRequest,
+              examples=examples.CHAT, errors=(404, 409, *ENGINE_ERRORS)),
+    Operation("post", "/v1/responses", "Create a response (previous_response_id extends or forks)",
+              "plugin", Access.SESSION, answers.Response, body=ResponsesRequest,
+              examples=examples.RESPONSES, errors=(404, 409, *ENGINE_ERRORS)),
+    Operation("get", "/v1/responses/{response_id}", "A stored response",
+              "plugin", Access.EITHER, answers.Response, errors=(404, 503), parameters=(RESPONSE_ID,)),
+    Operation("get", "/v1/responses/{response_id}/trajectory", "The trajectory ending at a response",
+              "trainer", Access.EITHER, Trajectory, errors=(404, 503), parameters=(RESPONSE_ID,)),
+    Operation("get", "/v1/models", "The engines' models",
+              "plugin", Access.EITHER, answers.ModelList, errors=ENGINE_ERRORS),
+    Operation("post", "/v1/sessions", "Open a session for one rollout",
+              "trainer", Access.ADMIN, answers.SessionCreated, status=201, body=SessionCreate,
+              examples=examples.SESSION, errors=(503,)),
+    Operation("get", "/v1/sessions/{session_id}", "A session's record",
+              "trainer", Access.EITHER, answers.SessionInfo, errors=(404, 503), parameters=(SESSION_ID,)),
+    Operation("post", "/v1/sessions/{session_id}/messages", "Append messages the policy did not generate",
+              "trainer", Access.EITHER, answers.MessagesAppended, status=201, body=AppendMessages,
+              examples=examples.APPEND, errors=(404, 409, *ENGINE_ERRORS), parameters=(SESSION_ID, IDEMPOTENCY_KEY)),
+    Operation("post", "/v1/sessions/{session_id}/finish", "Record the rollout result, once",
+              "trainer", Access.EITHER, answers.SessionFinished, body=FinishRequest,
+              examples=examples.FINISH, errors=(404, 409, 503), parameters=(SESSION_ID,)),
+    Operation("get", "/v1/sessions/{session_id}/trajectory", "The session's latest trajectory",
+              "trainer", Access.EITHER, Trajectory, errors=(404, 503), parameters=(SESSION_ID,)),
+    Operation("get", "/v1/feed", "Graded trajectory groups, paged by cursor",
+              "trainer", Access.ADMIN, answers.FeedPage, errors=(400, 404, 503), parameters=FEED_QUERY),
+    Operation("get", "/v1/admin/counters", "The proxy's counters",
+              "operations", Access.ADMIN, dict[str, float]),
+    Operation("get", "/healthz", "Liveness",
+              "operations", Access.PUBLIC, answers.Health),
+    Operation("get", "/readyz", "Readiness: the store answers and an engine is healthy (URLs for the admin key)",
+              "operations", Access.PUBLIC, answers.Readiness),
+    Operation("get", "/metrics", "Prometheus metrics",
+              "operations", Access.PUBLIC, TEXT),
+    Operation("get", "/openapi.json", "This document",
+              "operations", Access.PUBLIC, dict[str, Any]),
+)  # fmt: skip
+
+ERRORS: dict[int, tuple[str, str]] = {
+    400: ("BadRequest", "Invalid request: malformed JSON, a refused field, a pinned generation setting (`param`)"),
+    401: ("Unauthorized", "Missing or wrong credentials for this route"),
+    404: ("NotFound", "Unknown id, or one the caller's session cannot see"),
+    409: ("Conflict", "The session is finished, or an idempotency key was reused with another request"),
+    413: ("PayloadTooLarge", "The body is over the size limit"),
+    415: ("UnsupportedMediaType", "A Content-Encoding the proxy cannot read (it reads gzip and deflate)"),
+    500: ("ServerError", "A bug: the proxy's log has it under the answer's X-Request-Id"),
+    502: ("BadGateway", "The engine answered badly"),
+    503: ("ServiceUnavailable", "No engine reachable, or the state store is down: retry after Retry-After"),
+    504: ("GatewayTimeout", "The engine did not answer in time: retry after Retry-After"),
+}
+RETRY_STATUSES = (503, 504)
+
+SECURITY_SCHEMES = {
+    "adminKey": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The proxy's admin key (`--admin-key`): trainer, fleet and admin routes.",
+    },
+    "sessionToken": {
+        "type": "http",
+        "scheme": "bearer",
+        "bearerFormat": "JWT",
+        "description": "A session's `api_key` from POST /v1/sessions, the plugin's OpenAI `api_key`: that session only.",
+    },
+}
+HEADERS = {
+    "RequestId": {
+        "description": "The request's id (the client's X-Request-Id, else a new one), as the proxy's log has it",
+        "required": True,
+        "schema": {"type": "string"},
+    },
+    "RetryAfter": {
+        "description": "Seconds to wait before trying again",
+        "required": True,
+        "schema": {"type": "integer", "minimum": 1},
+    },
+}
+
+
+def _error_statuses(operation: Operation) -> list[int]:
+    implied = {500}
+    if operation.access is not Access.PUBLIC:
+        implied.add(401)
+    if operation.body is not None:
+        implied.update((400, 413, 415))
+    return sorted(implied.union(operation.errors))
+
+
+def _answer(description: str, content: dict[str, Any], *, retry: bool = False) -> dict[str, Any]:
+    headers: dict[str, Any] = {"X-Request-Id": {"$ref": "#/components/headers/RequestId"}}
+    if retry:
+        headers["Retry-After"] = {"$ref": "#/components/headers/RetryAfter"}
+    return {"description": description, "headers": headers, "content": content}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _operation(operation: Operation, schemas: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    key = f"{operation.method} {operation.path}"
+    if operation.answer == TEXT:
+        success = _answer("OK", {TEXT: {"schema": {"type": "string"}}})
+    else:
+        success = _answer("OK", _json(schemas[(key, "serialization")]))
+    responses: dict[str, Any] = {str(operation.status): success}
+    if operation.path == "/readyz":  # not ready is an answer of its own, not an error
+        responses["503"] = _answer("Not ready", _json(schemas[(key, "serialization")]))
+    for status in _error_statuses(operation):
+        responses.setdefault(str(status), {"$ref": f"#/components/responses/{ERRORS[status][0]}"})
+    spec: dict[str, Any] = {
+        "operationId": _operation_id(operation),
+        "summary": operation.summary,
+        "tags": [operation.tag],
+        "security": [{name: []} for name in operation.access.value],
+        "responses": responses,
+    }
+    if operation.parameters:
+        spec["parameters"] = list(operation.parameters)
+    if operation.body is not None:
+        content = _json(schemas[(key, "validation")])
+        if operation.examples:
+            content["application/json"]["examples"] = {
+                name: {"value": value} for name, value in operation.examples.items()
+            }
+        spec["requestBody"] = {"required": True, "content": content}
+    return spec
+
+
+def _operation_id(operation: Operation) -> str:
+    words = operation.path.replace("{", "").replace("}", "").replace(".", "_").strip("/").split("/")
+    return "_".join([operation.method, *words])
+
+
+def _schemas() -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, Any]]:
+    """Every request and answer schema, generated together so shared models are defined once."""
+    inputs: list[tuple[tuple[str, str], Any, TypeAdapter[Any]]] = [
+        (("error", "serialization"), "serialization", TypeAdapter(answers.ErrorBody))
+    ]
+    for operation in OPERATIONS:
+        key = f"{operation.method} {operation.path}"
+        if operation.answer != TEXT:
+            inputs.append(((key, "serialization"), "serialization", TypeAdapter(operation.answer)))
+        if operation.body is not None:
+            inputs.append(((key, "validation"), "validation", TypeAdapter(operation.body)))
+    refs, top = TypeAdapter.json_schemas(inputs, ref_template=REF)
+    return {key: schema for (key, _mode), schema in refs.items()}, top.get("$defs", {})
+
+
+def build_document() -> dict[str, Any]:
+    refs, definitions = _schemas()
+    paths: dict[str, dict[str, Any]] = {}
+    for operation in OPERATIONS:
+        paths.setdefault(operation.path, {})[operation.method] = _operation(operation, refs)
+    error = refs[("error", "serialization")]
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "rollout-proxy",
+            "version": __version__,
+            "description": (
+                "A token-exact, OpenAI-compatible proxy between RL rollout plugins and vLLM engines. "
+                "Plugins call the OpenAI routes with their session's token as api_key; the trainer "
+                "opens sessions and reads trajectories with the admin key. Every error is OpenAI's "
+                "`{error: {message, type, param, code}}`."
+            ),
+        },
+        "tags": [
+            {"name": "plugin", "description": "OpenAI-compatible routes a rollout plugin calls"},
+            {"name": "trainer", "description": "Sessions, results and trajectories (the runner, the trainer)"},
+            {"name": "operations", "description": "Health, readiness, metrics, counters, this document"},
+        ],
+        "paths": paths,
+        "components": {
+            "schemas": definitions,
+            "responses": {
+                name: _answer(description, _json(error), retry=status in RETRY_STATUSES)
+                for status, (name, description) in ERRORS.items()
+            },
+            "headers": HEADERS,
+            "securitySchemes": SECURITY_SCHEMES,
+        },
+    }
+
+
+@functools.cache
+def document_bytes() -> bytes:
+    """The document as served: generated once per process (it depends on the code only)."""
+    return orjson.dumps(build_document())

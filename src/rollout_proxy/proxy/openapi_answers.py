@@ -1,0 +1,266 @@
+"""The shapes of the proxy's answers, for the OpenAPI document only.
+
+Handlers build their answers as plain dicts; these ``TypedDict``s describe those dicts
+so that ``proxy.openapi`` can generate their JSON Schemas with pydantic, like the request
+models. Nothing validates against them at run time: the fuzz test
+(tests/proxy/test_fuzz.py) holds every live answer to them, so they cannot drift quietly.
+The trajectory and the feed group come from the wire package instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NotRequired
+
+from pydantic import ConfigDict, with_config
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
+
+from rollout_proxy.wire.feed import FeedGroup
+from rollout_proxy.wire.trajectory import Trajectory
+
+
+@with_config(ConfigDict(extra="forbid"))
+class ErrorDetail(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+@with_config(ConfigDict(extra="forbid"))
+class ErrorBody(TypedDict):
+    """Every 4xx/5xx answer of the proxy, in OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
+class CompletionUsage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ToolCallFunction(TypedDict):
+    name: str
+    arguments: str
+
+
+class ChatCompletionMessageToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class ChatCompletionResponseMessage(TypedDict):
+    """A view parsed from the sampled tokens (content, tool calls, reasoning)."""
+
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: NotRequired[list[ChatCompletionMessageToolCall]]
+    reasoning_content: NotRequired[str]
+    reasoning: NotRequired[str]
+
+
+class ChatCompletionTokenLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[Any]
+
+
+class ChatCompletionChoiceLogprobs(TypedDict):
+    content: list[ChatCompletionTokenLogprob]
+
+
+class ChatCompletionChoice(TypedDict):
+    index: int
+    message: ChatCompletionResponseMessage
+    finish_reason: str | None
+    logprobs: ChatCompletionChoiceLogprobs | None
+    #: extension: the token ids the policy sampled for this choice
+    token_ids: list[int]
+
+
+class ChatCompletion(TypedDict):
+    """OpenAI's chat completion, plus ``prompt_token_ids`` and ``choices[].token_ids``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: CompletionUsage
+    system_fingerprint: str | None
+    #: extension: the exact prompt token ids the engine was given
+    prompt_token_ids: list[int]
+
+
+class ResponseReasoningText(TypedDict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ResponseReasoningItem(TypedDict):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    content: list[ResponseReasoningText]
+    status: str
+
+
+class ResponseOutputText(TypedDict):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ResponseOutputMessage(TypedDict):
+    type: Literal["message"]
+    id: str
+    role: Literal["assistant"]
+    status: str
+    content: list[ResponseOutputText]
+
+
+class ResponseFunctionToolCall(TypedDict):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+
+
+class ResponseInputTokensDetails(TypedDict):
+    cached_tokens: int
+
+
+class ResponseOutputTokensDetails(TypedDict):
+    reasoning_tokens: int
+
+
+class ResponseUsage(TypedDict):
+    input_tokens: int
+    input_tokens_details: ResponseInputTokensDetails
+    output_tokens: int
+    output_tokens_details: ResponseOutputTokensDetails
+    total_tokens: int
+
+
+class Response(TypedDict):
+    """OpenAI's Responses object, plus ``finish_reason``, ``prompt_token_ids`` and ``token_ids``."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: Literal["completed", "incomplete"]
+    incomplete_details: dict[str, Any] | None
+    error: dict[str, Any] | None
+    instructions: str | None
+    previous_response_id: str | None
+    output: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionToolCall]
+    parallel_tool_calls: bool
+    tool_choice: Any
+    tools: list[dict[str, Any]]
+    temperature: float | None
+    top_p: float | None
+    max_output_tokens: int | None
+    store: bool
+    text: dict[str, Any]
+    truncation: str
+    metadata: dict[str, Any]
+    usage: ResponseUsage
+    finish_reason: str | None
+    #: extension: the exact prompt token ids the engine was given
+    prompt_token_ids: list[int]
+    #: extension: the token ids the policy sampled
+    token_ids: list[int]
+
+
+class SessionCreated(TypedDict):
+    """What a plugin needs as its OpenAI client settings (``base_url``, ``api_key``)."""
+
+    session_id: str
+    base_url: str
+    api_key: str
+    expires_at: int
+
+
+class GenerationSettings(TypedDict):
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    chat_template_kwargs: dict[str, Any] | None
+
+
+class SessionInfo(TypedDict):
+    id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    extra: dict[str, Any]
+    generation: GenerationSettings
+    context: dict[str, Any]
+    created_at: float
+    expires_at: float
+    #: the session's engine URL: for the admin key only
+    engine: NotRequired[str | None]
+    n_sample: int | None
+    status: Literal["open", "finished"]
+    result: dict[str, Any] | None
+    concurrency: dict[str, Any] | None
+
+
+class MessagesAppended(TypedDict):
+    response_id: str
+    session_id: str
+
+
+class SessionFinished(TypedDict):
+    session_id: str
+    status: Literal["success", "failure", "discard", "retry"]
+    error: str | None
+    trajectories: list[Trajectory]
+
+
+class FeedItem(TypedDict):
+    id: str
+    data: FeedGroup
+
+
+class FeedPage(TypedDict):
+    """One page of graded groups; ``next`` is the cursor to pass as ``after``."""
+
+    entries: list[FeedItem]
+    next: str | None
+
+
+class ModelCard(TypedDict):
+    id: str
+    object: Literal["model"]
+    owned_by: str
+    max_model_len: int | None
+
+
+class ModelList(TypedDict):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(TypedDict):
+    status: Literal["ok"]
+
+
+class EnginesHealth(TypedDict):
+    healthy: int
+    total: int
+    #: each engine's URL and health, for the admin key only
+    urls: NotRequired[dict[str, bool]]
+
+
+class Readiness(TypedDict):
+    ready: bool
+    store: bool
+    engines: EnginesHealth
