@@ -38,6 +38,8 @@ SERVER_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_style": {"model": "dense", "chat_template": TEMPLATES_DIR / "qwen3_style.jinja", "tool_parser": "hermes"},
     "smollm2_default": {"model": "dense", "tool_parser": "hermes"},
     "moe_routed": {"model": "moe", "routed_experts": True},
+    # VLLM_SERVER_DEV_MODE=1: pause/resume, weight version, collective_rpc (weight reload)
+    "dense_dev": {"model": "dense", "dev_mode": True},
 }
 
 

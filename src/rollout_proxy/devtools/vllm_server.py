@@ -14,10 +14,19 @@ spawned workers) installs an import hook that sets ``HAS_TRITON = True`` right a
 module runs, and the env gets ``TRITON_INTERPRET=1 VLLM_USE_V2_MODEL_RUNNER=1`` so the
 Triton kernels run in Triton's (numpy) interpreter. Correct, but slow (1.5-3 tok/s).
 
+Dev mode (``dev_mode=True``): ``VLLM_SERVER_DEV_MODE=1`` is the only switch (vllm
+``entrypoints/launchers/api_server/routers.py``); it adds the RL routes (``/pause``,
+``/resume``, ``/is_paused``, ``/abort_requests``, ``/update_weight_version``,
+``/weight_info``, ``/weight_checker``, the ``/update_weights`` transfer family) and the dev
+routes (``/collective_rpc``, ``/sleep``, ``/wake_up``, ``/is_sleeping``,
+``/reset_prefix_cache``, ``/server_info``). See ``vllm_dev.py`` for a client and
+``tests/fixtures/vllm-dev-0.32/`` for the recorded wire format. ``--model perturbed``
+serves the perturbed copy of the dense checkpoint (built on first use).
+
 CLI (pid/log/info files under CACHE/run/)::
 
-    python -m rollout_proxy.devtools.vllm_server start [--model dense|moe|DIR] [--port N]
-        [--chat-template F] [--tool-parser X] [--reasoning-parser X] [--routed-experts]
+    python -m rollout_proxy.devtools.vllm_server start [--model dense|moe|perturbed|DIR] [--port N]
+        [--chat-template F] [--tool-parser X] [--reasoning-parser X] [--routed-experts] [--dev-mode]
     python -m rollout_proxy.devtools.vllm_server stop [--port N]    # all when no port
     python -m rollout_proxy.devtools.vllm_server status
 """
@@ -42,7 +51,7 @@ from typing import Self
 from rollout_proxy.devtools import paths
 
 #: Default --served-model-name per short model name (the fixtures use "smollm2").
-SERVED_NAMES = {"dense": "smollm2", "moe": "smollm2-moe"}
+SERVED_NAMES = {"dense": "smollm2", "moe": "smollm2-moe", "perturbed": "smollm2"}
 BASE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -53,6 +62,8 @@ BASE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 ROUTED_ENV = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+#: Serves vLLM's RL and dev routes (pause/resume, weight version, collective_rpc, ...).
+DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 #: Written to <run_dir>/pyhooks/sitecustomize.py for routed_experts=True (see module doc).
 SITECUSTOMIZE = '''\
@@ -140,11 +151,15 @@ def _die_with_parent() -> None:
 
 
 def resolve_model(model: str) -> Path:
-    """ "dense" / "moe" → the built checkpoint (building it if needed); else a directory."""
+    """ "dense" / "moe" / "perturbed" → the built checkpoint (building it if needed); else a directory."""
     if model in paths.MODEL_DIRS:
         from rollout_proxy.devtools.engine_env import ensure_checkpoints
 
         return ensure_checkpoints()[model]
+    if model in paths.PERTURBED_DIRS:
+        from rollout_proxy.devtools.engine_env import ensure_perturbed_checkpoint
+
+        return ensure_perturbed_checkpoint()
     p = Path(model).expanduser()
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"{p} is not a model directory (no config.json)")
@@ -208,6 +223,7 @@ class VLLMServer:
         extra_args: list[str] | None = None,
         run_dir: Path | None = None,
         die_with_parent: bool = False,
+        dev_mode: bool = False,
     ) -> None:
         self.model = model
         self.served_model_name = served_model_name or SERVED_NAMES.get(model, Path(model).name)
@@ -221,6 +237,7 @@ class VLLMServer:
         self.extra_args = list(extra_args or [])
         self.run_dir = Path(run_dir) if run_dir else paths.run_dir()
         self.die_with_parent = die_with_parent
+        self.dev_mode = dev_mode
         self.proc: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None
         self.model_dir: Path | None = None  # resolved checkpoint dir, set by start()
@@ -285,6 +302,9 @@ class VLLMServer:
 
     def environment(self) -> dict[str, str]:
         env = {**os.environ, **BASE_ENV}
+        env.pop("VLLM_SERVER_DEV_MODE", None)  # only dev_mode decides, not the caller's shell
+        if self.dev_mode:
+            env.update(DEV_MODE_ENV)
         if self.routed_experts:
             hooks = self.run_dir / "pyhooks"
             hooks.mkdir(parents=True, exist_ok=True)
@@ -335,6 +355,7 @@ class VLLMServer:
                     "served_model_name": self.served_model_name,
                     "log": str(self.log_file),
                     "routed_experts": self.routed_experts,
+                    "dev_mode": self.dev_mode,
                     "command": cmd,
                 },
                 indent=2,
@@ -432,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--tool-parser")
     st.add_argument("--reasoning-parser")
     st.add_argument("--routed-experts", action="store_true")
+    st.add_argument("--dev-mode", action="store_true", help="VLLM_SERVER_DEV_MODE=1: pause/resume, weights, rpc")
     st.add_argument("--port", type=int)
     st.add_argument("--max-model-len", type=int, default=2048)
     st.add_argument("--timeout", type=float, default=300)
@@ -449,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             tool_parser=args.tool_parser,
             reasoning_parser=args.reasoning_parser,
             routed_experts=args.routed_experts,
+            dev_mode=args.dev_mode,
             port=args.port,
             max_model_len=args.max_model_len,
             extra_args=extra,
