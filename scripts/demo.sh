@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job: sets up everything it needs (idempotently), starts vLLM and the proxy,
-# runs a small demo rollout, writes the trajectories, prints a summary, stops.
-# Extra arguments go to `python -m rollout_proxy.devtools.demo` (see --help).
+# The main job: sets up everything it needs (idempotently), starts vLLM and the proxy, runs the
+# bundled short-answer job (rewards that differ within a group: non-zero GRPO advantages), writes
+# the trajectories and a per-step plot, prints a summary, stops (--keep-running: stays up for the
+# viewer until Ctrl-C). Extra arguments go to `python -m rollout_proxy.devtools.demo` (see --help).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"

@@ -1,11 +1,16 @@
-"""The main job (the README's first command): a real rollout, end to end, on this machine.
+"""The main job (the README's first command): a real rollout with a learning signal, on this machine.
 
-Sets up what is missing (engine venv, checkpoints), starts vLLM on a free port,
-runs the bundled weather job through rollout-proxy (in-process store) with the
-rollout runner, writes the trajectories to a JSONL file, prints a summary, and
-stops everything it started.
+Sets up what is missing (engine venv, checkpoints), starts vLLM (CPU) on a free port and
+a rollout-proxy (in-process store) in front of it, and runs the bundled short-answer job
+with the rollout runner: English questions the bundled SmolLM2-135M answers right some of
+the time, graded by checking the answer, so rollouts of one question disagree and GRPO
+advantages are not zero. Writes the feed, the trajectories (JSONL) and a per-step plot
+under OUT/<run>/, prints a summary, and stops everything it started, or, with
+--keep-running, keeps the proxy and vLLM up so the trajectories just recorded can be
+browsed in the proxy's viewer (the URL and admin key are printed; Ctrl-C stops).
 
-    python -m rollout_proxy.devtools.demo [--out DIR] [--samples N] [--generations N]
+    python -m rollout_proxy.devtools.demo [--job short-answer|weather|FILE] [--samples N]
+        [--generations N] [--steps N] [--out DIR] [--keep-running]
 """
 
 from __future__ import annotations
@@ -13,15 +18,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from rollout_proxy.devtools import engine_env
 from rollout_proxy.devtools.vllm_server import VLLMServer
 
+if TYPE_CHECKING:
+    from rollout_proxy.runner.job import JobConfig
+
 TEMPLATE = Path(__file__).parent / "templates" / "qwen3_style.jinja"
+#: the bundled jobs, by the name ``--job`` takes
+JOBS = {"short-answer": "short_answer_job.yaml", "weather": "weather_job.yaml"}
 
 
 def log(message: str) -> None:
@@ -43,42 +59,155 @@ def write_trajectories(feed_path: Path, out: Path) -> int:
     return count
 
 
-async def run_demo(out_dir: Path, samples: int, generations: int, engine_url: str) -> None:
-    from rollout_proxy.runner import JobConfig, run_job
+def load_job(name: str, *, samples: int | None, generations: int | None, steps: int | None) -> JobConfig:
+    """A bundled job by name (or a job file), with the command line's sizes."""
+    from rollout_proxy.runner import JobConfig
 
-    with resources.as_file(resources.files("rollout_proxy.examples") / "weather_job.yaml") as job_file:
-        job = JobConfig.load(job_file)
-    job.hyperparameters.batch_size = samples
-    job.hyperparameters.num_generations = generations
-    run_id = f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    feed_path = (out_dir / run_id / "feed.jsonl").resolve()
+    if name in JOBS:
+        with resources.as_file(resources.files("rollout_proxy.examples") / JOBS[name]) as job_file:
+            job = JobConfig.load(job_file)
+    else:
+        job = JobConfig.load(name)
+    hyper = job.hyperparameters
+    hyper.batch_size = samples or hyper.batch_size
+    hyper.num_generations = generations or hyper.num_generations
+    hyper.num_steps = steps or hyper.num_steps
+    return job
+
+
+class DemoProxy:
+    """A rollout-proxy on its own thread in front of the engine, serving the feed and the viewer."""
+
+    def __init__(self, engine_url: str, feed_url: str, job: JobConfig) -> None:
+        from rollout_proxy.app import create_app
+        from rollout_proxy.embedded import BackgroundServer
+        from rollout_proxy.settings import Settings
+
+        self.admin_key = secrets.token_urlsafe(24)
+        settings = Settings(
+            engines=(engine_url,),
+            store=job.proxy.store,
+            admin_key=self.admin_key,
+            tool_parser=job.proxy.tool_parser,
+            reasoning_parser=job.proxy.reasoning_parser,
+            feed=feed_url,
+            feed_stream=job.proxy.feed_stream,
+            chat_template=str(TEMPLATE),  # what vLLM was started with: the proxy renders bridge tokens alike
+            log_level="warning",
+        )
+        self._server = BackgroundServer(lambda: create_app(settings))
+        self.url = ""
+
+    def start(self) -> str:
+        self.url = self._server.start()
+        return self.url
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+async def run_demo(job: JobConfig, out_dir: Path, proxy: DemoProxy, feed_path: Path, run_id: str) -> None:
+    from rollout_proxy.runner import run_job
+
     summary = await run_job(
-        job, engines=[engine_url], feed=f"jsonl:{feed_path}", job_id=run_id, progress=sys.stderr.isatty()
+        job,
+        proxy_url=proxy.url,
+        admin_key=proxy.admin_key,
+        feed=f"jsonl:{feed_path}",
+        job_id=run_id,
+        output_dir=out_dir,
+        progress=sys.stderr.isatty(),
     )
-    trajectories_path = out_dir / run_id / "trajectories.jsonl"
-    written = write_trajectories(feed_path, trajectories_path)
+    trajectories_path = feed_path.parent / "trajectories.jsonl"
+    written = await asyncio.to_thread(write_trajectories, feed_path, trajectories_path)
     print()
     print(summary.render())
-    print(f"  trajectories  {written} written to {trajectories_path.resolve()}")
+    print(f"  trajectories  {written} written to {trajectories_path}")
+
+
+def wait_for_ctrl_c(proxy: DemoProxy) -> None:
+    """Keep the proxy (and vLLM) up until Ctrl-C or SIGTERM."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    print()
+    print("The proxy and vLLM keep running. Open the trajectories just recorded in the viewer:")
+    print(f"  {proxy.url}/ui#key={proxy.admin_key}")
+    print(f"  (viewer {proxy.url}/ui, admin key {proxy.admin_key})")
+    print("Ctrl-C stops both.", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def demo_on(
+    engine_url: str,
+    job: JobConfig,
+    out: Path,
+    *,
+    keep_running: bool = False,
+    wait: Callable[[DemoProxy], None] = wait_for_ctrl_c,
+) -> Path:
+    """The job through a proxy on ``engine_url``; its output directory. The proxy stops at the end,
+    or, with ``keep_running``, when ``wait`` returns (Ctrl-C / SIGTERM)."""
+    run_id = f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_dir = out.resolve()
+    feed_path = out_dir / run_id / "feed.jsonl"
+    started = time.monotonic()
+    proxy = DemoProxy(engine_url, f"jsonl:{feed_path}", job)
+    proxy.start()
+    try:
+        asyncio.run(run_demo(job, out_dir, proxy, feed_path, run_id))
+        log(f"job done in {time.monotonic() - started:.0f}s")
+        if keep_running:
+            wait(proxy)
+        else:
+            print("  (the proxy stops now; ./scripts/demo.sh --keep-running keeps it, to browse these in the viewer)")
+    finally:
+        proxy.stop()
+        log("stopped the proxy")
+    return feed_path.parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="./scripts/demo.sh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--job",
+        default="short-answer",
+        help="a bundled job (short-answer, the default: a learning signal; weather: the seed's tool-calling "
+        "agent) or a job file",
+    )
+    parser.add_argument("--samples", type=int, help="samples per step (default: the job's batch_size, 8)")
+    parser.add_argument("--generations", type=int, help="rollouts per sample (default: the job's, 4)")
+    parser.add_argument("--steps", type=int, help="steps (default: the job's num_steps, 2)")
     parser.add_argument("--out", default="out", help="output directory (default: ./out)")
-    parser.add_argument("--samples", type=int, default=4, help="samples from the bundled dataset (default 4)")
-    parser.add_argument("--generations", type=int, default=2, help="rollouts per sample (default 2)")
+    parser.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="after the job, keep the proxy and vLLM running to browse the trajectories in the viewer (/ui); "
+        "prints its URL and admin key; Ctrl-C stops",
+    )
     args = parser.parse_args(argv)
     from rollout_proxy.logs import configure_logging
 
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
+    job = load_job(args.job, samples=args.samples, generations=args.generations, steps=args.steps)
     started = time.monotonic()
     log("checking the engine venv and the checkpoints (first run: a few minutes)")
     engine_env.setup()
     server = VLLMServer("dense", chat_template=TEMPLATE, tool_parser="hermes", die_with_parent=True)
     try:
         log("starting vLLM (about a minute)")
-        url = server.start(timeout=600)
-        asyncio.run(run_demo(Path(args.out), args.samples, args.generations, url))
+        engine_url = server.start(timeout=600)
+        demo_on(engine_url, job, Path(args.out), keep_running=args.keep_running)
     finally:
         server.stop()
         log(f"stopped vLLM; done in {time.monotonic() - started:.0f}s")

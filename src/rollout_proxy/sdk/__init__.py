@@ -5,6 +5,7 @@ from rollout_proxy.sdk import (
     RolloutInferenceProxy, InferenceProxy, Mode, ChatCompletionSample, PluginContext,
     PluginStatus, RolloutResult, GroupRolloutResult, SingleResponse, Trajectory,
     SingleGraderResult, GroupGraderResult, TeacherContext, CriticContext, test_with_dataset,
+    trace_monitor, wrap_inplace_trace, observe,   # tracing (OpenTelemetry), as the seed's ark_sdk.core.trace
 )
 
 Every failure to reach the proxy or of a request it refused is a ``ProxyRequestError``
@@ -31,6 +32,7 @@ from rollout_proxy.sdk.decorators import (
 from rollout_proxy.sdk.local import test_with_dataset
 from rollout_proxy.sdk.proxy import InferenceProxy, Mode, RolloutInferenceProxy
 from rollout_proxy.sdk.runtime import PluginInstance, Runtime
+from rollout_proxy.sdk.tracing import observe, trace_monitor, wrap_inplace_trace
 from rollout_proxy.sdk.transport import ProxyRequestError, ProxyUnreachable
 from rollout_proxy.sdk.types import (
     ChatCompletionMessage,
@@ -83,12 +85,15 @@ __all__ = [
     "decode_routed_experts",
     "group_grader",
     "group_rollout",
+    "observe",
     "rollout",
     "single_grader",
     "single_rollout",
     "test_with_dataset",
+    "trace_monitor",
     "wrap_async_client_inplace",
     "wrap_client_inplace",
+    "wrap_inplace_trace",
     "wrap_responses_async_client_inplace",
     "wrap_responses_client_inplace",
 ]

@@ -1,0 +1,77 @@
+"""The demo's options and its --keep-running, on the fake engine (the real run is `make demo`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from rollout_proxy.devtools import demo
+from rollout_proxy.devtools.fake_engine import FakeEngine
+from rollout_proxy.embedded import BackgroundLoop, serve_app
+from tests.conftest import TEMPLATES
+from tests.runner.test_short_answer_job import answer_policy, demo_job
+
+
+@pytest.fixture
+def engine(tokenizer_dir: Path) -> Iterator[FakeEngine]:
+    loop = BackgroundLoop("demo-engine")
+    fake = FakeEngine(tokenizer_dir, chat_template=TEMPLATES["qwen3_style"])
+    runner, fake.url = loop.run(serve_app(fake.app()))  # type: ignore[attr-defined]
+    yield fake
+    loop.run(runner.cleanup())
+    loop.close()
+
+
+def test_help_names_the_options(capsys):
+    with pytest.raises(SystemExit) as exited:
+        demo.main(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--keep-running", "--job", "--samples", "--generations", "--steps", "--out"):
+        assert option in text
+    assert "viewer" in text and "Ctrl-C" in text
+
+
+def test_bundled_jobs_load_with_the_command_line_sizes():
+    job = demo.load_job("short-answer", samples=3, generations=2, steps=None)
+    assert job.name == "short-answer-demo" and job.custom_rl_pipeline.rollout.plugin.name == "short_answer_rollout"
+    assert (job.hyperparameters.batch_size, job.hyperparameters.num_generations, job.hyperparameters.num_steps) == (
+        3,
+        2,
+        2,
+    )
+    assert demo.load_job("weather", samples=None, generations=None, steps=None).name == "weather-demo"
+
+
+def test_keep_running_serves_the_viewer_and_feed_until_ctrl_c(engine, tmp_path, capsys):
+    _, answers = demo_job()
+    engine.policy = answer_policy(engine, answers)
+    job = demo.load_job("short-answer", samples=2, generations=4, steps=1)
+    seen: dict[str, object] = {}
+
+    def browse_then_ctrl_c(proxy: demo.DemoProxy) -> None:
+        """While the demo waits: the viewer and the recorded groups are there; then Ctrl-C."""
+        seen["url"] = proxy.url
+        seen["viewer"] = httpx2.get(f"{proxy.url}/ui").status_code
+        feed = httpx2.get(f"{proxy.url}/v1/feed", headers={"Authorization": f"Bearer {proxy.admin_key}"}).json()
+        seen["groups"] = len(feed["entries"])
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        demo.wait_for_ctrl_c(proxy)
+
+    out = demo.demo_on(engine.url, job, tmp_path, keep_running=True, wait=browse_then_ctrl_c)
+    printed = capsys.readouterr().out
+    assert seen["viewer"] == 200 and seen["groups"] == 2
+    assert f"{seen['url']}/ui#key=" in printed and "Ctrl-C stops both." in printed
+    assert "2 of 2 group(s) with rewards that differ" in printed
+    lines = (out / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and {json.loads(line)["reward"] for line in lines} == {0.0, 0.5, 1.0}
+    assert (out / "steps.png").is_file()
+    with pytest.raises(httpx2.ConnectError):  # the proxy stopped with the demo
+        httpx2.get(f"{seen['url']}/healthz")
