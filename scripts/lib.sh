@@ -14,13 +14,17 @@ as_root() {
         say "need root to run: $*"; return 1; fi
 }
 
-# Debian packages the tests need: redis-server (a real Redis, started by the tests themselves).
+# Debian packages the tests need: redis-server (a real Redis, started by the tests themselves) and
+# chromium (the trajectory viewer's browser test drives it headless; playwright never downloads one).
 ensure_system_packages() {
-    if command -v redis-server >/dev/null 2>&1; then return 0; fi
-    say "installing redis-server (apt)"
+    local missing=()
+    command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    if [ "${#missing[@]}" -eq 0 ]; then return 0; fi
+    say "installing ${missing[*]} (apt)"
     export DEBIAN_FRONTEND=noninteractive
-    as_root apt-get install -y -q --no-install-recommends redis-server >/dev/null \
-        || { as_root apt-get update -q >/dev/null && as_root apt-get install -y -q --no-install-recommends redis-server >/dev/null; }
+    as_root apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null \
+        || { as_root apt-get update -q >/dev/null && as_root apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null; }
     # Debian's package may start a system service; the tests start their own server instead.
     as_root service redis-server stop >/dev/null 2>&1 || true
 }

@@ -136,5 +136,8 @@ async def store_snapshot(store: Any) -> Any:
     snapshot = {}
     for key in sorted(await client.keys("rp:*")):
         kind = await client.type(key)
-        snapshot[key] = await client.hgetall(key) if kind == b"hash" else await client.get(key)
+        if kind == b"zset":  # the session listing's index
+            snapshot[key] = await client.zrange(key, 0, -1, withscores=True)
+        else:
+            snapshot[key] = await client.hgetall(key) if kind == b"hash" else await client.get(key)
     return snapshot

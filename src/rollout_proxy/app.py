@@ -6,23 +6,25 @@ tests inject their own store or engines instead.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import structlog
 from aiohttp import web
 
 from rollout_proxy.core.chat import ChatService
+from rollout_proxy.core.rendering import Renderers, RenderingConfig
 from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner
 from rollout_proxy.engines.base import Engine
-from rollout_proxy.engines.pool import EnginePool
+from rollout_proxy.engines.fleet import Fleet, FleetSettings
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import SessionTokens
-from rollout_proxy.proxy.handlers import chat, docs, meta, responses, sessions, trajectories
+from rollout_proxy.proxy.handlers import chat, docs, fleet_admin, meta, responses, sessions, trajectories, ui, viewer
 from rollout_proxy.proxy.handlers import feed as feed_handlers
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.settings import Settings
@@ -31,6 +33,10 @@ from rollout_proxy.state.feed import Feed, open_feed
 from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.state.store import StateStore
 from rollout_proxy.tokenization.parsers import OutputParser
+from rollout_proxy.ui.assets import load_assets
+from rollout_proxy.ui.grades import GradeBook
+from rollout_proxy.ui.pieces import PieceCache
+from rollout_proxy.ui.service import Viewer
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +71,36 @@ def engine_client(url: str, settings: Settings) -> VLLMEngine:
         connect_timeout=settings.engine_connect_timeout,
         first_byte_timeout=settings.engine_first_byte_timeout,
         health_timeout=settings.engine_health_timeout,
+        bound_completions=False,  # the fleet bounds them, not counting time paused (fleet_settings)
+    )
+
+
+def fleet_settings(settings: Settings) -> FleetSettings:
+    return FleetSettings(
+        policy_version=settings.policy_version,
+        probe_interval=settings.engine_probe_interval,
+        health_timeout=settings.engine_health_timeout,
+        failure_threshold=settings.engine_failure_threshold,
+        backoff_max=settings.engine_backoff_max,
+        max_inflight=settings.engine_max_inflight,
+        # a non-streamed completion's first byte is its last: both bound the whole call
+        call_timeout=min(settings.engine_timeout, settings.engine_first_byte_timeout),
+        retries=settings.engine_retries,
+        turn_deadline=settings.turn_deadline,
+        pause_queue=settings.pause_queue,
+        pause_wait=settings.pause_wait,
+        control_timeout=settings.engine_control_timeout,
+        abort_policy=settings.abort_policy,
+    )
+
+
+def rendering_config(settings: Settings) -> RenderingConfig:
+    return RenderingConfig(
+        mode=settings.rendering,
+        tokenizer=settings.tokenizer,
+        chat_template=settings.chat_template,
+        content_format=settings.chat_template_content_format,
+        check_rate=settings.render_check_rate,
     )
 
 
@@ -78,6 +114,8 @@ def create_app(
     if not settings.admin_key:
         raise ValueError("an admin key is required (--admin-key or ROLLOUT_PROXY_ADMIN_KEY)")
     check_store_url(settings.store)
+    fleet_settings(settings)  # refuses a bad abort policy now, not at start
+    rendering_config(settings)  # refuses a bad rendering setting now, not at start
     parser = OutputParser.named(settings.tool_parser, settings.reasoning_parser)
     app = web.Application(middlewares=[request_middleware], client_max_size=settings.max_body_bytes)
     app[keys.SETTINGS] = settings
@@ -103,23 +141,54 @@ def create_app(
             await opened.close()
 
     async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
+        """The fleet: every engine probed once before the first request (bounded), then in the background."""
         clients = list(engines) if engines is not None else [engine_client(url, settings) for url in settings.engines]
-        pool = EnginePool(clients, max_inflight=settings.engine_max_inflight)
-        app[keys.ENGINES] = pool
+        fleet = Fleet(
+            clients,
+            fleet_settings(settings),
+            metrics=app[keys.METRICS],
+            connect=lambda url: engine_client(url, settings),
+            owned=engines is None,
+        )
+        await fleet.start()
+        app[keys.ENGINES] = fleet
         yield
-        if engines is None:
-            await pool.close()
+        await fleet.close()
 
     async def services_ctx(app: web.Application) -> AsyncIterator[None]:
-        turns = TurnRunner(store=app[keys.STORE], engines=app[keys.ENGINES], parser=parser, metrics=app[keys.METRICS])
-        app[keys.SESSIONS] = SessionService(store=app[keys.STORE], engines=app[keys.ENGINES], ttl=settings.session_ttl)
+        renderers = Renderers(rendering_config(settings), metrics=app[keys.METRICS])
+        renderers.warm(app[keys.ENGINES].engines)  # each engine's self-check, before its first turn
+        turns = TurnRunner(
+            store=app[keys.STORE],
+            engines=app[keys.ENGINES],
+            parser=parser,
+            metrics=app[keys.METRICS],
+            renderers=renderers,
+        )
+        app[keys.SESSIONS] = SessionService(
+            store=app[keys.STORE], engines=app[keys.ENGINES], ttl=settings.session_ttl, renderers=renderers
+        )
         tree = ResponseTree(store=app[keys.STORE], metrics=app[keys.METRICS])
         app[keys.TREE] = tree
         app[keys.CHAT] = ChatService(tree=tree, turns=turns)
         app[keys.RESPONSES] = ResponsesService(tree=tree, turns=turns)
         yield
+        await renderers.close()
+
+    async def viewer_ctx(app: web.Application) -> AsyncIterator[None]:
+        """The trajectory viewer (``/ui``) and its read API; its page's files are read once, here."""
+        app[keys.UI_ASSETS] = await asyncio.to_thread(load_assets)
+        app[keys.VIEWER] = Viewer(
+            store=app[keys.STORE],
+            sessions=app[keys.SESSIONS],
+            engines=app[keys.ENGINES],
+            grades=GradeBook(app.get(keys.FEED)),
+            pieces=PieceCache(),
+        )
+        yield
 
     app.cleanup_ctx.extend([store_ctx, feed_ctx, engines_ctx, services_ctx])
+    app.cleanup_ctx.append(viewer_ctx)
     add_routes(app)
     return app
 
@@ -130,6 +199,11 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", meta.metrics)
     app.router.add_get("/openapi.json", docs.openapi_json)
     app.router.add_get("/v1/admin/counters", meta.counters)
+    app.router.add_get("/v1/admin/engines", fleet_admin.list_engines)
+    app.router.add_post("/v1/admin/engines", fleet_admin.add_engine)
+    app.router.add_delete("/v1/admin/engines", fleet_admin.remove_engine)
+    app.router.add_post("/v1/admin/pause", fleet_admin.pause)
+    app.router.add_post("/v1/admin/resume", fleet_admin.resume)
     app.router.add_get("/v1/models", meta.models)
     app.router.add_post("/v1/sessions", sessions.create_session)
     app.router.add_get("/v1/sessions/{session_id}", sessions.get_session)
@@ -141,3 +215,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", responses.create_response)
     app.router.add_get("/v1/responses/{response_id}", responses.get_response)
     app.router.add_get("/v1/responses/{response_id}/trajectory", trajectories.response_trajectory)
+    # the trajectory viewer: its page, and the admin read API it calls
+    app.router.add_get("/ui", ui.page)
+    app.router.add_get("/ui/static/{name}", ui.static_file)
+    app.router.add_get("/v1/admin/sessions", viewer.list_sessions)
+    app.router.add_get("/v1/admin/sessions/{session_id}", viewer.session_tree)
+    app.router.add_get("/v1/admin/responses/{response_id}/tokens", viewer.response_tokens)

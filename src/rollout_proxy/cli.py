@@ -60,7 +60,11 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--session-ttl", type=float, help="seconds a session and its trajectories are kept (default 86400)"
     )
-    serve.add_argument("--engine-timeout", type=float, help="seconds one engine call may take in all (default 600)")
+    serve.add_argument(
+        "--engine-timeout",
+        type=float,
+        help="seconds one engine call may take in all, not counting time the fleet is paused (default 600)",
+    )
     serve.add_argument(
         "--engine-connect-timeout",
         type=float,
@@ -78,6 +82,7 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--engine-max-inflight", type=int, help="requests in flight per engine before queueing (default 256)"
     )
+    _fleet_arguments(serve)
     serve.add_argument(
         "--feed", help="trainer feed to serve at GET /v1/feed: jsonl:PATH or redis://HOST:PORT/DB (default: none)"
     )
@@ -96,7 +101,94 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         type=int,
         help="retries of a Redis command on a fresh connection after a connection error (default 1)",
     )
+    serve.add_argument(
+        "--rendering",
+        choices=("auto", "engine"),
+        help="how the messages the policy did not generate become tokens: 'auto' renders in the proxy with the "
+        "model's tokenizer and chat template once they match the engine's /tokenize, else through the engine; "
+        "'engine' always asks the engine (default auto)",
+    )
+    serve.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="directory of the model's tokenizer for local rendering (default: the engine's model directory, "
+        "from its /v1/models root, when readable here)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="the chat template file the engines were started with (vLLM's --chat-template); default: the "
+        "tokenizer's own",
+    )
+    serve.add_argument(
+        "--chat-template-content-format",
+        choices=("auto", "string", "openai"),
+        help="as vLLM's flag of that name, if the engines were given it (default auto)",
+    )
+    serve.add_argument(
+        "--render-check-rate",
+        type=float,
+        metavar="RATE",
+        help="share of turns whose local rendering is also asked of the engine and compared; a difference "
+        "switches that engine back to its /tokenize (default 0.01)",
+    )
     serve.set_defaults(handler=_serve)
+
+
+def _fleet_arguments(serve: argparse.ArgumentParser) -> None:
+    """The fleet's options (README, "Fleet and weight updates")."""
+    serve.add_argument(
+        "--policy-version",
+        type=int,
+        help="the policy version of the engines' starting weights: what an engine reporting weight_version "
+        "'default' (or no /weight_info) serves, and the fleet's version when no engine reports an integer (default 0)",
+    )
+    serve.add_argument(
+        "--engine-probe-interval", type=float, help="seconds between health probes of an engine (default 2)"
+    )
+    serve.add_argument(
+        "--engine-failure-threshold",
+        type=int,
+        help="5xx answers or timeouts in a row that take an engine out of rotation; a refused or reset "
+        "connection takes it out at once (default 3)",
+    )
+    serve.add_argument(
+        "--engine-backoff-max",
+        type=float,
+        help="the longest wait between probes of an unhealthy engine; the wait doubles from the probe interval "
+        "(default 30)",
+    )
+    serve.add_argument(
+        "--engine-retries",
+        type=int,
+        help="failed engine calls of one turn sent again to another engine, invisibly to the client (default 2)",
+    )
+    serve.add_argument(
+        "--turn-deadline",
+        type=float,
+        help="seconds all engine calls of one turn may take together, retries included, not counting time paused "
+        "(default 1800)",
+    )
+    serve.add_argument(
+        "--pause-queue", type=int, help="turns that may wait for a resume while the engines are paused (default 4096)"
+    )
+    serve.add_argument(
+        "--pause-wait",
+        type=float,
+        help="seconds a turn waits for a resume (queued, or frozen by a keep-mode pause) before a 503 (default 600)",
+    )
+    serve.add_argument(
+        "--engine-control-timeout",
+        type=float,
+        help="seconds one pause, resume or weight-version call to one engine may take; a wait-mode pause "
+        "may take --engine-timeout (default 60)",
+    )
+    serve.add_argument(
+        "--abort-policy",
+        choices=("continue", "regenerate"),
+        help="a turn an abort-mode pause cut short, after the resume: 'continue' from the tokens already sampled, "
+        "or 'regenerate' it from its prompt (default continue; MoE engines always regenerate)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -124,12 +216,27 @@ def _serve(args: argparse.Namespace) -> int:
             "engine_first_byte_timeout",
             "engine_health_timeout",
             "engine_max_inflight",
+            "policy_version",
+            "engine_probe_interval",
+            "engine_failure_threshold",
+            "engine_backoff_max",
+            "engine_retries",
+            "turn_deadline",
+            "pause_queue",
+            "pause_wait",
+            "engine_control_timeout",
+            "abort_policy",
             "feed",
             "feed_stream",
             "redis_socket_timeout",
             "redis_connect_timeout",
             "redis_health_check_interval",
             "redis_retries",
+            "rendering",
+            "tokenizer",
+            "chat_template",
+            "chat_template_content_format",
+            "render_check_rate",
         )
     }
     if args.engines:
@@ -144,6 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"  engines: {', '.join(settings.engines)}", file=sys.stderr)
     print(f"  store:   {settings.store}", file=sys.stderr)
     print(f"  parsers: tools={settings.tool_parser} reasoning={settings.reasoning_parser}", file=sys.stderr)
+    print(f"  rendering: {settings.rendering} (check rate {settings.render_check_rate:g})", file=sys.stderr)
     if generated_key:
         print(f"  admin key (generated, pass --admin-key to fix it): {settings.admin_key}", file=sys.stderr)
     asyncio.run(serve_until_stopped(app, settings.host, settings.port))
@@ -169,6 +277,12 @@ def _run_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--proxy-url", help="use this running proxy instead of starting one (needs --admin-key)")
     run.add_argument("--admin-key", help="admin key of --proxy-url (env ROLLOUT_PROXY_ADMIN_KEY)")
     run.add_argument("--job-id", help="id of this run (default: the job's name); a rerun with the same id resumes")
+    run.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run each sample's rollout and grading calls as Ray tasks on this cluster: HOST:PORT of the head, "
+        "ray://HOST:PORT or 'auto' (overrides the job's ray.address; the workers must reach the proxy)",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--summary-json", help="also write the summary to this JSON file")
     run.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
@@ -201,6 +315,7 @@ def _run(args: argparse.Namespace) -> int:
                 output_dir=args.out,
                 job_id=args.job_id,
                 progress=not args.no_progress,
+                ray=args.ray,
             )
         )
     except (JobError, ValueError) as exc:

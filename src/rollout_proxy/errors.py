@@ -18,6 +18,7 @@
     ├── UnsupportedMediaType        415 a body encoding the proxy cannot read
     ├── EngineError                 502 upstream_error (the engine answered badly)
     ├── EngineUnavailable           503 service_unavailable (no engine reachable), Retry-After
+    │   └── FleetPaused             503 the engines are paused for a weight update (queue full, or waited too long)
     ├── StoreUnavailable            503 service_unavailable (the state store is down), Retry-After
     └── EngineTimeout               504 timeout (the engine did not answer in time), Retry-After
 
@@ -144,6 +145,11 @@ class EngineUnavailable(ProxyError):
     type = "service_unavailable"
     code = "engine_unavailable"
     retry_after = 1.0
+
+
+class FleetPaused(EngineUnavailable):
+    code = "engines_paused"
+    retry_after = 5.0
 
 
 class StoreUnavailable(ProxyError):

@@ -12,6 +12,7 @@ parent: a trajectory is the concatenation of the nodes on its root-to-leaf path.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,34 @@ class SessionRecord:
         return cls(**data)
 
 
+@dataclass(frozen=True, slots=True)
+class PolicySpan:
+    """Tokens ``[start, end)`` sampled by the policy at ``version`` (the trainer's integer step).
+
+    Positions count in a node's ``output_ids``, or in a trajectory's ``total_token_ids``.
+    """
+
+    version: int
+    start: int
+    end: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+
+def merge_spans(spans: Iterable[PolicySpan]) -> list[PolicySpan]:
+    """Spans in order, empty ones dropped, a span that continues the previous one's version merged into it."""
+    merged: list[PolicySpan] = []
+    for span in spans:
+        if span.end <= span.start:
+            continue
+        if merged and merged[-1].version == span.version and merged[-1].end == span.start:
+            merged[-1] = PolicySpan(span.version, merged[-1].start, span.end)
+        else:
+            merged.append(span)
+    return merged
+
+
 class NodeKind(str, enum.Enum):
     GENERATED = "generated"  # a model call: output tokens carry loss weight 1
     INJECTED = "injected"  # messages the policy did not generate: weight 0
@@ -128,6 +157,8 @@ class ResponseNode:
     meta: dict[str, Any] = field(default_factory=dict)  # api-specific extras (e.g. Responses fields)
     routing_span: RoutingSpan | None = None  # where this node's MoE routing rows are
     routing: RoutingRows | None = None  # the rows themselves, when loaded
+    #: which policy version sampled which of ``output_ids`` (generated nodes; empty for injected ones)
+    policy_versions: tuple[PolicySpan, ...] = ()
 
     def with_routing(self, rows: RoutingRows | None) -> ResponseNode:
         self.routing, self.routing_span = rows, None if rows is None else rows.span

@@ -35,6 +35,17 @@ class Settings:
     engine_timeout: float = 600.0  # total, per engine call
     engine_health_timeout: float = 0.5  # one health check; /readyz must answer within a second
     engine_max_inflight: int = 256
+    # The fleet (README, "Fleet and weight updates"): probes, circuit breaker, failover, pauses.
+    policy_version: int = 0  # the version of weights engines report as "default" (and of a fleet reporting none)
+    engine_probe_interval: float = 2.0  # seconds between health probes of an engine that answers
+    engine_failure_threshold: int = 3  # 5xx answers or timeouts in a row that take an engine out (refused/reset: one)
+    engine_backoff_max: float = 30.0  # the longest wait between probes of an unhealthy engine
+    engine_retries: int = 2  # failed engine calls of one turn retried on another engine
+    turn_deadline: float = 1800.0  # all engine calls of one turn together, not counting time paused
+    pause_queue: int = 4096  # turns that may wait for a resume; beyond it a 503
+    pause_wait: float = 600.0  # the longest a turn waits for a resume (queued, or frozen in flight); then a 503
+    engine_control_timeout: float = 60.0  # one pause, resume or weight-version call to one engine
+    abort_policy: str = "continue"  # a turn an abort-mode pause cut short: "continue" or "regenerate" after resume
     # Redis: a command that waits longer is a 503; pooled connections idle this long are pinged
     # before use; a command that fails on a dead connection is retried this often on a fresh one.
     redis_socket_timeout: float = 5.0
@@ -43,6 +54,14 @@ class Settings:
     redis_retries: int = 1
     feed: str = ""  # trainer feed to serve at /v1/feed: jsonl:PATH or redis://...; empty: none
     feed_stream: str = "trajectories"
+    # Rendering of the messages the policy did not generate (README, "Rendering"): "auto" renders in the
+    # proxy with the model's tokenizer and chat template once they match the engine's /tokenize on a
+    # canonical set, "engine" always asks the engine's /tokenize.
+    rendering: str = "auto"
+    tokenizer: str = ""  # directory with the model's tokenizer; empty: the engine's model root, if readable here
+    chat_template: str = ""  # the Jinja file the engines were started with (--chat-template); empty: the tokenizer's
+    chat_template_content_format: str = "auto"  # as vLLM's flag of that name: auto, string or openai
+    render_check_rate: float = 0.01  # share of live turns also rendered by the engine and compared
 
     @property
     def token_secret(self) -> bytes:

@@ -1,4 +1,4 @@
-"""A TurnRunner over a memory store and the fake engine, with a clock the tests move."""
+"""A TurnRunner over a memory store and a fleet of one fake engine, with a clock the tests move."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner
 from rollout_proxy.devtools.fake_engine import FakeEngine
-from rollout_proxy.engines.pool import EnginePool
+from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.state.memory import MemoryStore
@@ -42,9 +42,10 @@ async def turns(fake_engine: FakeEngine) -> AsyncIterator[Turns]:
     clock = Clock()
     store = MemoryStore(clock=clock)
     engine = VLLMEngine(fake_engine.url)
-    pool = EnginePool([engine])
     metrics = Metrics()
-    runner = TurnRunner(store=store, engines=pool, parser=OutputParser.named("hermes", "think"), metrics=metrics)
+    fleet = Fleet([engine], metrics=metrics)
+    await fleet.start()
+    runner = TurnRunner(store=store, engines=fleet, parser=OutputParser.named("hermes", "think"), metrics=metrics)
     yield Turns(
         fake=fake_engine,
         engine=engine,
@@ -54,4 +55,4 @@ async def turns(fake_engine: FakeEngine) -> AsyncIterator[Turns]:
         runner=runner,
         tree=ResponseTree(store=store, metrics=metrics),
     )
-    await pool.close()
+    await fleet.close()

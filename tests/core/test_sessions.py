@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from rollout_proxy.core.sessions import SessionService
-from rollout_proxy.engines.pool import EnginePool
+from rollout_proxy.engines.fleet import Fleet
+from rollout_proxy.engines.health import EngineState
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.errors import Conflict, InvalidRequest, NotFound, SessionNotFound
 from rollout_proxy.ids import new_response_id, new_session_id
@@ -20,16 +21,18 @@ TTL = 120.0
 
 
 @pytest.fixture
-async def pool():
-    # the service only pins an engine's URL; nothing here contacts an engine
-    engines = EnginePool([VLLMEngine("http://127.0.0.1:1/a"), VLLMEngine("http://127.0.0.1:1/b")])
+async def fleet():
+    # the service only pins an engine's URL: the engines are taken as probed healthy (nothing answers there)
+    engines = Fleet([VLLMEngine("http://127.0.0.1:1/a"), VLLMEngine("http://127.0.0.1:1/b")])
+    for member in engines.members.values():
+        member.state, member.version = EngineState.HEALTHY, 0
     yield engines
     await engines.close()
 
 
 @pytest.fixture
-def service(store, pool) -> SessionService:
-    return SessionService(store=store, engines=pool, ttl=TTL)
+def service(store, fleet) -> SessionService:
+    return SessionService(store=store, engines=fleet, ttl=TTL)
 
 
 async def create(service: SessionService, *, n_sample: int | None = None):
@@ -54,15 +57,31 @@ async def finish(service: SessionService, session_id: str, *, status: str = "suc
     )
 
 
-async def test_create_stores_an_open_session_pinned_to_the_least_loaded_engine(service, pool):
-    busy, idle = pool.engines
-    async with pool.slot(busy):
+async def test_create_stores_an_open_session_pinned_to_the_least_loaded_engine(service, fleet):
+    busy, idle = fleet.members.values()
+    async with busy.occupied():
         session = await create(service)
     assert session.engine == idle.url
     assert session.status is SessionStatus.OPEN and session.result is None
     assert session.expires_at - session.created_at == pytest.approx(TTL)
     assert (await service.get(session.id)).to_dict() == session.to_dict()
     assert (await service.get_open(session.id)).id == session.id
+
+
+async def test_a_new_session_never_goes_to_an_engine_that_is_down_however_idle(service, fleet):
+    """The measured bug: "least loaded" chose a dead engine, which had nothing in flight."""
+    dead, alive = fleet.members.values()
+    fleet.mark_down(dead, "refused")
+    async with alive.occupied(), alive.occupied():
+        sessions = [await create(service) for _ in range(4)]
+    assert {session.engine for session in sessions} == {alive.url}
+
+
+async def test_with_no_engine_serving_a_session_is_made_without_one(service, fleet):
+    for member in fleet.members.values():
+        fleet.mark_down(member, "refused")
+    session = await create(service)
+    assert session.engine is None and (await service.get(session.id)).engine is None
 
 
 async def test_an_unknown_session_is_not_found(service):

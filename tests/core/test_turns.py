@@ -15,7 +15,7 @@ from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner, path_tokens
 from rollout_proxy.devtools.fake_engine import fake_logprob
 from rollout_proxy.engines.base import EngineCompletion, EngineInfo, SamplingParams
-from rollout_proxy.engines.pool import EnginePool
+from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.errors import ContextLengthExceeded, EngineError, SessionNotFound
 from rollout_proxy.metrics import Metrics
@@ -165,23 +165,21 @@ class DriftingEngine:
     async def tokenize_text(self, text: str) -> np.ndarray:
         return await self._inner.tokenize_text(text)
 
-    async def complete(self, prompt_ids: np.ndarray, params: SamplingParams) -> EngineCompletion:
-        completion = await self._inner.complete(prompt_ids, params)
+    async def complete(self, prompt_ids: np.ndarray, params: SamplingParams, *, on_sent=None) -> EngineCompletion:
+        completion = await self._inner.complete(prompt_ids, params, on_sent=on_sent)
         completion.prompt_ids = completion.prompt_ids[1:]
         return completion
 
-    async def healthy(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        await self._inner.close()
+    def __getattr__(self, name: str):  # the rest of the engine (health, control) as the real one
+        return getattr(self._inner, name)
 
 
 async def test_prompt_drift_is_an_engine_error_and_counted(fake_engine):
     store, metrics = MemoryStore(), Metrics()
     engine = DriftingEngine(VLLMEngine(fake_engine.url))
-    pool = EnginePool([engine])
-    runner = TurnRunner(store=store, engines=pool, parser=OutputParser.named("hermes", "think"), metrics=metrics)
+    fleet = Fleet([engine], metrics=metrics)
+    await fleet.start()
+    runner = TurnRunner(store=store, engines=fleet, parser=OutputParser.named("hermes", "think"), metrics=metrics)
     session = session_record(engine=engine.url)
     await store.create_session(session)
     placement = await ResponseTree(store=store, metrics=metrics).locate(session, [QUESTION], api="chat")
@@ -189,7 +187,7 @@ async def test_prompt_drift_is_an_engine_error_and_counted(fake_engine):
         with pytest.raises(EngineError):
             await runner.generate(session, placement, api="chat", tools=None)
     finally:
-        await pool.close()
+        await fleet.close()
     assert metrics.value("prompt_drift_total") == 1
     assert await store.latest(session.id, "*") is None
 

@@ -169,3 +169,71 @@ def test_stop_pid_refuses_unrelated_process():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_dev_mode_is_switched_by_the_server_option_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # a caller's shell must not turn it on
+    assert "VLLM_SERVER_DEV_MODE" not in VLLMServer("dense", port=1, run_dir=tmp_path).environment()
+    dev = VLLMServer("dense", port=1, run_dir=tmp_path, dev_mode=True)
+    assert dev.environment()["VLLM_SERVER_DEV_MODE"] == "1"
+    assert VLLMServer("perturbed", port=1, run_dir=tmp_path).served_model_name == "smollm2"
+
+
+def _ready_base_checkpoints() -> None:
+    py = paths.engine_python()
+    py.parent.mkdir(parents=True)
+    py.touch()
+    engine_env._write_stamp(engine_env._venv_stamp_name(), {})
+    for d in engine_env.checkpoint_paths().values():
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    engine_env._write_stamp("checkpoints", {"format": engine_env.CHECKPOINT_FORMAT})
+
+
+def test_perturbed_checkpoint_is_built_once_and_rebuilt_when_outdated(cache, monkeypatch):
+    _ready_base_checkpoints()
+    calls = []
+
+    def build(cmd, **kwargs):
+        calls.append([str(c) for c in cmd])
+        out = Path(calls[-1][calls[-1].index("--perturbed-out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(engine_env, "_run", build)
+    out = engine_env.ensure_perturbed_checkpoint()
+    assert out == paths.model_dir("perturbed") and out.parent == paths.models_dir()
+    assert len(calls) == 1 and "--force" in calls[0]
+    assert calls[0][calls[0].index("--dense-out") + 1] == str(paths.model_dir("dense"))
+    assert engine_env.ensure_perturbed_checkpoint() == out and len(calls) == 1  # stamped: a stat call
+    assert engine_env.ensure_checkpoints() == engine_env.checkpoint_paths()  # the base stamp is untouched
+    engine_env._write_stamp("checkpoint-perturbed", {"format": engine_env.PERTURBED_FORMAT - 1})
+    engine_env.ensure_perturbed_checkpoint()
+    assert len(calls) == 2
+    assert engine_env.all_paths()["perturbed_ready"] == "true"
+
+
+def test_failed_perturbed_build_leaves_no_stamp(cache, monkeypatch):
+    _ready_base_checkpoints()
+
+    def fail(cmd, **kwargs):
+        raise subprocess.CalledProcessError(1, cmd)
+
+    monkeypatch.setattr(engine_env, "_run", fail)
+    with pytest.raises(subprocess.CalledProcessError):
+        engine_env.ensure_perturbed_checkpoint()
+    assert engine_env.all_paths()["perturbed_ready"] == "false"
+
+
+def test_build_script_refuses_a_call_with_nothing_to_build(tmp_path):
+    script = Path(engine_env.BUILD_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), "--dense-out", str(tmp_path / "d")], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "nothing to build" in out.stderr
+    out = subprocess.run(
+        [sys.executable, str(script), "--dense-out", str(tmp_path / "d"), "--perturbed-out", str(tmp_path / "p")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "is not built yet" in out.stderr

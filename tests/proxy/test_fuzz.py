@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.core.parameters import ParameterLocation
 
 from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from rollout_proxy.engines import control
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import AUDIENCE
 from rollout_proxy.proxy.openapi import build_document
@@ -147,6 +148,13 @@ class LiveProxy:
             ADMIN_KEY,
         )
         return Fresh(self, session_id=created["session_id"], token=created["api_key"])
+
+    def unpause(self) -> None:
+        """Resume the engines if an example paused them (at the version they are at)."""
+        assert self.harness is not None
+        fleet = self.harness.app[keys.ENGINES]
+        if fleet.paused:
+            self.run(control.resume(fleet, fleet.version))
 
     def forged(self, kind: str, session_id: str) -> str:
         """Tokens that must fail: expired, signed with another secret, for another audience, no subject."""
@@ -292,5 +300,8 @@ schema = schemathesis.openapi.from_dict(build_document(), config=CONFIG)
 )
 def test_fuzz(case: schemathesis.Case, live: LiveProxy) -> None:
     authorization = dress(case, live)
-    response = case.call(base_url=live.url, session=live.http, headers=authorization, timeout=30)
-    case.validate_response(response, headers=authorization, additional_checks=[openai_error_body])
+    try:
+        response = case.call(base_url=live.url, session=live.http, headers=authorization, timeout=30)
+        case.validate_response(response, headers=authorization, additional_checks=[openai_error_body])
+    finally:
+        live.unpause()  # a fuzzed pause must not hold every later example's turns

@@ -1,6 +1,8 @@
 """Outages answered honestly: Redis down or hung is a 503 with Retry-After (never a 500), and
-the proxy heals by itself once it is back; a hung engine is a 504 within the configured
-timeouts, and /readyz answers within a second whatever the engines do.
+the proxy heals by itself once it is back; an engine that takes a completion and never answers
+it is a 504 within the configured timeouts, one that answers nothing at all (not even its
+health probe) gets no turn (503 at once), and /readyz answers within a second whatever the
+engines do.
 """
 
 from __future__ import annotations
@@ -250,9 +252,11 @@ async def hung_engine() -> AsyncIterator[str]:
     ],
     ids=["first-byte", "total"],
 )
-async def test_a_hung_engine_is_a_504_within_the_deadline(hung_engine, timeouts, deadline):
-    async with ProxyHarness.running(engine_urls=[hung_engine], **timeouts) as proxy:
+async def test_a_hung_completion_is_a_504_within_the_deadline(engine, timeouts, deadline):
+    """The engine passes its health probes but never answers the completion (fault "hang")."""
+    async with ProxyHarness.running(engine_urls=[engine.url], **timeouts) as proxy:
         session = await proxy.create_session(USER, max_new_tokens=8)
+        engine.set_fault("hang")
         started = time.monotonic()
         with pytest.raises(openai.APIStatusError) as raised:
             await session.client.chat.completions.create(model="m", messages=USER)
@@ -261,7 +265,21 @@ async def test_a_hung_engine_is_a_504_within_the_deadline(hung_engine, timeouts,
         assert raised.value.body["type"] == "timeout" and raised.value.body["code"] == "engine_timeout"
         assert raised.value.response.headers["Retry-After"]
         assert deadline <= elapsed < deadline + 0.5, elapsed
+        assert engine.url.removeprefix("http://") not in raised.value.body["message"]
+
+
+async def test_an_engine_that_answers_nothing_gets_no_turn_and_the_proxy_is_not_ready(hung_engine):
+    async with ProxyHarness.running(engine_urls=[hung_engine]) as proxy:
+        session = await proxy.create_session(USER, max_new_tokens=8)
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as raised:
+            await session.client.chat.completions.create(model="m", messages=USER)
+        assert time.monotonic() - started < 1.0  # not routed at all: no timeout to wait out
+        assert raised.value.status_code == 503 and raised.value.body["code"] == "engine_unavailable"
+        assert raised.value.response.headers["Retry-After"]
         assert hung_engine.removeprefix("http://") not in raised.value.body["message"]
+        status, body = await proxy.request("GET", "/readyz", token=None)
+        assert status == 503 and body["engines"] == {"healthy": 0, "total": 1}
 
 
 async def test_readyz_answers_within_a_second_whatever_the_engines_do(hung_engine, engine):
@@ -296,7 +314,7 @@ async def test_a_reset_connection_is_a_503(resetting_engine):
 
 
 def test_the_timeouts_come_from_flags_and_the_environment():
-    from rollout_proxy.app import engine_client, redis_options
+    from rollout_proxy.app import engine_client, fleet_settings, redis_options
     from rollout_proxy.cli import build_parser
     from rollout_proxy.settings import Settings
 
@@ -307,5 +325,6 @@ def test_the_timeouts_come_from_flags_and_the_environment():
     )
     client = engine_client("http://engine:8000", settings)
     assert (client._timeout.sock_connect, client._timeout.sock_read, client._timeout.total) == (1.5, 42.5, 600.0)
+    assert fleet_settings(settings).call_timeout == 42.5  # a completion's first byte is its last
     options = redis_options(settings)
     assert (options.socket_timeout, options.retries, options.health_check_interval) == (0.25, 3, 5)

@@ -1,32 +1,145 @@
 """The tokens a new node adds: a whole render at the root, else a bridge after its parent.
 
-One ``ChatRenderer`` per engine (it learns that engine's template once); whether the
-parent's tokens are already closed decides if the bridge starts with an end-of-turn
+Per engine, renders come from the proxy's own tokenizer and chat template once they are
+proven to be the engine's, else from the engine's ``/tokenize``:
+
+1. Before the first render an engine needs (or at start, ``warm``), its local template is
+   loaded (``--tokenizer``, else the engine's model ``root`` when readable here; the
+   template ``--chat-template``, else the tokenizer's) and the canonical conversations are
+   rendered both ways (``tokenization.selfcheck``). Equal token ids: local from now on.
+   No tokenizer here, or any difference: the engine's ``/tokenize``, said in the log (with a
+   token diff) and counted.
+2. A sample of live turns (``check_rate``) is rendered both ways too; a difference switches
+   that engine back to ``/tokenize`` for good, and the turn uses the engine's tokens.
+3. A local render that fails (the template refuses the messages) is asked of the engine
+   before it is answered: the engine's error is the answer, or, if the engine renders the
+   messages, that is a difference as in 2.
+
+One ``ChatRenderer`` per engine and source (it learns the template's shape once); whether
+the parent's tokens are already closed decides if the bridge starts with an end-of-turn
 token (a turn cut by ``max_tokens`` is not).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import functools
+import random
+from collections.abc import Awaitable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import numpy as np
+import structlog
 
 from rollout_proxy.core.tree import Placement
 from rollout_proxy.engines.base import Engine
+from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable, InvalidRequest
+from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind
+from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavailable, tokenizer_dir
 from rollout_proxy.tokenization.renderer import ChatRenderer
+from rollout_proxy.tokenization.selfcheck import self_check, token_diff
+
+log = structlog.get_logger(__name__)
+
+RENDERING_MODES = ("auto", "engine")
+#: differing cases logged in full when the self-check fails (the count is logged too)
+LOGGED_DIFFS = 3
+#: engine failures that leave a check undone (it is tried again later), never a turn failed by it
+_ENGINE_FAILURES = (EngineUnavailable, EngineTimeout, EngineError)
+
+
+class RenderSource(str, Enum):
+    LOCAL = "local"
+    ENGINE = "engine"
+
+
+@dataclass(frozen=True, slots=True)
+class RenderingConfig:
+    mode: str = "engine"  # "auto": local once checked against the engine; "engine": always /tokenize
+    tokenizer: str = ""  # directory of the model's tokenizer; "": the engine's model root, when readable here
+    chat_template: str = ""  # the file the engines were given (--chat-template); "": the tokenizer's own
+    content_format: str = "auto"  # vLLM's --chat-template-content-format
+    check_rate: float = 0.0  # share of live turns rendered both ways
+
+    def __post_init__(self) -> None:
+        if self.mode not in RENDERING_MODES:
+            raise ValueError(f"rendering must be one of {RENDERING_MODES}, got {self.mode!r}")
+        if not 0.0 <= self.check_rate <= 1.0:
+            raise ValueError(f"the render check rate must be within [0, 1], got {self.check_rate}")
+
+
+@dataclass(frozen=True, slots=True)
+class _EngineRendering:
+    """How one engine's renders are made, decided once (and once more if a live check fails)."""
+
+    source: RenderSource
+    renderer: ChatRenderer  # over the local template, or over the engine
+    by_engine: ChatRenderer  # over the engine: the reference for checks and fallbacks
+    local: LocalTemplate | None = None
 
 
 class Renderers:
-    def __init__(self) -> None:
-        self._by_engine: dict[str, ChatRenderer] = {}
+    def __init__(
+        self,
+        config: RenderingConfig | None = None,
+        *,
+        metrics: Metrics | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._config = config or RenderingConfig()
+        self._metrics = metrics or Metrics()
+        self._rng = rng or random.Random()
+        self._by_engine: dict[str, _EngineRendering] = {}
+        self._deciding: dict[str, asyncio.Task[_EngineRendering]] = {}
+        self._warming: set[asyncio.Task[None]] = set()
 
-    def of(self, engine: Engine) -> ChatRenderer:
-        renderer = self._by_engine.get(engine.url)
-        if renderer is None:
-            renderer = self._by_engine[engine.url] = ChatRenderer(engine)
-        return renderer
+    def source(self, engine_url: str) -> RenderSource | None:
+        """How this engine's renders are made now (None: not decided yet)."""
+        decided = self._by_engine.get(engine_url)
+        return decided.source if decided is not None else None
+
+    def warm(self, engines: Iterable[Engine]) -> None:
+        """Decide for each engine in the background, so the first turn finds it done."""
+        for engine in engines:
+            task = asyncio.create_task(self._warm(engine))
+            self._warming.add(task)
+            task.add_done_callback(self._warming.discard)
+
+    async def close(self) -> None:
+        pending = [*self._warming, *self._deciding.values()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def render(
+        self,
+        engine: Engine,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: Sequence[dict[str, Any]] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+        add_generation_prompt: bool,
+    ) -> np.ndarray:
+        """A whole conversation (a session's sample, checked at create)."""
+        decided = await self._decided(engine)
+
+        async def rendered(renderer: ChatRenderer) -> np.ndarray:
+            return await renderer.render(
+                messages,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+            )
+
+        if decided.source is RenderSource.ENGINE:
+            return await rendered(decided.renderer)
+        try:
+            return await rendered(decided.renderer)
+        except Exception as exc:
+            return await self._confirm_failure(engine, decided, exc, rendered(decided.by_engine))
 
     async def delta(
         self,
@@ -38,24 +151,187 @@ class Renderers:
         add_generation_prompt: bool,
     ) -> np.ndarray:
         """Tokens for ``placement``'s new messages (and the generation prompt when asked)."""
-        renderer = self.of(engine)
-        messages = placement.new_messages
-        if not placement.parent:
-            return await renderer.render(
-                messages,
+        decided = await self._decided(engine)
+
+        async def delta_by(renderer: ChatRenderer) -> np.ndarray:
+            return await _delta(
+                renderer,
+                placement,
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
                 add_generation_prompt=add_generation_prompt,
             )
-        last = placement.parent[-1]
-        closed = last.kind is NodeKind.INJECTED or (
-            len(last.output_ids) > 0 and int(last.output_ids[-1]) == await renderer.end_of_turn_id()
+
+        if decided.source is RenderSource.ENGINE:
+            self._metrics.inc("renders_total", source="engine")
+            return await delta_by(decided.renderer)
+        try:
+            local = await delta_by(decided.renderer)
+        except Exception as exc:
+            return await self._confirm_failure(engine, decided, exc, delta_by(decided.by_engine))
+        self._metrics.inc("renders_total", source="local")
+        if not self._config.check_rate or self._rng.random() >= self._config.check_rate:
+            return local
+        try:
+            reference = await delta_by(decided.by_engine)
+        except _ENGINE_FAILURES as exc:
+            self._metrics.inc("render_checks_total", check="live", outcome="error")
+            log.info("render_check_undone", engine=engine.url, error=str(exc))
+            return local
+        except InvalidRequest as exc:  # the engine refuses what was rendered here: the engine is right
+            self._metrics.inc("render_checks_total", check="live", outcome="mismatch")
+            log.warning("render_mismatch", engine=engine.url, check="live", engine_error=exc.message)
+            self._fall_back(engine, decided, reason="live_check")
+            raise
+        assert decided.local is not None
+        diff = token_diff("live_turn", local, reference, decided.local)
+        if diff is None:
+            self._metrics.inc("render_checks_total", check="live", outcome="match")
+            return local
+        self._metrics.inc("render_checks_total", check="live", outcome="mismatch")
+        log.warning("render_mismatch", engine=engine.url, check="live", **diff.log_fields())
+        self._fall_back(engine, decided, reason="live_check")
+        return reference
+
+    # -- deciding per engine ---------------------------------------------------------------------
+
+    async def _decided(self, engine: Engine) -> _EngineRendering:
+        decided = self._by_engine.get(engine.url)
+        if decided is not None:
+            return decided
+        task = self._deciding.get(engine.url)
+        if task is None:
+            task = self._deciding[engine.url] = asyncio.create_task(self._decide(engine))
+            task.add_done_callback(functools.partial(self._forget, engine.url))
+        # shielded: a caller that gives up (a client gone) does not cancel the others' decision
+        return await asyncio.shield(task)
+
+    def _forget(self, url: str, task: asyncio.Task[_EngineRendering]) -> None:
+        if self._deciding.get(url) is task:
+            del self._deciding[url]
+        if not task.cancelled():
+            task.exception()  # a failed decision is retried by the next caller; nothing is left unretrieved
+
+    async def _warm(self, engine: Engine) -> None:
+        try:
+            await self._decided(engine)
+        except Exception as exc:  # the engine is not up yet: the first turn decides
+            log.info("render_source_undecided", engine=engine.url, error=str(exc))
+
+    async def _decide(self, engine: Engine) -> _EngineRendering:
+        by_engine = ChatRenderer(engine)
+        engine_only = _EngineRendering(RenderSource.ENGINE, by_engine, by_engine)
+        if self._config.mode == "engine":
+            return self._keep(engine, engine_only)
+        local = await self._local(engine)
+        if local is None:
+            self._metrics.inc("render_fallbacks_total", reason="no_local_tokenizer")
+            return self._keep(engine, engine_only)
+        report = await self_check(local, engine)
+        if not report.passed:
+            self._metrics.inc("render_checks_total", check="startup", outcome="mismatch")
+            self._metrics.inc("render_fallbacks_total", reason="startup_check")
+            for diff in report.diffs[:LOGGED_DIFFS]:
+                log.warning("render_mismatch", engine=engine.url, check="startup", **diff.log_fields())
+            log.warning(
+                "local_rendering_off",
+                engine=engine.url,
+                reason="the local render differs from the engine's /tokenize"
+                if report.diffs
+                else "the template rendered none of the canonical conversations",
+                mismatches=len(report.diffs),
+                template=local.origin,
+            )
+            return self._keep(engine, engine_only)
+        self._metrics.inc("render_checks_total", check="startup", outcome="match")
+        log.info(
+            "local_rendering_on",
+            engine=engine.url,
+            template=local.origin,
+            cases=report.rendered,
+            refused=report.refused,
         )
-        return await renderer.bridge(
+        return self._keep(engine, _EngineRendering(RenderSource.LOCAL, ChatRenderer(local), by_engine, local))
+
+    def _keep(self, engine: Engine, decided: _EngineRendering) -> _EngineRendering:
+        self._by_engine[engine.url] = decided
+        return decided
+
+    async def _local(self, engine: Engine) -> LocalTemplate | None:
+        """The engine's tokenizer and template as files here, or None (said in the log)."""
+        given = self._config.tokenizer
+        root = None if given else getattr(await engine.info(), "root", None)
+        directory = tokenizer_dir(given or root)
+        if directory is None:
+            where = f"--tokenizer {given!r}" if given else f"the engine's model root {root!r}"
+            log.warning(
+                "local_rendering_off",
+                engine=engine.url,
+                reason=f"no tokenizer readable here at {where}; rendering through the engine's /tokenize "
+                "(pass --tokenizer DIR to render locally)",
+            )
+            return None
+        try:
+            return await asyncio.to_thread(
+                LocalTemplate.load,
+                directory,
+                self._config.chat_template or None,
+                content_format=self._config.content_format,
+            )
+        except (LocalTemplateUnavailable, OSError, ValueError) as exc:
+            log.warning("local_rendering_off", engine=engine.url, reason=str(exc))
+            return None
+
+    # -- when local and engine disagree ----------------------------------------------------------
+
+    def _fall_back(self, engine: Engine, decided: _EngineRendering, *, reason: str) -> None:
+        self._metrics.inc("render_fallbacks_total", reason=reason)
+        log.warning("local_rendering_off", engine=engine.url, reason=reason)
+        self._by_engine[engine.url] = _EngineRendering(RenderSource.ENGINE, decided.by_engine, decided.by_engine)
+
+    async def _confirm_failure(
+        self, engine: Engine, decided: _EngineRendering, exc: Exception, by_engine: Awaitable[np.ndarray]
+    ) -> np.ndarray:
+        """A local render failed: the engine's answer decides (its error, or its tokens and a fallback)."""
+        try:
+            reference: np.ndarray = await by_engine
+        except _ENGINE_FAILURES:
+            self._metrics.inc("render_checks_total", check="failure", outcome="error")
+            raise
+        except Exception:  # refused there too: the engine's error is the answer
+            self._metrics.inc("render_checks_total", check="failure", outcome="match")
+            raise
+        self._metrics.inc("render_checks_total", check="failure", outcome="mismatch")
+        log.warning("render_mismatch", engine=engine.url, check="failure", local_error=repr(exc))
+        self._fall_back(engine, decided, reason="local_failure")
+        return reference
+
+
+async def _delta(
+    renderer: ChatRenderer,
+    placement: Placement,
+    *,
+    tools: Sequence[dict[str, Any]] | None,
+    chat_template_kwargs: dict[str, Any] | None,
+    add_generation_prompt: bool,
+) -> np.ndarray:
+    messages = placement.new_messages
+    if not placement.parent:
+        return await renderer.render(
             messages,
-            after_role=last.messages[-1]["role"],
-            after_closed=closed,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
             add_generation_prompt=add_generation_prompt,
         )
+    last = placement.parent[-1]
+    closed = last.kind is NodeKind.INJECTED or (
+        len(last.output_ids) > 0 and int(last.output_ids[-1]) == await renderer.end_of_turn_id()
+    )
+    return await renderer.bridge(
+        messages,
+        after_role=last.messages[-1]["role"],
+        after_closed=closed,
+        tools=tools,
+        chat_template_kwargs=chat_template_kwargs,
+        add_generation_prompt=add_generation_prompt,
+    )

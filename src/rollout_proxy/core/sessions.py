@@ -7,8 +7,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.trajectory import AssembledTrajectory, assemble
-from rollout_proxy.engines.pool import EnginePool
+from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.errors import (
     EngineTimeout,
     EngineUnavailable,
@@ -21,7 +22,6 @@ from rollout_proxy.errors import (
 from rollout_proxy.ids import new_session_id, session_of_response
 from rollout_proxy.records import GenerationConfig, SessionRecord, SessionStatus
 from rollout_proxy.state.store import StateStore
-from rollout_proxy.tokenization.renderer import ChatRenderer
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,10 +35,11 @@ class FinishPlan:
 
 
 class SessionService:
-    def __init__(self, *, store: StateStore, engines: EnginePool, ttl: float) -> None:
+    def __init__(self, *, store: StateStore, engines: Fleet, ttl: float, renderers: Renderers | None = None) -> None:
         self._store = store
         self._engines = engines
         self._ttl = ttl
+        self._renderers = renderers or Renderers()
 
     async def create(
         self,
@@ -54,13 +55,19 @@ class SessionService:
         """Store a new session, once its engine's template renders the sample (one engine call).
 
         What the template cannot render is refused here rather than at every turn; when no
-        engine answers, the session is made anyway and its first turn says so.
+        engine answers, the session is made anyway and its first turn says so. The session
+        goes to the least-loaded healthy engine (``Fleet.pick``) and stays there while it serves.
         """
         engine = self._engines.pick()
         try:
-            await ChatRenderer(engine).render(
-                messages, tools=tools, chat_template_kwargs=generation.chat_template_kwargs, add_generation_prompt=True
-            )
+            if engine is not None:
+                await self._renderers.render(
+                    engine,
+                    messages,
+                    tools=tools,
+                    chat_template_kwargs=generation.chat_template_kwargs,
+                    add_generation_prompt=True,
+                )
         except TemplateRenderError as exc:
             raise TemplateRenderError(
                 f"the sample cannot be rendered (with its tools and chat_template_kwargs): {exc.message}",
@@ -78,7 +85,7 @@ class SessionService:
             context=context,
             created_at=now,
             expires_at=now + self._ttl,
-            engine=engine.url,
+            engine=engine.url if engine is not None else None,
             n_sample=n_sample,
             concurrency=concurrency,
         )

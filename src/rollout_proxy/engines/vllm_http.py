@@ -1,18 +1,22 @@
 """A vLLM OpenAI server driven token-in, token-out over HTTP.
 
 Third-party failures are translated here, once: an engine we cannot reach (refused,
-reset, no connection within the connect timeout) is ``EngineUnavailable`` (503), one
-that took the request and did not answer in time is ``EngineTimeout`` (504), one that
-answers with an error or with a body we cannot use is ``EngineError`` (502). Messages
-never name the engine: plugins must not learn the fleet's addresses. The URL goes to
-the log line written here (same request id as the client's error).
+reset, no connection within the connect timeout) is ``EngineUnreachable``, an
+``EngineUnavailable`` (503), one that took the request and did not answer in time is
+``EngineTimeout`` (504), one that answers with an error or with a body we cannot use is
+``EngineError`` (502). Messages never name the engine: plugins must not learn the fleet's
+addresses. The URL goes to the log line written here (same request id as the client's error).
+
+The dev-mode control routes (``/pause``, ``/resume``, ``/is_paused``, ``/weight_info``,
+``/update_weight_version``) are vLLM 0.32's ``vllm/entrypoints/rl/online/api_router.py``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -20,7 +24,7 @@ import numpy as np
 import orjson
 import structlog
 
-from rollout_proxy.engines.base import EngineCompletion, EngineInfo, SamplingParams
+from rollout_proxy.engines.base import EngineCompletion, EngineInfo, PauseMode, SamplingParams
 from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable, ProxyError, TemplateRenderError
 
 log = structlog.get_logger(__name__)
@@ -76,8 +80,27 @@ class EngineRejected(EngineError):
         self.engine_status = engine_status
 
 
+class EngineUnreachable(EngineUnavailable):
+    """Refused, reset, or no connection within the connect timeout: the engine is down, not just busy
+    (the fleet opens its circuit breaker at once, where a 503 or a timeout only counts)."""
+
+
+async def _request_sent(session: aiohttp.ClientSession, context: SimpleNamespace, params: object) -> None:
+    """Trace hook: the request is on the wire; tell whoever asked (``complete``'s ``on_sent``)."""
+    callback = (context.trace_request_ctx or {}).get("on_sent")
+    if callback is not None:
+        callback()
+
+
+def _tracing() -> aiohttp.TraceConfig:
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(_request_sent)
+    trace.on_request_chunk_sent.append(_request_sent)
+    return trace
+
+
 class VLLMEngine:
-    """Client of one vLLM server (``/tokenize``, ``/v1/completions``, ``/v1/models``)."""
+    """Client of one vLLM server (``/tokenize``, ``/v1/completions``, ``/v1/models``, the dev-mode routes)."""
 
     def __init__(
         self,
@@ -88,15 +111,23 @@ class VLLMEngine:
         connect_timeout: float = 5.0,
         first_byte_timeout: float | None = None,
         health_timeout: float = 0.5,
+        bound_completions: bool = True,
     ) -> None:
         """Timeouts in seconds: ``request_timeout`` bounds a whole call, ``connect_timeout`` the TCP
-        connect, ``first_byte_timeout`` (default: the whole call) the wait for the answer to start."""
+        connect, ``first_byte_timeout`` (default: the whole call) the wait for the answer to start.
+
+        ``bound_completions=False`` leaves completions to the caller's deadline (the fleet's, which
+        stops counting while the fleet is paused: a call frozen by a keep-mode pause must live)."""
         self.url = url.rstrip("/")
         self._session = session
         self._owns_session = session is None
         self._timeout = aiohttp.ClientTimeout(
             total=request_timeout, sock_connect=connect_timeout, sock_read=first_byte_timeout
         )
+        self._completion_timeout = (
+            self._timeout if bound_completions else aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
+        )
+        self._connect_timeout = connect_timeout
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout, sock_connect=health_timeout)
         self._info: EngineInfo | None = None
         #: learned from the first completion: does this engine attach MoE routing?
@@ -104,8 +135,11 @@ class VLLMEngine:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, trace_configs=[_tracing()])
         return self._session
+
+    def _control_limits(self, timeout: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, self._connect_timeout))
 
     async def close(self) -> None:
         if self._owns_session and self._session is not None:
@@ -124,18 +158,25 @@ class VLLMEngine:
         payload: dict[str, Any] | None = None,
         *,
         limits: aiohttp.ClientTimeout | None = None,
+        params: dict[str, str] | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> Any:
         url = self.url + path
         data = None if payload is None else orjson.dumps(payload)
         headers = {"Content-Type": "application/json"} if data is not None else None
         limits = limits or self._timeout
+        trace = {"on_sent": on_sent} if on_sent is not None else None
+        if on_sent is not None and not self._owns_session:
+            on_sent()  # a client we were lent has no trace hook of ours: say so now, not never
         try:
-            async with self._http().request(method, url, data=data, headers=headers, timeout=limits) as response:
+            async with self._http().request(
+                method, url, data=data, headers=headers, params=params, timeout=limits, trace_request_ctx=trace
+            ) as response:
                 body = await response.read()
                 status = response.status
         except aiohttp.ConnectionTimeoutError as exc:  # never connected: the request was not sent
             raise self._failed(
-                EngineUnavailable(f"the engine could not be reached within {limits.sock_connect}s"), path, exc
+                EngineUnreachable(f"the engine could not be reached within {limits.sock_connect}s"), path, exc
             ) from exc
         except aiohttp.SocketTimeoutError as exc:
             raise self._failed(
@@ -147,7 +188,7 @@ class VLLMEngine:
             ) from exc
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise self._failed(
-                EngineUnavailable("the engine is unreachable (connection refused or reset)"), path, exc
+                EngineUnreachable("the engine is unreachable (connection refused or reset)"), path, exc
             ) from exc
         if status >= 400:
             raw = body[:200].decode(errors="replace")
@@ -176,16 +217,66 @@ class VLLMEngine:
                 raise self._failed(
                     EngineError("the engine listed no usable model in /v1/models"), "/v1/models", exc
                 ) from exc
-            self._info = EngineInfo(url=self.url, model=model, max_model_len=max_model_len)
+            root = card.get("root")
+            self._info = EngineInfo(
+                url=self.url, model=model, max_model_len=max_model_len, root=root if isinstance(root, str) else None
+            )
         return self._info
 
+    async def health(self) -> None:
+        """``GET /health`` within the health timeout (short: a probe must answer fast, whatever the engine does)."""
+        await self._request("GET", "/health", limits=self._health_timeout)
+
     async def healthy(self) -> bool:
-        """``GET /health`` within the health timeout (short: readiness must answer fast, whatever the engine does)."""
         try:
-            await self._request("GET", "/health", limits=self._health_timeout)
+            await self.health()
         except (EngineError, EngineUnavailable, EngineTimeout):
             return False
         return True
+
+    async def weight_version(self) -> str | None:
+        """``GET /weight_info``'s ``weight_version`` ("default" before any update); None: not served (no dev mode)."""
+        try:
+            answer = await self._request("GET", "/weight_info", limits=self._health_timeout)
+        except EngineRejected as exc:
+            if exc.engine_status == 404:
+                return None
+            raise
+        version = answer.get("weight_version") if isinstance(answer, dict) else None
+        if not isinstance(version, str):
+            raise self._failed(EngineError("the engine's /weight_info has no weight_version string"), "/weight_info")
+        return version
+
+    async def update_weight_version(self, version: str, *, within: float) -> bool:
+        """``POST /update_weight_version {"new_version": "<version>"}`` (vLLM wants a string); False: not served."""
+        try:
+            await self._request(
+                "POST", "/update_weight_version", {"new_version": version}, limits=self._control_limits(within)
+            )
+        except EngineRejected as exc:
+            if exc.engine_status == 404:
+                return False
+            raise
+        return True
+
+    async def pause(self, mode: PauseMode, *, within: float) -> None:
+        """``POST /pause?mode=...``: answered once the engine is paused (for ``wait``, once in-flight requests ended)."""
+        await self._request("POST", "/pause", params={"mode": mode}, limits=self._control_limits(within))
+
+    async def resume(self, *, within: float) -> None:
+        await self._request("POST", "/resume", limits=self._control_limits(within))
+
+    async def is_paused(self) -> bool | None:
+        try:
+            answer = await self._request("GET", "/is_paused", limits=self._health_timeout)
+        except EngineRejected as exc:
+            if exc.engine_status == 404:
+                return None
+            raise
+        paused = answer.get("is_paused") if isinstance(answer, dict) else None
+        if not isinstance(paused, bool):
+            raise self._failed(EngineError("the engine's /is_paused has no is_paused boolean"), "/is_paused")
+        return paused
 
     async def tokenize_messages(
         self,
@@ -224,13 +315,24 @@ class VLLMEngine:
         payload = {"model": info.model, "prompt": text, "add_special_tokens": False}
         return self._tokens(await self._request("POST", "/tokenize", payload))
 
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """``POST /detokenize``: the text of ``token_ids`` (special tokens included), for viewers only."""
+        info = await self.info()
+        answer = await self._request("POST", "/detokenize", {"model": info.model, "tokens": list(token_ids)})
+        text = answer.get("prompt") if isinstance(answer, dict) else None
+        if not isinstance(text, str):
+            raise self._failed(EngineError("the engine's /detokenize returned no text"), "/detokenize")
+        return text
+
     def _tokens(self, payload: Any) -> np.ndarray:
         tokens = payload.get("tokens") if isinstance(payload, dict) else None
         if not isinstance(tokens, list):
             raise self._failed(EngineError("the engine's /tokenize returned no token list"), "/tokenize")
         return np.asarray(tokens, dtype=np.int32)
 
-    async def complete(self, prompt_ids: np.ndarray, params: SamplingParams) -> EngineCompletion:
+    async def complete(
+        self, prompt_ids: np.ndarray, params: SamplingParams, *, on_sent: Callable[[], None] | None = None
+    ) -> EngineCompletion:
         info = await self.info()
         payload: dict[str, Any] = {
             "model": info.model,
@@ -256,7 +358,11 @@ class VLLMEngine:
             payload["stop"] = list(params.stop)
         if params.routed_experts_prompt_start is not None:
             payload["routed_experts_prompt_start"] = params.routed_experts_prompt_start
-        response = await self._request("POST", "/v1/completions", payload)
+        if params.cache_salt is not None:
+            payload["cache_salt"] = params.cache_salt
+        response = await self._request(
+            "POST", "/v1/completions", payload, limits=self._completion_timeout, on_sent=on_sent
+        )
         try:
             choice = response["choices"][0]
         except (KeyError, IndexError, TypeError) as exc:
@@ -271,14 +377,16 @@ class VLLMEngine:
         output_ids = np.asarray(token_ids, dtype=np.int32)
         logprobs, nonfinite = _sampled_logprobs(choice, len(output_ids))
         routed_experts = choice.get("routed_experts")
-        self.returns_routing = routed_experts is not None
+        finish_reason = choice.get("finish_reason") or "stop"
+        if routed_experts is not None or finish_reason != "abort":  # an aborted answer may come without its routing
+            self.returns_routing = routed_experts is not None
         reported = choice.get("prompt_token_ids")
         return EngineCompletion(
             prompt_ids=None if reported is None else np.asarray(reported, dtype=np.int32),
             output_ids=output_ids,
             output_logprobs=logprobs,
             text=choice.get("text") or "",
-            finish_reason=choice.get("finish_reason") or "stop",
+            finish_reason=finish_reason,
             nonfinite_logprobs=nonfinite,
             routed_experts=routed_experts,
         )

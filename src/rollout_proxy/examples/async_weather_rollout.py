@@ -16,6 +16,8 @@ from rollout_proxy.sdk import (
     RolloutResult,
     Runtime,
     rollout,
+    trace_monitor,
+    wrap_inplace_trace,
 )
 
 LOCAL_TEST_MODEL = "smollm2"
@@ -26,12 +28,14 @@ MAX_TURNS = 6
     name="async_weather_rollout",
     runtime=Runtime(instance=PluginInstance.CPU4MEM8, timeout=900, max_concurrency=100),
 )
+@trace_monitor
 async def demo_rollout(
     context: PluginContext,
     proxy: RolloutInferenceProxy,
     sample: ChatCompletionSample,
 ) -> RolloutResult | None:
     client = proxy.async_rollout_client()
+    wrap_inplace_trace(client)  # a span per LLM call (the seed's tracing)
     # the sample's JSON messages and tools, typed as what the OpenAI client takes
     messages = cast(list[ChatCompletionMessageParam], [m.model_dump(exclude_none=True) for m in sample.messages])
     tools = cast(list[ChatCompletionToolParam], sample.tools or [WEATHER_TOOL])

@@ -11,10 +11,12 @@ from rollout_proxy.sdk import (
     SingleGraderResult,
     Trajectory,
     single_grader,
+    trace_monitor,
 )
 
 
 @single_grader(name="weather_reward")
+@trace_monitor
 def weather_reward(context: PluginContext, sample: ChatCompletionSample, trajectory: Trajectory) -> SingleGraderResult:
     messages = trajectory.messages
     tool_results = [

@@ -9,6 +9,8 @@ from typing import Any
 
 from openai.types.chat import ChatCompletionMessageParam
 
+from rollout_proxy.sdk import observe
+
 CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "snowy"]
 
 WEATHER_TOOL = {
@@ -28,6 +30,7 @@ WEATHER_TOOL = {
 }
 
 
+@observe()
 def get_current_weather(location: str, unit: str = "摄氏度") -> str:
     digest = hashlib.sha256(location.strip().lower().encode()).digest()
     celsius = digest[0] % 35 - 5

@@ -8,20 +8,24 @@ from rollout_proxy.core.chat import ChatService
 from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
-from rollout_proxy.engines.pool import EnginePool
+from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
 from rollout_proxy.settings import Settings
 from rollout_proxy.state.feed import Feed
 from rollout_proxy.state.store import StateStore
+from rollout_proxy.ui.assets import Asset
+from rollout_proxy.ui.service import Viewer
 
 SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", Metrics)
 TOKENS = web.AppKey("tokens", SessionTokens)
 STORE = web.AppKey("store", StateStore)
 FEED = web.AppKey("feed", Feed)
-ENGINES = web.AppKey("engines", EnginePool)
+ENGINES = web.AppKey("engines", Fleet)
 SESSIONS = web.AppKey("sessions", SessionService)
 TREE = web.AppKey("tree", ResponseTree)
 CHAT = web.AppKey("chat", ChatService)
 RESPONSES = web.AppKey("responses", ResponsesService)
+VIEWER = web.AppKey("viewer", Viewer)
+UI_ASSETS = web.AppKey("ui_assets", dict[str, Asset])

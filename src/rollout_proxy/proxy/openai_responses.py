@@ -2,7 +2,9 @@
 
 Output items: ``reasoning``, ``message`` with
 ``output_text``, ``function_call``; their ids derive from the node id, so a stored
-response reads back identically.
+response reads back identically. Extensions: ``finish_reason``, ``prompt_token_ids``,
+``token_ids`` and ``policy_versions`` (which policy version sampled which of ``token_ids``:
+``{"version", "start", "end"}`` half-open spans over them).
 """
 
 from __future__ import annotations
@@ -98,4 +100,5 @@ def response_body(
         "finish_reason": node.finish_reason,
         "prompt_token_ids": prompt_ids,
         "token_ids": node.output_ids,
+        "policy_versions": [span.to_dict() for span in node.policy_versions],
     }

@@ -20,12 +20,16 @@ from pydantic import TypeAdapter
 from rollout_proxy import __version__
 from rollout_proxy.proxy import openapi_answers as answers
 from rollout_proxy.proxy import openapi_examples as examples
+from rollout_proxy.proxy.handlers import viewer
 from rollout_proxy.proxy.handlers.feed import MAX_PAGE
+from rollout_proxy.proxy.handlers.fleet_admin import EngineIn, PauseIn, ResumeIn
 from rollout_proxy.proxy.schemas import AppendMessages, ChatRequest, FinishRequest, ResponsesRequest, SessionCreate
 from rollout_proxy.wire.trajectory import Trajectory
 
 REF = "#/components/schemas/{model}"
 TEXT = "text/plain"  # an answer that is not JSON (the Prometheus metrics)
+HTML = ("text/html",)  # the viewer's page
+ASSET = ("text/css", "text/javascript")  # the viewer's files
 
 
 class Access(enum.Enum):
@@ -69,6 +73,48 @@ FEED_QUERY = (
     _parameter("limit", "query", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 100}, "page size"),
 )
 ENGINE_ERRORS = (502, 503, 504)
+ENGINE_URL = {
+    "name": "url",
+    "in": "query",
+    "required": True,
+    "schema": {"type": "string", "minLength": 1},
+    "description": "the engine's base URL, as GET /v1/admin/engines lists it",
+}
+FLEET_EXAMPLES: dict[str, dict[str, Any]] = {
+    "add": {"url": "http://127.0.0.1:8001"},
+    "readmit": {"url": "http://127.0.0.1:8001", "policy_version": 12},
+    "pause": {"mode": "keep"},
+    "resume": {"policy_version": 13},
+}
+
+
+def _flag(name: str, what: str) -> dict[str, Any]:
+    return _parameter(name, "query", {"type": "boolean"}, what)
+
+
+def _text(name: str, what: str) -> dict[str, Any]:
+    return _parameter(name, "query", {"type": "string", "minLength": 1, "maxLength": viewer.MAX_TEXT}, what)
+
+
+LIST_QUERY = (
+    _parameter(
+        "limit",
+        "query",
+        {"type": "integer", "minimum": 1, "maximum": viewer.MAX_PAGE, "default": viewer.DEFAULT_PAGE},
+        "page size",
+    ),
+    _text("cursor", "the `next` of the previous page; none: the newest"),
+    _parameter("status", "query", {"type": "string", "enum": list(viewer.STATUSES)}, "open or finished sessions"),
+    _text("job", "the runner's job id (`context.model_customization_job_id`)"),
+    _text("finish_reason", "one of its branches ended so (`stop`, `length`, `tool_calls`, ...)"),
+    _flag("forks", "it has a fork (rewritten history), or none"),
+    _flag("drift", "routing disagreements or non-finite logprobs were recorded, or none"),
+    _text("policy_version", "one of its tokens was sampled by this policy version"),
+    _flag("graded", "the trainer feed has a reward for one of its trajectories, or none"),
+    _parameter("min_reward", "query", {"type": "number"}, "one graded trajectory's reward is at least this"),
+    _parameter("max_reward", "query", {"type": "number"}, "one graded trajectory's reward is at most this"),
+)
+ASSET_NAME = _parameter("name", "path", {"type": "string"}, "a file of the page (`viewer.js`, `viewer.css`)")
 
 OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/v1/chat/completions", "Chat completion, token-exact",
@@ -100,6 +146,18 @@ OPERATIONS: tuple[Operation, ...] = (
               "trainer", Access.ADMIN, answers.FeedPage, errors=(400, 404, 503), parameters=FEED_QUERY),
     Operation("get", "/v1/admin/counters", "The proxy's counters",
               "operations", Access.ADMIN, dict[str, float]),
+    Operation("get", "/v1/admin/engines", "The engines: state, policy version, calls in flight, last error",
+              "fleet", Access.ADMIN, answers.FleetView),
+    Operation("post", "/v1/admin/engines", "Add an engine (probed before the answer), or set the weights one has",
+              "fleet", Access.ADMIN, answers.EngineEntry, body=EngineIn,
+              examples={name: FLEET_EXAMPLES[name] for name in ("add", "readmit")}),
+    Operation("delete", "/v1/admin/engines", "Drain an engine (calls in flight finish) and remove it",
+              "fleet", Access.ADMIN, answers.EngineEntry, errors=(400, 404), parameters=(ENGINE_URL,)),
+    Operation("post", "/v1/admin/pause", "Pause every engine for a weight update; new turns queue",
+              "fleet", Access.ADMIN, answers.FleetControl, body=PauseIn, examples={"pause": FLEET_EXAMPLES["pause"]}),
+    Operation("post", "/v1/admin/resume", "Set the new policy version on every paused engine and resume",
+              "fleet", Access.ADMIN, answers.FleetControl, body=ResumeIn, errors=(409,),
+              examples={"resume": FLEET_EXAMPLES["resume"]}),
     Operation("get", "/healthz", "Liveness",
               "operations", Access.PUBLIC, answers.Health),
     Operation("get", "/readyz", "Readiness: the store answers and an engine is healthy (URLs for the admin key)",
@@ -108,6 +166,16 @@ OPERATIONS: tuple[Operation, ...] = (
               "operations", Access.PUBLIC, TEXT),
     Operation("get", "/openapi.json", "This document",
               "operations", Access.PUBLIC, dict[str, Any]),
+    Operation("get", "/ui", "The trajectory viewer (a page without data: it asks for the admin key)",
+              "viewer", Access.PUBLIC, HTML),
+    Operation("get", "/ui/static/{name}", "The viewer's script and stylesheet",
+              "viewer", Access.PUBLIC, ASSET, errors=(404,), parameters=(ASSET_NAME,)),
+    Operation("get", "/v1/admin/sessions", "Live sessions, newest first, filtered, paged by cursor",
+              "viewer", Access.ADMIN, answers.SessionList, errors=(400, 503), parameters=LIST_QUERY),
+    Operation("get", "/v1/admin/sessions/{session_id}", "A session, every node of its response tree, its grades",
+              "viewer", Access.ADMIN, answers.SessionTree, errors=(404, 503), parameters=(SESSION_ID,)),
+    Operation("get", "/v1/admin/responses/{response_id}/tokens", "A trajectory token by token: pieces, nodes, grade",
+              "viewer", Access.ADMIN, answers.TrajectoryTokens, errors=(404, 503), parameters=(RESPONSE_ID,)),
 )  # fmt: skip
 
 ERRORS: dict[int, tuple[str, str]] = {
@@ -173,8 +241,9 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _operation(operation: Operation, schemas: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
     key = f"{operation.method} {operation.path}"
-    if operation.answer == TEXT:
-        success = _answer("OK", {TEXT: {"schema": {"type": "string"}}})
+    media = _media_types(operation.answer)
+    if media is not None:
+        success = _answer("OK", {kind: {"schema": {"type": "string"}} for kind in media})
     else:
         success = _answer("OK", _json(schemas[(key, "serialization")]))
     responses: dict[str, Any] = {str(operation.status): success}
@@ -201,6 +270,15 @@ def _operation(operation: Operation, schemas: dict[tuple[str, str], dict[str, An
     return spec
 
 
+def _media_types(answer: Any) -> tuple[str, ...] | None:
+    """The media types of an answer that is not JSON (TEXT, HTML, ASSET); None for JSON."""
+    if answer == TEXT:
+        return (TEXT,)
+    if isinstance(answer, tuple) and all(isinstance(kind, str) for kind in answer):
+        return answer
+    return None
+
+
 def _operation_id(operation: Operation) -> str:
     words = operation.path.replace("{", "").replace("}", "").replace(".", "_").strip("/").split("/")
     return "_".join([operation.method, *words])
@@ -213,7 +291,7 @@ def _schemas() -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, Any]]:
     ]
     for operation in OPERATIONS:
         key = f"{operation.method} {operation.path}"
-        if operation.answer != TEXT:
+        if _media_types(operation.answer) is None:
             inputs.append(((key, "serialization"), "serialization", TypeAdapter(operation.answer)))
         if operation.body is not None:
             inputs.append(((key, "validation"), "validation", TypeAdapter(operation.body)))
@@ -243,6 +321,8 @@ def build_document() -> dict[str, Any]:
             {"name": "plugin", "description": "OpenAI-compatible routes a rollout plugin calls"},
             {"name": "trainer", "description": "Sessions, results and trajectories (the runner, the trainer)"},
             {"name": "operations", "description": "Health, readiness, metrics, counters, this document"},
+            {"name": "fleet", "description": "The engines: health, adding and draining, pause and resume"},
+            {"name": "viewer", "description": "The trajectory viewer at /ui and the admin read API it calls"},
         ],
         "paths": paths,
         "components": {

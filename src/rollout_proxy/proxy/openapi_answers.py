@@ -15,7 +15,7 @@ from pydantic import ConfigDict, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from rollout_proxy.wire.feed import FeedGroup
-from rollout_proxy.wire.trajectory import Trajectory
+from rollout_proxy.wire.trajectory import PolicyVersionSpan, Trajectory
 
 
 @with_config(ConfigDict(extra="forbid"))
@@ -176,6 +176,8 @@ class Response(TypedDict):
     prompt_token_ids: list[int]
     #: extension: the token ids the policy sampled
     token_ids: list[int]
+    #: extension: which policy version sampled which of ``token_ids`` (half-open spans over them)
+    policy_versions: list[PolicyVersionSpan]
 
 
 class SessionCreated(TypedDict):
@@ -249,6 +251,41 @@ class ModelList(TypedDict):
     data: list[ModelCard]
 
 
+class EngineEntry(TypedDict):
+    """One engine of the fleet, as the operator sees it."""
+
+    url: str
+    state: Literal["starting", "healthy", "draining", "paused", "unhealthy", "stale", "removed"]
+    #: the policy version of its weights (null: not known yet)
+    policy_version: int | None
+    in_flight: int
+    last_error: str | None
+
+
+class FleetView(TypedDict):
+    """The fleet's policy version, whether it is paused, and every engine."""
+
+    policy_version: int
+    paused: bool
+    engines: list[EngineEntry]
+
+
+class ControlEntry(EngineEntry):
+    """An engine after a pause or resume step: whether the step worked, and if not, why."""
+
+    ok: bool
+    error: str | None
+
+
+class FleetControl(TypedDict):
+    """The fleet after a pause or a resume, with each engine the step was sent to."""
+
+    policy_version: int
+    paused: bool
+    failed: int
+    engines: list[ControlEntry]
+
+
 class Health(TypedDict):
     status: Literal["ok"]
 
@@ -264,3 +301,121 @@ class Readiness(TypedDict):
     ready: bool
     store: bool
     engines: EnginesHealth
+
+
+# -- the trajectory viewer's read API (admin key) ----------------------------------------------
+
+
+class SessionSummary(TypedDict):
+    """What a session's tree holds, in numbers."""
+
+    session_id: str
+    created_at: float
+    expires_at: float
+    status: Literal["open", "finished"]
+    #: the runner's ``context.model_customization_job_id`` and ``current_training_step``
+    job_id: str | None
+    step: int | None
+    n_sample: int | None
+    #: the rollout's own status, once finished (success, failure, discard, retry)
+    result_status: str | None
+    error: str | None
+    #: the response ids the finish emitted
+    responses: list[str]
+    nodes: int
+    turns: int
+    injected: int
+    tokens: int
+    generated_tokens: int
+    #: how each branch ended (its last generated node)
+    finish_reasons: list[str]
+    forks: int
+    routing_disagreements: int
+    nonfinite_logprobs: int
+    policy_versions: list[str]
+
+
+class SessionListItem(SessionSummary):
+    """A session's summary as the index has it: written at create, rewritten from its whole tree at finish."""
+
+    #: rewards of its graded trajectories, from the trainer feed (``--feed``)
+    rewards: list[float | None]
+
+
+class SessionList(TypedDict):
+    """Newest first; ``next`` is the cursor of the next page (a page may be short while it is set)."""
+
+    data: list[SessionListItem]
+    next: str | None
+    #: whether this proxy reads a trainer feed (rewards and advantages)
+    feed: bool
+    grades_error: str | None
+
+
+class TreeNode(TypedDict):
+    id: str
+    parent_id: str | None
+    kind: Literal["generated", "injected"]
+    api: str
+    #: the messages this node adds: its inputs, then (generated) its output
+    messages: list[dict[str, Any]]
+    n_input_messages: int
+    finish_reason: str | None
+    prompt_tokens: int
+    output_tokens: int
+    usage: dict[str, int]
+    #: where a rewritten history forked: ``{"diverged_from", "at_message"}``
+    fork: dict[str, Any] | None
+    created_at: float
+    model: str | None
+    meta: dict[str, Any]
+    policy_versions: list[str]
+
+
+class GradeInfo(TypedDict):
+    group_id: str
+    job_id: str
+    step: int
+    index: int
+    reward: float | None
+    advantage: float | None
+    advantage_kind: str
+
+
+class SessionTree(TypedDict):
+    """A session's record, every node of its response tree, and its graded responses."""
+
+    session: dict[str, Any]
+    #: the tree as it is now (an open session's too)
+    summary: SessionSummary
+    nodes: list[TreeNode]
+    grades: dict[str, GradeInfo]
+    feed: bool
+    grades_error: str | None
+
+
+class TokenSegment(TypedDict):
+    """Tokens ``start``..``end`` came from ``node_id``: its prompt (bridge) part or its output."""
+
+    node_id: str
+    kind: Literal["generated", "injected"]
+    part: Literal["prompt", "output"]
+    start: int
+    end: int
+
+
+class TrajectoryTokens(TypedDict):
+    """The trajectory as the trainer gets it, with what the viewer adds."""
+
+    trajectory: Trajectory
+    #: each token's text, decoded alone (None where it could not be; ``pieces_error`` says why)
+    pieces: list[str | None]
+    pieces_error: str | None
+    segments: list[TokenSegment]
+    #: the node each of ``trajectory.messages`` came from
+    message_nodes: list[str]
+    grade: GradeInfo | None
+    #: per-token advantages (``advantage_kind`` tok), aligned with the tokens
+    token_advantages: list[float] | None
+    feed: bool
+    grades_error: str | None

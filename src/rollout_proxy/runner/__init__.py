@@ -2,6 +2,7 @@
 
 rollout-proxy run JOB.yaml                  # or, from Python:
 summary = await run_job(JobConfig.load("JOB.yaml"))
+rollout-proxy run JOB.yaml --ray HOST:PORT  # plugin calls as Ray tasks (or ``ray:`` in the job file)
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollout_proxy.runner.executor import PluginExecutor, open_executor, with_ray_address
 from rollout_proxy.runner.job import JobConfig, JobError
 from rollout_proxy.runner.progress import JobSummary
 from rollout_proxy.runner.retries import JobFailed
@@ -19,6 +21,11 @@ from rollout_proxy.settings import DEFAULT_ENGINE, Settings
 from rollout_proxy.state.feed import open_feed
 
 __all__ = ["JobConfig", "JobError", "JobFailed", "JobRunner", "JobSummary", "run_job"]
+
+EMBEDDED_VIEWER_NOTE = (
+    "served while the job ran; this in-process proxy stops with it. To browse afterwards, run the job against "
+    "`rollout-proxy serve` with --proxy-url, or the demo with ./scripts/demo.sh --keep-running"
+)
 
 
 def default_feed(job: JobConfig, output_dir: str | Path | None) -> str:
@@ -36,12 +43,18 @@ async def run_job(
     output_dir: str | Path | None = None,
     job_id: str | None = None,
     progress: bool = True,
+    ray: str | None = None,
 ) -> JobSummary:
-    """Run ``job`` through ``proxy_url``, or through a proxy started here (its own thread)."""
+    """Run ``job`` through ``proxy_url``, or through a proxy started here (its own thread).
+
+    With ``ray`` (an address; or the job's ``ray`` section) plugin calls run as Ray tasks."""
+    job = with_ray_address(job, ray)
     feed_url = feed or job.proxy.feed or default_feed(job, output_dir)
     runner_feed = await open_feed(feed_url, stream=job.proxy.feed_stream)
     embedded = None
+    executor: PluginExecutor | None = None
     try:
+        executor = await open_executor(job)
         if proxy_url is None:
             from rollout_proxy.app import create_app
             from rollout_proxy.embedded import BackgroundServer
@@ -61,12 +74,23 @@ async def run_job(
         elif not admin_key:
             raise ValueError("an external proxy needs its admin key")
         runner = JobRunner(
-            job, proxy_url=proxy_url, admin_key=admin_key, feed=runner_feed, job_id=job_id, progress=progress
+            job,
+            proxy_url=proxy_url,
+            admin_key=admin_key,
+            feed=runner_feed,
+            job_id=job_id,
+            progress=progress,
+            output_dir=output_dir,
+            executor=executor,
         )
         summary = await runner.run()
         summary.feed = feed_url
+        if embedded is not None and summary.viewer:
+            summary.viewer_note = EMBEDDED_VIEWER_NOTE
         return summary
     finally:
+        if executor is not None:
+            await executor.aclose()
         await runner_feed.close()
         if embedded is not None:
             await asyncio.to_thread(embedded.stop)

@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_proxy.runner.executor import InProcessExecutor, PluginExecutor
 from rollout_proxy.runner.retries import with_retries
 from rollout_proxy.sdk.decorators import Plugin
-from rollout_proxy.sdk.execution import Attempt, Grades, PluginCall, attempt, grade
+from rollout_proxy.sdk.execution import Attempt, Grades, PluginCall, grade
 from rollout_proxy.sdk.types import ChatCompletionSample, GroupGraderResult, PluginContext, Trajectory
 
 EPSILON = 1e-6
@@ -117,9 +118,16 @@ def _no_op() -> None:
 class Graders:
     """The job's graders with their weights, each behind its own concurrency limit."""
 
-    def __init__(self, graders: Sequence[tuple[Plugin, float]], *, on_failed_attempt: Callable[[], None] = _no_op):
+    def __init__(
+        self,
+        graders: Sequence[tuple[Plugin, float]],
+        *,
+        on_failed_attempt: Callable[[], None] = _no_op,
+        executor: PluginExecutor | None = None,
+    ):
         self.plugins = list(graders)
         self._on_failed_attempt = on_failed_attempt
+        self._executor = executor or InProcessExecutor()
         self._limits: dict[str, asyncio.Semaphore] = {}
         for plugin, _ in self.plugins:
             self._limits.setdefault(plugin.spec.name, asyncio.Semaphore(plugin.spec.runtime.max_concurrency))
@@ -139,7 +147,7 @@ class Graders:
             limit = self._limits[grader.spec.name]
 
             async def limited() -> Attempt:
-                return await attempt(grader, *args, limit=limit)
+                return await self._executor.attempt(grader, *args, limit=limit)
 
             return await with_retries(what, limited, on_failed_attempt=self._on_failed_attempt)
 

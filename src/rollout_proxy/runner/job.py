@@ -1,7 +1,7 @@
 """The job file, in the shape of the seed's ``job.yaml``.
 
 Only what the runner uses is interpreted (``custom_rl_pipeline``, ``data``,
-``hyperparameters``, and our ``proxy`` section); the rest of the seed's fields are
+``hyperparameters``, and our ``proxy`` and ``ray`` sections); the rest of the seed's fields are
 accepted and recorded. Anything unknown or invalid is reported with its path before
 anything runs.
 """
@@ -9,7 +9,7 @@ anything runs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -89,6 +89,22 @@ class ProxySection(Strict):
     reasoning_parser: str = "think"
 
 
+class RaySection(Strict):
+    """Run each sample's rollout and grading calls as Ray tasks (ours, not the seed's).
+
+    The plugins must import on the workers: the job's directory and the directories the
+    runner imported the plugins from go on the workers' ``PYTHONPATH`` (a shared
+    filesystem), or ship them with ``runtime_env`` (e.g. ``working_dir``). The workers
+    must reach the proxy's URL.
+    """
+
+    address: str = Field(min_length=1, description="HOST:PORT of the head, ray://HOST:PORT, or 'auto'")
+    num_cpus: float = Field(1.0, ge=0.0, description="CPUs each plugin call reserves on its node")
+    scheduling_strategy: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
+    runtime_env: dict[str, Any] = Field(default_factory=dict, description="passed to Ray with the paths and envs added")
+    connect_timeout: float = Field(10.0, gt=0.0, description="seconds to reach the head before the job fails")
+
+
 class JobConfig(Strict):
     name: str = "rollout-job"
     customization_type: str = "GRPO"
@@ -97,6 +113,7 @@ class JobConfig(Strict):
     data: Data
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     proxy: ProxySection = Field(default_factory=ProxySection)
+    ray: RaySection | None = None  # plugin calls as Ray tasks; None: in the runner's process
     # accepted as in the seed, not used by the local runner
     project: str | None = None
     save_model_limit: int | None = None

@@ -15,9 +15,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollout_proxy.runner.admin import AdminClient
+from rollout_proxy.runner.executor import InProcessExecutor, PluginExecutor, rollout_arguments
 from rollout_proxy.runner.retries import gather_first_error, with_retries
 from rollout_proxy.sdk.decorators import Plugin, PluginKind
-from rollout_proxy.sdk.execution import Attempt, attempt_rollout
+from rollout_proxy.sdk.execution import Attempt
 from rollout_proxy.sdk.types import ChatCompletionSample, PluginContext, PluginStatus, Trajectory
 
 
@@ -29,11 +30,18 @@ class Rollouts:
     """The job's rollout plugin, run through the proxy with retries."""
 
     def __init__(
-        self, plugin: Plugin, admin: AdminClient, *, job_id: str, on_failed_attempt: Callable[[], None] = _no_op
+        self,
+        plugin: Plugin,
+        admin: AdminClient,
+        *,
+        job_id: str,
+        on_failed_attempt: Callable[[], None] = _no_op,
+        executor: PluginExecutor | None = None,
     ) -> None:
         runtime = plugin.spec.runtime
         self.plugin = plugin
         self._admin = admin
+        self._executor = executor or InProcessExecutor()
         self._on_failed_attempt = on_failed_attempt
         self._limit = asyncio.Semaphore(runtime.max_concurrency)
         self._concurrency = {"key": job_id, "max_requests": runtime.request_concurrency}
@@ -73,7 +81,8 @@ class Rollouts:
             concurrency=self._concurrency,
         )
         async with proxy:  # closes the clients the plugin made
-            attempt = await attempt_rollout(self.plugin, context, proxy, sample, n_sample, limit=self._limit)
+            arguments = rollout_arguments(self.plugin, context, proxy, sample, n_sample)
+            attempt = await self._executor.attempt(self.plugin, *arguments, limit=self._limit)
             trajectories = await self._admin.finish(proxy.session_id, self._finish_body(attempt))
         return Attempt(attempt.status, attempt.error, trajectories)
 

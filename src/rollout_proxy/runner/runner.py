@@ -6,32 +6,41 @@ published when all its groups are graded. Group ids are stable
 (``job/step/sample``), so a resumed job skips what it already published. What a
 plugin's status means lives in ``retries``; calling the proxy in ``admin``; rollouts
 in ``rollouts``; grading in ``grading``; the feed in ``publish``. This module only
-orders them and keeps the progress and the summary.
+orders them and keeps the progress and the summary (with the per-step plot, written
+next to a JSONL feed or in ``OUTPUT_DIR/<job id>/``, and the proxy's viewer address).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from rollout_proxy.runner.admin import AdminClient
+from rollout_proxy.runner.executor import InProcessExecutor, PluginExecutor
 from rollout_proxy.runner.grading import Graders, aggregate_metrics
 from rollout_proxy.runner.job import JobConfig
+from rollout_proxy.runner.plot import PLOT_NAME, write_step_plot
 from rollout_proxy.runner.plugins import load_graders, load_rollout
 from rollout_proxy.runner.progress import JobProgress, JobSummary
 from rollout_proxy.runner.publish import GradedGroup, StepPublisher
 from rollout_proxy.runner.retries import JobFailed, SampleDropped, gather_first_error
 from rollout_proxy.runner.rollouts import Rollouts
 from rollout_proxy.sdk.local import load_samples
-from rollout_proxy.state.feed import Feed
+from rollout_proxy.sdk.transport import ProxyClient, ProxyUnreachable
+from rollout_proxy.state.feed import Feed, JsonlFeed
 
 __all__ = ["JobFailed", "JobRunner", "SampleDropped"]
 
 log = structlog.get_logger(__name__)
+
+#: the proxy's trajectory viewer (served by the proxy, admin key)
+VIEWER_PATH = "/ui"
 
 Batch = list[tuple[int, dict[str, Any]]]
 
@@ -58,13 +67,17 @@ class JobRunner:
         feed: Feed,
         job_id: str | None = None,
         progress: bool = True,
+        output_dir: str | Path | None = None,
+        executor: PluginExecutor | None = None,
     ) -> None:
         self.job = job
+        self.executor = executor or InProcessExecutor()  # where plugin calls run: executor.py
         self.job_id = job_id or job.name
         self._proxy_url = proxy_url
         self._admin_key = admin_key
         self._feed = feed
         self._progress_enabled = progress
+        self._output_dir = Path(output_dir or job.proxy.output_dir)
         self.rollout = load_rollout(job)
         self.graders = load_graders(job)
         self.records = [
@@ -86,8 +99,14 @@ class JobRunner:
 
     def _parts(self, admin: AdminClient, progress: JobProgress) -> RunParts:
         return RunParts(
-            rollouts=Rollouts(self.rollout, admin, job_id=self.job_id, on_failed_attempt=progress.attempt_failed),
-            graders=Graders(self.graders, on_failed_attempt=progress.attempt_failed),
+            rollouts=Rollouts(
+                self.rollout,
+                admin,
+                job_id=self.job_id,
+                on_failed_attempt=progress.attempt_failed,
+                executor=self.executor,
+            ),
+            graders=Graders(self.graders, on_failed_attempt=progress.attempt_failed, executor=self.executor),
             publisher=StepPublisher(self._feed, self.job_id, on_published=progress.published),
             progress=progress,
         )
@@ -108,8 +127,7 @@ class JobRunner:
         except SampleDropped:
             parts.progress.sample_dropped()
             return None
-        parts.progress.sample_done(trajectories, grade.rewards)
-        return GradedGroup(
+        group = GradedGroup(
             step=step,
             index=index,
             group_id=group_id,
@@ -120,6 +138,8 @@ class JobRunner:
             metrics=grade.metrics,
             custom=grade.custom,
         )
+        parts.progress.sample_done(trajectories, grade.rewards, step=step, advantages=group.advantages()[1])
+        return group
 
     async def _run_step(self, parts: RunParts, step: int, batch: Batch) -> dict[str, dict[str, float]]:
         """A step's samples together, then its groups published; the step's grader metrics."""
@@ -144,7 +164,7 @@ class JobRunner:
             finally:
                 progress.close()
             counters = await admin.counters()
-        return progress.summary(
+        summary = progress.summary(
             job_id=self.job_id,
             steps=len(batches),
             elapsed=time.monotonic() - started,
@@ -152,3 +172,35 @@ class JobRunner:
             forks=int(counters.get("forks_total", 0)),
             step_metrics=step_metrics,
         )
+        summary.viewer = await viewer_address(self._proxy_url, self._admin_key)
+        summary.plot = await self._plot(summary)
+        return summary
+
+    def plot_path(self) -> Path:
+        """Next to a JSONL feed (the job's output), else ``OUTPUT_DIR/<job id>/``."""
+        if isinstance(self._feed, JsonlFeed):
+            return self._feed.path.parent / PLOT_NAME
+        return (self._output_dir / self.job_id / PLOT_NAME).resolve()
+
+    async def _plot(self, summary: JobSummary) -> str:
+        """The per-step plot's path; a plot that cannot be drawn is logged, never a failed job."""
+        if not summary.steps_stats:
+            return ""
+        try:
+            path = await asyncio.to_thread(write_step_plot, summary.steps_stats, self.plot_path(), title=self.job_id)
+        except Exception as exc:
+            log.warning("step_plot_failed", error=repr(exc))
+            return ""
+        return str(path)
+
+
+async def viewer_address(proxy_url: str, admin_key: str, *, within: float = 5.0) -> str:
+    """``<proxy>/ui`` when the proxy serves its viewer (any answer but 404/405/5xx), else "".
+
+    Asked once, after the job: a proxy that is gone or slow costs at most ``within`` seconds."""
+    async with ProxyClient(proxy_url, admin_key, timeout=within) as http:
+        try:
+            status, _ = await http.asend("GET", VIEWER_PATH)
+        except ProxyUnreachable:
+            return ""
+    return f"{proxy_url.rstrip('/')}{VIEWER_PATH}" if status < 500 and status not in (404, 405) else ""

@@ -5,7 +5,9 @@
 Token ids are little-endian int32 and logprobs float32, so a node's size grows with
 the tokens it adds and nothing else; decoding is a few ``np.frombuffer`` views.
 MoE routing rows (narrowest unsigned dtype, one mask bit per row) are a second blob,
-stored apart: the header keeps only their span.
+stored apart: the header keeps only their span. The policy versions that sampled the
+output are a few ``[version, start, end]`` triples in the header (one per version change,
+usually one), absent when there are none.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from rollout_proxy.records import NodeKind, ResponseNode
+from rollout_proxy.records import NodeKind, PolicySpan, ResponseNode
 from rollout_proxy.routing.rows import RoutingRows, RoutingSpan
 
 MAGIC = b"RPN1"
@@ -52,6 +54,8 @@ def encode_node(node: ResponseNode) -> tuple[bytes, bytes | None]:
     header["lengths"] = lengths
     if node.routing_span is not None:
         header["routing"] = node.routing_span.to_dict()
+    if node.policy_versions:
+        header["versions"] = [[span.version, span.start, span.end] for span in node.policy_versions]
     encoded = orjson.dumps(header)
     routing = None if node.routing is None else node.routing.to_bytes()
     return b"".join([MAGIC, _LENGTH.pack(len(encoded)), encoded, *chunks]), routing
@@ -72,4 +76,5 @@ def decode_node(blob: bytes, routing: bytes | None = None) -> ResponseNode:
     span = None if span_data is None else RoutingSpan.from_dict(span_data)
     rows = None if span is None or routing is None else RoutingRows.from_bytes(span, routing)
     kind = NodeKind(header.pop("kind"))
-    return ResponseNode(kind=kind, routing_span=span, routing=rows, **header, **arrays)
+    versions = tuple(PolicySpan(*triple) for triple in header.pop("versions", ()))
+    return ResponseNode(kind=kind, routing_span=span, routing=rows, policy_versions=versions, **header, **arrays)

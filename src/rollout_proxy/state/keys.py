@@ -46,6 +46,11 @@ def finished_key(session_id: str) -> str:
     return f"{PREFIX}:{{{session_id}}}:finished"
 
 
+def engine_key(session_id: str) -> str:
+    """String: the engine the session moved to after a failover (overrides the record's ``engine``)."""
+    return f"{PREFIX}:{{{session_id}}}:engine"
+
+
 def idempotency_key(session_id: str) -> str:
     """Hash: client idempotency key -> "<request fingerprint> <response id>"."""
     return f"{PREFIX}:{{{session_id}}}:idempotency"
@@ -63,6 +68,30 @@ def session_keys(session_id: str) -> list[str]:
         finished_key(session_id),
         idempotency_key(session_id),
     ]
+
+
+# The session listing's index: one for every proxy sharing this Redis (they share the sessions),
+# in a slot of its own ("{sessions}"), so the index script's three keys stay together on a cluster.
+
+
+def session_index_key() -> str:
+    """Sorted set: session id, scored by its creation time (seconds): the listing's order."""
+    return f"{PREFIX}:{{sessions}}:by_created"
+
+
+def session_expiry_key() -> str:
+    """Sorted set: session id, scored by its expiry time (seconds): what to drop from the index, and when."""
+    return f"{PREFIX}:{{sessions}}:by_expiry"
+
+
+def session_summary_key() -> str:
+    """Hash: session id -> its listing summary (JSON), written at create and at finish."""
+    return f"{PREFIX}:{{sessions}}:summaries"
+
+
+def session_index_keys() -> list[str]:
+    """The index's keys, in the order its scripts take them."""
+    return [session_index_key(), session_expiry_key(), session_summary_key()]
 
 
 def feed_stream_key(stream: str) -> str:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from rollout_proxy.errors import SessionFinished, SessionNotFound
 from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus
+from rollout_proxy.state import listing
+from rollout_proxy.state.listing import SessionPage, SessionSummary, Where
 from rollout_proxy.state.store import Idempotency, json_bytes
 
 #: Seconds between expiry sweeps: how long an expired session may still hold memory.
@@ -32,6 +34,7 @@ class _SessionState:
     paths: dict[str, str] = field(default_factory=dict)
     latest: dict[str, str] = field(default_factory=dict)
     idempotency: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (fingerprint, response id)
+    summary: SessionSummary | None = None  # written at create and at finish (the listing's index)
 
 
 class MemoryStore:
@@ -72,7 +75,7 @@ class MemoryStore:
 
     async def create_session(self, session: SessionRecord) -> None:
         self._start_sweeper()
-        self._sessions[session.id] = _SessionState(session=session)
+        self._sessions[session.id] = _SessionState(session=session, summary=listing.opened(session))
         heapq.heappush(self._expiries, (session.expires_at, session.id))
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
@@ -85,6 +88,7 @@ class MemoryStore:
             return None
         json_bytes(result, "the rollout result")  # what Redis refuses, refused here too
         state.session = dataclasses.replace(state.session, status=SessionStatus.FINISHED, result=result)
+        state.summary = listing.summarize(state.session, state.nodes.values())
         return state.session
 
     async def put_node(
@@ -116,6 +120,13 @@ class MemoryStore:
             state.latest[latest] = state.latest["*"] = node.id
         return node.id
 
+    async def set_session_engine(self, session_id: str, engine: str) -> bool:
+        state = self._state(session_id)
+        if state is None:
+            return False
+        state.session = dataclasses.replace(state.session, engine=engine)
+        return True
+
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
         state = self._state(session_id)
         if state is None or node_id not in state.nodes:
@@ -138,6 +149,24 @@ class MemoryStore:
     async def latest(self, session_id: str, api: str) -> str | None:
         state = self._state(session_id)
         return None if state is None else state.latest.get(api)
+
+    async def get_nodes(self, session_id: str) -> list[ResponseNode] | None:
+        state = self._state(session_id)
+        return None if state is None else sorted(state.nodes.values(), key=lambda node: node.created_at)
+
+    async def list_sessions(self, where: Where, *, cursor: str | None = None, limit: int = 50) -> SessionPage:
+        after = listing.decode_cursor(cursor) if cursor is not None else None
+        summaries = [
+            state.summary
+            for state in self._sessions.values()
+            if state.summary is not None and (after is None or state.summary.key < after)
+        ]
+        summaries.sort(key=lambda summary: summary.key, reverse=True)
+        scan = listing.Scan(where, limit, self._clock())
+        for summary in summaries:
+            if not scan.offer(summary):
+                return scan.page(exhausted=False)
+        return scan.page(exhausted=True)
 
     async def ping(self) -> bool:
         return True

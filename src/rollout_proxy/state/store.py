@@ -19,7 +19,10 @@ Contract (tested once, over both, in tests/state/test_store_contract.py):
   (routing rows too, when asked);
 - ``match_paths`` answers for many path hashes in one round trip;
 - ids are looked up within the given session only: another session's id is absent;
-- a write to a session that is unknown or expired raises ``SessionNotFound``.
+- a write to a session that is unknown or expired raises ``SessionNotFound``;
+- ``get_nodes`` returns every node of a session in one round trip;
+- ``list_sessions`` pages the live sessions' summaries newest first (``state.listing``):
+  a summary is written at create and at finish only, and goes when its session expires.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import orjson
 
 from rollout_proxy.errors import IdempotencyKeyReused, InvalidRequest
 from rollout_proxy.records import ResponseNode, SessionRecord
+from rollout_proxy.state.listing import SessionPage, Where
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +98,26 @@ class StateStore(Protocol):
         MoE routing rows are loaded only when ``routing`` is set (spans always are)."""
         ...
 
+    async def set_session_engine(self, session_id: str, engine: str) -> bool:
+        """Move the session to ``engine`` (its later turns go there), in one round trip; False if it is gone.
+
+        A routing hint, not history: it expires with the session and never changes a node."""
+        ...
+
     async def match_paths(self, session_id: str, hashes: Sequence[str]) -> list[str | None]: ...
 
     async def latest(self, session_id: str, api: str) -> str | None: ...
+
+    async def get_nodes(self, session_id: str) -> list[ResponseNode] | None:
+        """Every node of the session's tree (no routing rows), oldest first; None if the session is gone."""
+        ...
+
+    async def list_sessions(self, where: Where, *, cursor: str | None = None, limit: int = 50) -> SessionPage:
+        """Summaries of live sessions that ``where`` accepts, newest first, after ``cursor``.
+
+        A page may hold fewer than ``limit`` while ``next`` is set: the scan stops after
+        ``listing.SCAN_LIMIT`` summaries. ``InvalidRequest`` for a cursor it never gave out."""
+        ...
 
     async def ping(self) -> bool:
         """Whether the store answers now (for readiness checks); never raises."""

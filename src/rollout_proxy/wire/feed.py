@@ -31,6 +31,9 @@ class FeedGroup(BaseModel):
     advantages: list[Any]
     advantage_kind: str
     metrics: list[dict[str, float]] = Field(default_factory=list)
+    #: the oldest and newest policy version of any generated token in the group (None: not known)
+    oldest_policy_version: int | None = None
+    newest_policy_version: int | None = None
 
 
 class FeedEntry(BaseModel):

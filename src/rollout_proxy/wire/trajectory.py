@@ -16,6 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollout_proxy.wire.routed_experts import decode_routed_experts
 
 
+class PolicyVersionSpan(BaseModel):
+    """Tokens ``[start, end)`` of ``total_token_ids`` sampled by the policy at ``version`` (the trainer's step)."""
+
+    version: int
+    start: int
+    end: int
+
+
 class Trajectory(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -37,6 +45,8 @@ class Trajectory(BaseModel):
     #: where the plugin rewrote history: ``{"response_id", "diverged_from", "at_message"}``
     forks: list[dict[str, Any]] = Field(default_factory=list)
     routing_disagreements: int = 0
+    #: which policy version sampled which generated tokens (prompt, bridge and injected tokens: none)
+    policy_versions: list[PolicyVersionSpan] = Field(default_factory=list)
 
     def token_ids(self) -> np.ndarray:
         return np.asarray(self.total_token_ids or [], dtype=np.int32)

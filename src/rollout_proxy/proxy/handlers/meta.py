@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rollout_proxy.engines.health import EngineState
 from rollout_proxy.errors import AuthenticationFailed, SessionNotFound
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import presents_admin_key
@@ -23,20 +24,20 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when the store answers and at least one engine is healthy; answered within a second.
+    """Ready when the store answers and an engine is healthy (or paused for a weight update: turns
+    queue and are answered after the resume); answered within a second.
 
-    Every check runs at once, each bounded (a hung engine or store counts as down). Without
-    the admin key it says only counts: the engines' URLs are the operator's, not the world's.
+    Engine health is the fleet's, kept by its background probes: nothing here waits on an engine.
+    The store's ping is bounded. Without the admin key it says only counts: the engines' URLs are
+    the operator's, not the world's.
     """
     app = request.app
-    engines = app[keys.ENGINES].engines
-    store_ok, *health = await asyncio.gather(
-        _within_deadline(app[keys.STORE].ping()), *(_within_deadline(engine.healthy()) for engine in engines)
-    )
-    ready = store_ok and any(health)
-    summary: dict[str, Any] = {"healthy": sum(health), "total": len(engines)}
+    fleet = app[keys.ENGINES]
+    store_ok = await _within_deadline(app[keys.STORE].ping())
+    ready = store_ok and fleet.ready()
+    summary: dict[str, Any] = {"healthy": fleet.count(EngineState.HEALTHY), "total": len(fleet.members)}
     if presents_admin_key(request, app[keys.SETTINGS].admin_key):
-        summary["urls"] = {engine.url: ok for engine, ok in zip(engines, health, strict=True)}
+        summary["urls"] = {url: member.routable for url, member in fleet.members.items()}
     body = {"ready": ready, "store": store_ok, "engines": summary}
     return json_response(body, status=200 if ready else 503)
 
@@ -68,8 +69,10 @@ async def models(request: web.Request) -> web.Response:
         except SessionNotFound:
             raise AuthenticationFailed("this session token's session has expired or never existed") from None
     data: list[dict[str, Any]] = []
-    for engine in request.app[keys.ENGINES].engines:
-        info = await engine.info()
+    infos = await request.app[keys.ENGINES].models()
+    if not infos:
+        raise request.app[keys.ENGINES].unavailable()
+    for info in infos:
         if all(entry["id"] != info.model for entry in data):
             data.append(
                 {"id": info.model, "object": "model", "owned_by": "rollout-proxy", "max_model_len": info.max_model_len}

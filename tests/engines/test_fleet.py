@@ -1,0 +1,288 @@
+"""The fleet over real fake engines: probes and states, the breaker, versions, routing, membership."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from rollout_proxy.engines.base import SamplingParams
+from rollout_proxy.engines.fleet import Fleet, FleetSettings
+from rollout_proxy.engines.health import EngineState
+from rollout_proxy.engines.sampling import sample
+from rollout_proxy.engines.vllm_http import EngineRejected, EngineUnreachable, VLLMEngine
+from rollout_proxy.errors import EngineUnavailable, NotFound
+from tests.conftest import free_port
+from tests.fakes import FakeFleet, fake_fleet
+
+PARAMS = SamplingParams(max_tokens=8, temperature=1.0, top_p=1.0, top_k=0)
+PROMPT = np.asarray([1, 2, 3], dtype=np.int32)
+FAST = FleetSettings(probe_interval=0.05, backoff_max=0.2, health_timeout=0.5)
+
+
+def client(url: str) -> VLLMEngine:
+    return VLLMEngine(url, bound_completions=False)
+
+
+async def until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    async with asyncio.timeout(seconds):
+        while not condition():  # noqa: ASYNC110 (the fleet's prober changes states in the background)
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def fakes(tokenizer_dir):
+    async with fake_fleet(tokenizer_dir, 3) as fleet:
+        yield fleet
+
+
+async def started(urls: list[str], settings: FleetSettings = FAST) -> Fleet:
+    fleet = Fleet([client(url) for url in urls], settings, connect=client)
+    await fleet.start()
+    return fleet
+
+
+def states(fleet: Fleet) -> list[str]:
+    return [entry["state"] for entry in fleet.view()["engines"]]  # type: ignore[index]
+
+
+# -- probes, states and versions ---------------------------------------------------------------------
+
+
+async def test_engines_that_answer_are_healthy_and_one_that_does_not_is_unhealthy(fakes: FakeFleet):
+    fleet = await started([*fakes.urls, f"http://127.0.0.1:{free_port()}"])
+    try:
+        assert states(fleet) == ["healthy", "healthy", "healthy", "unhealthy"]
+        view = fleet.view()
+        assert view["policy_version"] == 0 and view["paused"] is False
+        dead = view["engines"][3]  # type: ignore[index]
+        assert "unreachable" in dead["last_error"] and dead["policy_version"] is None
+        assert fleet.ready()
+    finally:
+        await fleet.close()
+
+
+async def test_the_fleets_version_is_the_highest_integer_the_engines_report(fakes: FakeFleet):
+    fakes.engines[0].weight_version = "7"
+    fakes.engines[1].weight_version = "default"
+    fakes.engines[2].weight_version = "5"
+    fleet = await started(fakes.urls, FleetSettings(policy_version=3))
+    try:
+        assert fleet.version == 7
+        entries = fleet.view()["engines"]
+        assert [(e["state"], e["policy_version"]) for e in entries] == [  # type: ignore[union-attr]
+            ("healthy", 7),
+            ("stale", 3),  # "default" is --policy-version
+            ("stale", 5),
+        ]
+        assert "version 3, the fleet's are 7" in entries[1]["last_error"]  # type: ignore[index]
+    finally:
+        await fleet.close()
+
+
+async def test_default_weights_are_the_policy_version_setting(fakes: FakeFleet):
+    fleet = await started(fakes.urls, FleetSettings(policy_version=4))
+    try:
+        assert fleet.version == 4 and states(fleet) == ["healthy"] * 3
+    finally:
+        await fleet.close()
+
+
+async def test_a_version_that_is_not_an_integer_makes_that_engine_stale_and_says_why(fakes: FakeFleet):
+    fakes.engines[1].weight_version = "step-12"
+    fleet = await started(fakes.urls)
+    try:
+        assert fleet.version == 0 and states(fleet) == ["healthy", "stale", "healthy"]
+        assert "'step-12', which is not an integer" in fleet.view()["engines"][1]["last_error"]  # type: ignore[index]
+    finally:
+        await fleet.close()
+
+
+async def test_an_engine_without_dev_mode_serves_at_the_fleets_version(tokenizer_dir):
+    async with fake_fleet(tokenizer_dir, 1, dev_mode=False) as fakes:
+        fleet = await started(fakes.urls, FleetSettings(policy_version=2))
+        try:
+            assert states(fleet) == ["healthy"] and fleet.view()["engines"][0]["policy_version"] == 2  # type: ignore[index]
+        finally:
+            await fleet.close()
+
+
+async def test_a_killed_engine_goes_unhealthy_and_comes_back_healthy_when_it_returns(fakes: FakeFleet):
+    fleet = await started(fakes.urls)
+    try:
+        await fakes.kill(0)
+        await until(lambda: states(fleet)[0] == "unhealthy")
+        await fakes.restart(0)  # weights "default": the fleet's version (0), so healthy again
+        await until(lambda: states(fleet)[0] == "healthy")
+    finally:
+        await fleet.close()
+
+
+async def test_a_restarted_engine_is_stale_until_its_version_is_set(fakes: FakeFleet):
+    for engine in fakes.engines:
+        engine.weight_version = "3"
+    fleet = await started(fakes.urls)
+    try:
+        assert fleet.version == 3
+        await fakes.kill(0)
+        await until(lambda: states(fleet)[0] == "unhealthy")
+        await fakes.restart(0)  # back with "default" weights (version 0)
+        await until(lambda: states(fleet)[0] == "stale")
+        for _ in range(20):  # it stays out: no turn goes there
+            assert (await sample(fleet, fleet.engines[0], PROMPT, PARAMS)).engine.url != fakes.urls[0]
+        assert fakes.engines[0].completions == []
+        entry = await fleet.admit(fakes.urls[0], policy_version=3)  # the operator loaded version 3
+        assert entry["state"] == "healthy" and entry["policy_version"] == 3
+        assert fakes.engines[0].weight_version == "3"  # told to the engine too
+        assert (await sample(fleet, fleet.engines[0], PROMPT, PARAMS)).engine.url == fakes.urls[0]
+    finally:
+        await fleet.close()
+
+
+async def test_a_stale_engine_that_reports_the_fleets_version_is_healthy_again(fakes: FakeFleet):
+    fakes.engines[0].weight_version = fakes.engines[1].weight_version = "2"
+    fakes.engines[2].weight_version = "1"
+    fleet = await started(fakes.urls)
+    try:
+        assert states(fleet)[2] == "stale"
+        fakes.engines[2].weight_version = "2"  # the trainer updated it directly on the engine
+        await until(lambda: states(fleet)[2] == "healthy")
+    finally:
+        await fleet.close()
+
+
+async def test_a_busy_engine_whose_probe_is_slow_stays_in_while_its_calls_succeed(fakes: FakeFleet):
+    fleet = await started(fakes.urls[:1], FleetSettings(probe_interval=0.05, health_timeout=0.05, failure_threshold=2))
+    try:
+        member = fleet.members[fakes.urls[0]]
+        fleet.report_success(member.client)
+        for _ in range(5):
+            fleet._judge(member, TimeoutError())
+        assert member.state is EngineState.HEALTHY
+        member.answered_at = -float("inf")  # no call answered lately: the probes are believed
+        fleet._judge(member, TimeoutError())
+        fleet._judge(member, TimeoutError())
+        assert member.state is EngineState.UNHEALTHY
+    finally:
+        await fleet.close()
+
+
+# -- calls and the breaker ----------------------------------------------------------------------------
+
+
+async def test_one_refused_call_takes_an_engine_out_a_5xx_needs_the_threshold(fakes: FakeFleet):
+    fleet = await started(fakes.urls, FleetSettings(probe_interval=60.0, failure_threshold=3))
+    try:
+        first, second, _ = fleet.members.values()
+        fleet.report_failure(first.client, EngineUnavailable("the engine answered 503"))
+        assert first.state is EngineState.HEALTHY  # 1 of 3
+        fleet.report_failure(first.client, EngineRejected("500", engine_status=500))
+        fleet.report_failure(first.client, EngineRejected("400", engine_status=400))  # the request's fault: not counted
+        assert first.state is EngineState.HEALTHY
+        fleet.report_failure(first.client, EngineRejected("502", engine_status=502))
+        assert first.state is EngineState.UNHEALTHY and "502" in (first.last_error or "")
+        fleet.report_failure(second.client, EngineUnreachable("refused"))
+        assert second.state is EngineState.UNHEALTHY
+    finally:
+        await fleet.close()
+
+
+# -- routing --------------------------------------------------------------------------------------------
+
+
+async def test_new_sessions_go_to_the_least_loaded_healthy_engine_never_to_a_dead_idle_one(fakes: FakeFleet):
+    fleet = await started(fakes.urls, FleetSettings(probe_interval=60.0))
+    try:
+        first, second, third = fleet.members.values()
+        fleet.mark_down(third, "refused")  # dead, so nothing in flight: it must still get nothing
+        async with first.occupied(), first.occupied(), second.occupied():
+            assert fleet.pick() is second.client
+        picks = {fleet.pick() for _ in range(10)}
+        assert picks == {first.client, second.client}  # equal load: taken in turn
+    finally:
+        await fleet.close()
+
+
+async def test_a_session_stays_on_its_engine_while_it_is_healthy_then_moves(fakes: FakeFleet):
+    fleet = await started(fakes.urls, FleetSettings(probe_interval=60.0))
+    try:
+        first, second, _ = fleet.members.values()
+        async with first.occupied(), first.occupied(), first.occupied():
+            assert fleet.route(first.url) is first.client  # busier, still sticky
+        fleet.mark_down(first, "refused")
+        moved = fleet.route(first.url)
+        assert moved is not first.client
+        assert fleet.route("http://gone.example:1") in (second.client, fleet.members[fakes.urls[2]].client)
+    finally:
+        await fleet.close()
+
+
+async def test_calls_in_flight_are_bounded_per_engine(fakes: FakeFleet):
+    for fake in fakes.engines:
+        fake.delay = 0.2
+    fleet = await started(fakes.urls[:2], FleetSettings(probe_interval=60.0, max_inflight=2))
+    try:
+        first, second = fleet.engines
+        await asyncio.gather(*(sample(fleet, engine, PROMPT, PARAMS) for engine in (first, second) * 4))
+        for fake in fakes.engines[:2]:
+            assert len(fake.completions) == 4
+            assert fake.max_inflight == 2  # the bound (2), on each engine, not across the fleet
+    finally:
+        await fleet.close()
+
+
+# -- membership -------------------------------------------------------------------------------------
+
+
+async def test_an_engine_added_by_url_is_probed_before_the_answer(fakes: FakeFleet):
+    fleet = await started(fakes.urls[:1])
+    try:
+        entry = await fleet.admit(fakes.urls[1])
+        assert entry == {
+            "url": fakes.urls[1],
+            "state": "healthy",
+            "policy_version": 0,
+            "in_flight": 0,
+            "last_error": None,
+        }
+        assert (await fleet.admit(fakes.urls[1] + "/"))["state"] == "healthy"  # the same engine, not a second
+        assert len(fleet.members) == 2
+    finally:
+        await fleet.close()
+
+
+async def test_removing_an_engine_drains_it(fakes: FakeFleet):
+    fakes.engines[0].delay = 0.5
+    fleet = await started(fakes.urls[:2], FleetSettings(probe_interval=60.0))
+    try:
+        first = fleet.engines[0]
+        running = asyncio.create_task(sample(fleet, first, PROMPT, PARAMS))
+        await until(lambda: fakes.engines[0].inflight == 1)
+        entry = await fleet.remove(fakes.urls[0])
+        assert entry["state"] == "draining" and entry["in_flight"] == 1
+        assert (await sample(fleet, first, PROMPT, PARAMS)).engine.url == fakes.urls[1]  # no new turn there
+        finished = await running
+        assert finished.engine is first and finished.completion.finish_reason != "abort"  # in flight: finished
+        await until(lambda: fakes.urls[0] not in fleet.members)
+        assert (await fleet.remove(fakes.urls[1]))["state"] == "removed"  # idle: gone at once
+        with pytest.raises(NotFound):
+            await fleet.remove(fakes.urls[1])
+    finally:
+        await fleet.close()
+
+
+async def test_close_closes_only_the_clients_the_fleet_owns(fakes: FakeFleet):
+    lent = [client(url) for url in fakes.urls[:2]]
+    fleet = Fleet(lent, FAST, connect=client, owned=False)
+    await fleet.start()
+    await fleet.admit(fakes.urls[2])
+    for engine in fleet.engines:
+        await engine.info()
+    sessions = {engine.url: engine._session for engine in fleet.engines}  # type: ignore[attr-defined]
+    await fleet.close()
+    assert sessions[fakes.urls[2]].closed
+    assert not sessions[fakes.urls[0]].closed and not sessions[fakes.urls[1]].closed
+    for engine in lent:
+        await engine.close()

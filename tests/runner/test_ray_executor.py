@@ -1,0 +1,120 @@
+"""The executor choice and the Ray settings, without a cluster (test_ray_runner.py runs one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import rollout_proxy
+from rollout_proxy.runner import JobConfig, JobError
+from rollout_proxy.runner.executor import InProcessExecutor, open_executor, with_ray_address
+from rollout_proxy.runner.job import RaySection
+from rollout_proxy.runner.plugins import load_graders, load_rollout
+from rollout_proxy.runner.ray_executor import connect, head_endpoint, worker_runtime_env
+from tests.runner.conftest import write_dataset
+from tests.runner.ray_cluster import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job_yaml(tmp_path: Path, **more) -> Path:
+    dataset = write_dataset(tmp_path / "train.jsonl", ["ok"])
+    job = {
+        "custom_rl_pipeline": {
+            "rollout": {
+                "plugin": {"python_func": "tests.runner.ray_plugins:status_rollout", "envs": {"RP_ROLLOUT": "1"}}
+            },
+            "graders": [{"plugin": {"python_func": "tests.runner.runner_plugins:quality_grader"}}],
+        },
+        "data": {"training_set": {"local_files": [dataset.name]}},
+        **more,
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+async def test_without_a_ray_section_plugin_calls_stay_in_process(tmp_path):
+    job = JobConfig.load(job_yaml(tmp_path))
+    assert job.ray is None and with_ray_address(job, None) is job
+    assert isinstance(await open_executor(job), InProcessExecutor)
+
+
+def test_the_ray_section_and_the_flag(tmp_path):
+    job = JobConfig.load(
+        job_yaml(tmp_path, ray={"address": "10.0.0.1:6379", "num_cpus": 0.5, "runtime_env": {"pip": ["x"]}})
+    )
+    assert job.ray == RaySection(address="10.0.0.1:6379", num_cpus=0.5, runtime_env={"pip": ["x"]})
+    flagged = with_ray_address(job, "ray://head:10001")
+    assert flagged.ray is not None and flagged.ray.address == "ray://head:10001" and flagged.ray.num_cpus == 0.5
+    assert job.ray.address == "10.0.0.1:6379"  # the loaded job is not changed
+    assert with_ray_address(JobConfig.load(job_yaml(tmp_path)), "auto").ray == RaySection(address="auto")
+
+
+def test_a_bad_ray_section_is_reported_with_its_path(tmp_path):
+    with pytest.raises(JobError) as raised:
+        JobConfig.load(job_yaml(tmp_path, ray={"adress": "h:1", "num_cpus": -1, "scheduling_strategy": "PACK"}))
+    message = str(raised.value)
+    assert "ray.adress: unknown field" in message and "ray.address: Field required" in message
+    assert "ray.num_cpus" in message and "ray.scheduling_strategy" in message
+
+
+@pytest.mark.parametrize(
+    "address, endpoint",
+    [("auto", None), ("10.0.0.1:6379", ("10.0.0.1", 6379)), ("ray://head:10001", ("head", 10001))],
+)
+def test_head_endpoints(address, endpoint):
+    assert head_endpoint(address) == endpoint
+
+
+@pytest.mark.parametrize("address", ["head", "head:port", ":6379", "local"])
+def test_a_malformed_address_is_refused(address):
+    with pytest.raises(JobError, match="expected 'auto', HOST:PORT or ray://HOST:PORT"):
+        head_endpoint(address)
+
+
+def test_an_unreachable_head_fails_fast_instead_of_rays_minutes_of_retries():
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(JobError, match=f"ray.address {address}: cannot reach the Ray head"):
+        connect(RaySection(address=address, connect_timeout=5))
+    assert time.monotonic() - started < 30  # bounded by connect_timeout (Ray's own retries take minutes)
+
+
+def test_the_workers_import_the_plugins_as_the_driver_did(tmp_path):
+    job = JobConfig.load(job_yaml(tmp_path))
+    pipeline = job.custom_rl_pipeline
+    plugins = [(load_rollout(job), pipeline.rollout.plugin), (load_graders(job)[0][0], pipeline.graders[0].plugin)]
+    user = {"pip": ["requests"], "env_vars": {"PYTHONPATH": "/opt/extra", "USER_VAR": "u"}}
+    env = worker_runtime_env(job, plugins, user)
+    assert env["pip"] == ["requests"]  # the rest of the job's runtime_env is passed on
+    entries = env["env_vars"]["PYTHONPATH"].split(os.pathsep)
+    src = str(Path(rollout_proxy.__file__).resolve().parents[1])
+    # the job's directory, where `tests.runner...` was imported from, this package, then the job's own entries
+    assert entries == [str(tmp_path.resolve()), str(REPO), src, "/opt/extra"]
+    assert env["env_vars"]["RP_ROLLOUT"] == "1" and env["env_vars"]["USER_VAR"] == "u"
+
+
+async def test_without_ray_installed_the_job_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails
+    monkeypatch.delitem(sys.modules, "rollout_proxy.runner.ray_executor", raising=False)
+    job = JobConfig.load(job_yaml(tmp_path, ray={"address": "auto"}))
+    with pytest.raises(JobError, match=r"pip install 'rollout-proxy\[ray\]'"):
+        await open_executor(job)
+
+
+def test_run_help_lists_ray():
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout_proxy", "run", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+    )
+    assert "--ray ADDRESS" in result.stdout
