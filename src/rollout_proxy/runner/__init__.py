@@ -49,6 +49,12 @@ async def run_job(
 
     With ``ray`` (an address; or the job's ``ray`` section) plugin calls run as Ray tasks."""
     job = with_ray_address(job, ray)
+    if proxy_url is None and job.training_loop.max_staleness is not None:
+        raise JobError(
+            "training_loop.max_staleness waits for a trainer to resume the fleet with new policy versions, and "
+            "no trainer can reach a proxy started in-process: run the job against one with --proxy-url and "
+            "--admin-key (README, 'Training loop and max_staleness')"
+        )
     feed_url = feed or job.proxy.feed or default_feed(job, output_dir)
     runner_feed = await open_feed(feed_url, stream=job.proxy.feed_stream)
     embedded = None

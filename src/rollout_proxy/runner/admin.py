@@ -49,6 +49,15 @@ class AdminClient:
         counters = await self._transport.aget("/v1/admin/counters", what="reading the proxy's counters")
         return {str(name): float(value) for name, value in counters.items()}
 
+    async def fleet(self) -> dict[str, Any]:
+        """``GET /v1/admin/engines``: the fleet's ``policy_version``, whether it is ``paused``, its ``engines``."""
+        fleet = await self._transport.aget("/v1/admin/engines", what="reading the fleet's policy version")
+        return dict(fleet)
+
+    async def policy_version(self) -> int:
+        """The fleet's policy version (the last ``resume`` set it; at start, the engines')."""
+        return int((await self.fleet())["policy_version"])
+
     async def aclose(self) -> None:
         """Close the transport if this client opened it."""
         if self._owned:

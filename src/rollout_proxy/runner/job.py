@@ -1,8 +1,8 @@
 """The job file, in the shape of the seed's ``job.yaml``.
 
 Only what the runner uses is interpreted (``custom_rl_pipeline``, ``data``,
-``hyperparameters``, and our ``proxy`` and ``ray`` sections); the rest of the seed's fields are
-accepted and recorded. Anything unknown or invalid is reported with its path before
+``hyperparameters``, and our ``proxy``, ``ray`` and ``training_loop`` sections); the rest of
+the seed's fields are accepted and recorded. Anything unknown or invalid is reported with its path before
 anything runs.
 """
 
@@ -105,6 +105,28 @@ class RaySection(Strict):
     connect_timeout: float = Field(10.0, gt=0.0, description="seconds to reach the head before the job fails")
 
 
+class TrainingLoop(Strict):
+    """How a job's steps follow the trainer's weights (ours, not the seed's).
+
+    Policy versions are the trainer's integer steps: after it trained on n of the job's
+    steps the version is ``initial_policy_version + n`` (a step that published no group is
+    not trained on, so not counted). With ``max_staleness`` S, step k's rollouts start once
+    the fleet's version is at least ``initial_policy_version + k - S``, and a group whose
+    oldest generated token is more than S versions behind the fleet when it is published is
+    stale (see ``runner.staleness`` and README, "Training loop and max_staleness").
+    """
+
+    max_staleness: int | None = Field(None, ge=0, description="in policy versions; None: steps never wait")
+    stale_groups: Literal["drop", "keep"] = Field("drop", description="keep: published with stale=true")
+    initial_policy_version: int | None = Field(
+        None, ge=0, description="the version before step 0; default: the fleet's when the job starts"
+    )
+    version_wait: float = Field(
+        3600.0, gt=0.0, description="seconds a step may wait for its version; then the job fails"
+    )
+    poll_interval: float = Field(0.5, gt=0.0, description="seconds between reads of the fleet's version while waiting")
+
+
 class JobConfig(Strict):
     name: str = "rollout-job"
     customization_type: str = "GRPO"
@@ -114,6 +136,7 @@ class JobConfig(Strict):
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     proxy: ProxySection = Field(default_factory=ProxySection)
     ray: RaySection | None = None  # plugin calls as Ray tasks; None: in the runner's process
+    training_loop: TrainingLoop = Field(default_factory=TrainingLoop)  # max_staleness, stale groups
     # accepted as in the seed, not used by the local runner
     project: str | None = None
     save_model_limit: int | None = None

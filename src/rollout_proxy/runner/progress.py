@@ -97,6 +97,11 @@ class JobSummary:
     viewer: str = ""
     #: said next to the viewer's address when that proxy is gone with the job
     viewer_note: str = ""
+    #: the job's training_loop.max_staleness (None: steps did not wait for policy versions)
+    max_staleness: int | None = None
+    stale_dropped: int = 0  # groups not published: older than max_staleness allows
+    stale_kept: int = 0  # groups published with stale=true (stale_groups: keep)
+    version_wait: float = 0.0  # seconds steps waited for the fleet's policy version
 
     def render(self) -> str:
         lines = [
@@ -112,6 +117,11 @@ class JobSummary:
             f"(non-zero advantages), mean |advantage| {self.mean_abs_advantage:.4f}",
             f"  drift         {self.drift} prompt(s) differing from the recorded tokens, {self.forks} fork(s)",
         ]
+        if self.max_staleness is not None:
+            lines.append(
+                f"  staleness     max {self.max_staleness} version(s): {self.stale_dropped} stale group(s) dropped, "
+                f"{self.stale_kept} kept (marked stale), {self.version_wait:.1f}s waiting for policy versions"
+            )
         if len(self.steps_stats) > 1:
             lines += [f"  step {s.step:<8} {_step_line(s)}" for s in self.steps_stats]
         if self.feed:
@@ -208,6 +218,10 @@ class JobProgress:
 
     def published(self, new: bool) -> None:
         self.groups += int(new)
+
+    def waiting(self, version: int | None) -> None:
+        """The bar says which policy version the next step waits for (None: it stopped waiting)."""
+        self._bar.set_description("samples" if version is None else f"waiting for policy version {version}")
 
     def close(self) -> None:
         self._bar.close()

@@ -34,13 +34,19 @@ class GradedGroup:
     grader_rewards: dict[str, list[float]]
     metrics: list[dict[str, float]]
     custom: tuple[str, list[Any]] | None
+    stale: bool = False  # kept although older than max_staleness allows (stale_groups: keep)
+
+    def policy_versions(self) -> tuple[int | None, int | None]:
+        """The oldest and newest policy version of any generated token (None: no spans)."""
+        return version_range(self.trajectories)
 
     def advantages(self) -> tuple[str, list[Any]]:
         """(kind, advantages): the custom ones, else GRPO over the rewards."""
         return self.custom if self.custom is not None else ("grpo", grpo_advantages(self.rewards))
 
-    def entry(self, job_id: str) -> FeedGroup:
+    def entry(self, job_id: str, *, step_groups: int | None = None) -> FeedGroup:
         kind, advantages = self.advantages()
+        oldest, newest = self.policy_versions()
         return FeedGroup(
             group_id=self.group_id,
             job_id=job_id,
@@ -53,7 +59,17 @@ class GradedGroup:
             advantages=advantages,
             advantage_kind=kind,
             metrics=self.metrics,
+            oldest_policy_version=oldest,
+            newest_policy_version=newest,
+            step_groups=step_groups,
+            stale=self.stale,
         )
+
+
+def version_range(trajectories: Sequence[Trajectory]) -> tuple[int | None, int | None]:
+    """(oldest, newest) policy version over the trajectories' spans; (None, None) without any."""
+    versions = [span.version for trajectory in trajectories for span in trajectory.policy_versions]
+    return (min(versions), max(versions)) if versions else (None, None)
 
 
 def check_batch(step: int, groups: Sequence[GradedGroup]) -> None:
@@ -87,7 +103,7 @@ class StepPublisher:
         check_batch(step, groups)
         entry_ids = []
         for group in groups:
-            entry_id = await self._feed.publish(group.entry(self._job_id))
+            entry_id = await self._feed.publish(group.entry(self._job_id, step_groups=len(groups)))
             self._on_published(entry_id is not None)
             entry_ids.append(entry_id)
         return entry_ids

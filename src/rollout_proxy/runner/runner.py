@@ -5,7 +5,8 @@ together (each rollout plugin within its ``Runtime`` limits), and the step is
 published when all its groups are graded. Group ids are stable
 (``job/step/sample``), so a resumed job skips what it already published. What a
 plugin's status means lives in ``retries``; calling the proxy in ``admin``; rollouts
-in ``rollouts``; grading in ``grading``; the feed in ``publish``. This module only
+in ``rollouts``; grading in ``grading``; the feed in ``publish``; waiting for the
+trainer's policy version and stale groups (``max_staleness``) in ``staleness``. This module only
 orders them and keeps the progress and the summary (with the per-step plot, written
 next to a JSONL feed or in ``OUTPUT_DIR/<job id>/``, and the proxy's viewer address).
 """
@@ -31,6 +32,7 @@ from rollout_proxy.runner.progress import JobProgress, JobSummary
 from rollout_proxy.runner.publish import GradedGroup, StepPublisher
 from rollout_proxy.runner.retries import JobFailed, SampleDropped, gather_first_error
 from rollout_proxy.runner.rollouts import Rollouts
+from rollout_proxy.runner.staleness import StalenessGate
 from rollout_proxy.sdk.local import load_samples
 from rollout_proxy.sdk.transport import ProxyClient, ProxyUnreachable
 from rollout_proxy.state.feed import Feed, JsonlFeed
@@ -53,6 +55,7 @@ class RunParts:
     graders: Graders
     publisher: StepPublisher
     progress: JobProgress
+    staleness: StalenessGate | None = None  # the job's max_staleness: steps wait for policy versions
 
 
 class JobRunner:
@@ -109,6 +112,11 @@ class JobRunner:
             graders=Graders(self.graders, on_failed_attempt=progress.attempt_failed, executor=self.executor),
             publisher=StepPublisher(self._feed, self.job_id, on_published=progress.published),
             progress=progress,
+            staleness=(
+                StalenessGate(admin, self.job.training_loop, on_wait=progress.waiting)
+                if self.job.training_loop.max_staleness is not None
+                else None
+            ),
         )
 
     async def _run_sample(self, parts: RunParts, step: int, index: int, record: dict[str, Any]) -> GradedGroup | None:
@@ -143,10 +151,14 @@ class JobRunner:
 
     async def _run_step(self, parts: RunParts, step: int, batch: Batch) -> dict[str, dict[str, float]]:
         """A step's samples together, then its groups published; the step's grader metrics."""
+        resumed = parts.progress.resumed
         results = await gather_first_error([self._run_sample(parts, step, index, record) for index, record in batch])
-        groups = [group for group in results if group is not None]
+        graded = [group for group in results if group is not None]
+        groups = graded if parts.staleness is None else await parts.staleness.sort(step, graded)
         await parts.publisher.publish_step(step, groups)
-        metrics = aggregate_metrics(metric for group in groups for metric in group.metrics)
+        if parts.staleness is not None:
+            parts.staleness.step_done(on_feed=bool(groups) or parts.progress.resumed > resumed)
+        metrics = aggregate_metrics(metric for group in graded for metric in group.metrics)
         log.info("step_published", step=step, groups=len(groups), metrics=metrics)
         return metrics
 
@@ -159,7 +171,11 @@ class JobRunner:
         async with AdminClient(self._proxy_url, self._admin_key) as admin:
             parts = self._parts(admin, progress)
             try:
+                if parts.staleness is not None:
+                    await parts.staleness.start()
                 for step, batch in enumerate(batches):
+                    if parts.staleness is not None:
+                        await parts.staleness.before_step(step)
                     step_metrics[step] = await self._run_step(parts, step, batch)
             finally:
                 progress.close()
@@ -172,6 +188,10 @@ class JobRunner:
             forks=int(counters.get("forks_total", 0)),
             step_metrics=step_metrics,
         )
+        if parts.staleness is not None:
+            summary.max_staleness = parts.staleness.max_staleness
+            summary.stale_dropped, summary.stale_kept = parts.staleness.stale.dropped, parts.staleness.stale.kept
+            summary.version_wait = parts.staleness.waited
         summary.viewer = await viewer_address(self._proxy_url, self._admin_key)
         summary.plot = await self._plot(summary)
         return summary

@@ -34,6 +34,10 @@ class FeedGroup(BaseModel):
     #: the oldest and newest policy version of any generated token in the group (None: not known)
     oldest_policy_version: int | None = None
     newest_policy_version: int | None = None
+    #: how many groups the runner published in this step: a trainer's step is complete when it has them all
+    step_groups: int | None = None
+    #: kept although its oldest token was more than ``max_staleness`` versions old when published
+    stale: bool = False
 
 
 class FeedEntry(BaseModel):
