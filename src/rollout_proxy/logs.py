@@ -19,6 +19,31 @@ def _dumps(data: object, default=None) -> str:
     return orjson.dumps(data, default=default or str).decode()
 
 
+class StderrLogger:
+    """structlog's ``PrintLogger``, but writing to whatever ``sys.stderr`` is when a line is logged.
+
+    ``PrintLoggerFactory(file=sys.stderr)`` keeps the stream it was configured with: configured while
+    the stream was swapped (pytest's capture, a redirect) it later writes to a closed file and every
+    log call raises ``ValueError: I/O operation on closed file``.
+    """
+
+    def msg(self, message: str) -> None:
+        stream = sys.stderr
+        stream.write(message + "\n")
+        stream.flush()
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+
+_STDERR_LOGGER = StderrLogger()  # stateless: one serves every bound logger
+
+
+def stderr_logger(*args: object) -> StderrLogger:
+    """The logger factory: the current ``sys.stderr``, looked up at each line."""
+    return _STDERR_LOGGER
+
+
 def configure_logging(log_format: str = "auto", level: str = "info") -> None:
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
@@ -42,6 +67,6 @@ def configure_logging(log_format: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=stderr_logger,
         cache_logger_on_first_use=False,
     )

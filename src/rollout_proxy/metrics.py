@@ -1,48 +1,278 @@
-"""Counters and gauges for ``/metrics`` (Prometheus text format), kept per application.
+"""The proxy's Prometheus metrics (``/metrics``), kept per application on ``prometheus_client``.
 
-Everything the proxy cannot avoid (forks, prompt drift, unparsed tool calls,
-non-finite logprobs, failovers, aborted turns) is counted here, so it is visible,
-never silent. Gauges (``set``) say how things are now: engines per state, turns
-waiting for a resume, the fleet's policy version.
+Everything the proxy cannot avoid (forks, prompt drift, unparsed tool calls, non-finite
+logprobs, failovers, aborted turns) is counted here, so it is visible, never silent; gauges
+say how things are now (engines per state, calls in flight, open sessions, the policy
+version); histograms say how long things take (a turn, an engine call, the proxy's own share
+of a turn, waits in the pause queue and for an engine slot, the store) and how long turns are
+in tokens.
+
+Every metric is declared in ``DECLARED`` (its kind, HELP text, label names, buckets), so
+``/metrics`` has a HELP and a TYPE line for each and a typo fails a test
+(``tests/test_metrics.py`` checks every name used in ``src``). A name missing from the table
+still works, with a placeholder HELP, so code written elsewhere never fails on a metric.
+
+Each ``Metrics`` has its own ``CollectorRegistry``: two apps in one process (tests) never
+share a number. Several worker processes (``serve --workers N``, ``proxy/workers.py``) share
+one ``PROMETHEUS_MULTIPROC_DIR``, an empty directory set *before* Python starts
+(prometheus_client reads it at import): each worker writes its values there and ``render``
+sums counters and histograms over all workers, and gauges by their ``multiprocess_mode``
+(``livesum`` for what adds up, ``max``/``mostrecent`` for what every worker sees the same; a
+dead worker leaves the sum once ``prometheus_client.multiprocess.mark_process_dead`` is called
+for it). ``value``, ``gauge`` and ``counters`` always answer for this process only.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import contextlib
+import heapq
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
 
-Key = tuple[str, tuple[tuple[str, str], ...]]
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+PREFIX = "rollout_proxy_"
+
+Kind = Literal["counter", "gauge", "histogram"]
+GaugeMode = Literal["livesum", "max", "mostrecent"]
+
+#: seconds, for a turn or an engine call (a long generation takes minutes)
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: seconds, for what the proxy itself adds (sub-millisecond when all is well)
+OVERHEAD = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+#: seconds, for one store call (memory: microseconds; Redis: about a millisecond)
+STORE = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+#: seconds, for a wait in the pause queue or for an engine slot (a pause lasts a weight update)
+WAIT = (0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: tokens of one turn
+TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+    mode: GaugeMode = "livesum"  # gauges across worker processes
+
+
+def _counter(help: str, *labels: str) -> Declared:
+    return Declared("counter", help, labels)
+
+
+def _gauge(help: str, *labels: str, mode: GaugeMode = "livesum") -> Declared:
+    return Declared("gauge", help, labels, mode=mode)
+
+
+def _histogram(help: str, buckets: tuple[float, ...], *labels: str) -> Declared:
+    return Declared("histogram", help, labels, buckets)
+
+
+#: Every metric the proxy writes, by name without the ``rollout_proxy_`` prefix.
+DECLARED: dict[str, Declared] = {
+    # turns and the response tree
+    "turns_total": _counter("Turns answered, by API (chat, responses).", "api"),
+    "generated_tokens_total": _counter("Tokens the policy generated, over all turns."),
+    "streamed_turns_total": _counter(
+        "Streamed turns (stream: true), by API and how they ended: completed, disconnected (the client left; "
+        "the engine call was aborted, nothing recorded) or failed (an SSE error event, nothing recorded).",
+        "api",
+        "outcome",
+    ),
+    "stream_view_mismatch_total": _counter(
+        "Streamed turns whose released deltas disagreed with the final parse (a parser bug; the record is exact)."
+    ),
+    "forks_total": _counter("Requests whose history rewrote an earlier message: a fork, by API.", "api"),
+    "prompt_drift_total": _counter("Turns whose engine-reported prompt differed from the tokens the proxy sent."),
+    "nonfinite_logprobs_total": _counter("Sampled tokens whose logprob was not finite (stored as a placeholder)."),
+    "injected_nodes_total": _counter("Nodes of messages the policy did not generate (POST .../messages)."),
+    "tool_parse_total": _counter(
+        "Tool-call parsing of generated turns, by outcome (none, calls, unparsed).", "outcome"
+    ),
+    "routing_malformed_total": _counter("Turns whose MoE routed experts the engine sent malformed (dropped)."),
+    "routing_disagreements_total": _counter("Positions where a turn's routed experts disagreed with its parent's."),
+    # rendering
+    "renders_total": _counter("Bridge-token renders, by where they were rendered (local, engine).", "source"),
+    "render_checks_total": _counter(
+        "Local renders checked against the engine's, by check and outcome.", "check", "outcome"
+    ),
+    "render_fallbacks_total": _counter("Times local rendering gave way to the engine's, by reason.", "reason"),
+    # the fleet
+    "engine_retries_total": _counter("Engine calls retried on the same or another engine."),
+    "engine_failovers_total": _counter("Turns that moved to another engine after a failure."),
+    "engine_call_failures_total": _counter("Failed engine calls, by error kind.", "kind"),
+    "engine_state_changes_total": _counter("Engine state changes, by the state entered.", "state"),
+    "abort_resubmissions_total": _counter(
+        "Turns resubmitted after an abort or a weight change, by policy and reason.", "policy", "reason"
+    ),
+    "pauses_total": _counter("Fleet pauses for a weight update, by mode.", "mode"),
+    "pause_seconds_total": _counter("Seconds the fleet spent paused."),
+    "resumes_total": _counter("Fleet resumes."),
+    "engines": _gauge("Engines of the fleet, by state.", "state", mode="mostrecent"),
+    "policy_version": _gauge("The fleet's policy version.", mode="max"),
+    "engines_paused": _gauge("1 while the fleet is paused for a weight update.", mode="max"),
+    "paused_turns": _gauge("Turns waiting at the pause gate for a resume."),
+    "engine_in_flight": _gauge("Calls in flight on each engine (label: the engine's short id).", "engine"),
+    # HTTP
+    "requests_total": _counter("Requests answered, by route and status.", "route", "status"),
+    "errors_total": _counter("Error answers (4xx and 5xx), by status.", "status"),
+    "open_sessions": _gauge("Sessions created and neither finished nor expired (this process's)."),
+    # how long things take
+    "turn_seconds": _histogram(
+        "Seconds a turn took, as the plugin waited (streaming included), by API.", LATENCY, "api"
+    ),
+    "engine_seconds": _histogram("Seconds of one engine call, by engine and path.", LATENCY, "engine", "path"),
+    "overhead_seconds": _histogram(
+        "Seconds of a turn not spent in engine calls: the proxy's own share.", OVERHEAD, "api"
+    ),
+    "queue_wait_seconds": _histogram(
+        "Seconds a turn waited before its engine call: at the pause gate, for its job's request bound "
+        "(concurrency) or for an engine slot.",
+        WAIT,
+        "reason",
+    ),
+    "store_seconds": _histogram("Seconds of one state-store call, by operation.", STORE, "op"),
+    "turn_tokens": _histogram("Tokens of one turn: its prompt and what the policy generated.", TOKENS, "kind"),
+}
+
+Metric = Counter | Gauge | Histogram
+
+
+class OpenSessions:
+    """Open sessions of this process: created and neither finished nor past their expiry."""
+
+    def __init__(self) -> None:
+        self._expiry: dict[str, float] = {}
+        self._heap: list[tuple[float, str]] = []
+
+    def opened(self, session_id: str, expires_at: float) -> None:
+        self._expiry[session_id] = expires_at
+        heapq.heappush(self._heap, (expires_at, session_id))
+
+    def closed(self, session_id: str) -> None:
+        self._expiry.pop(session_id, None)
+
+    def count(self, now: float) -> int:
+        while self._heap and self._heap[0][0] <= now:
+            expires_at, session_id = heapq.heappop(self._heap)
+            if self._expiry.get(session_id) == expires_at:
+                del self._expiry[session_id]
+        if len(self._heap) > 2 * len(self._expiry) + 64:  # finished sessions leave stale entries: drop them
+            self._heap = [(at, sid) for sid, at in self._expiry.items()]
+            heapq.heapify(self._heap)
+        return len(self._expiry)
 
 
 class Metrics:
+    """One application's metrics: ``inc`` a counter, ``set`` a gauge, ``observe`` a histogram."""
+
     def __init__(self) -> None:
-        self._counters: dict[Key, float] = defaultdict(float)
-        self._gauges: dict[Key, float] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._metrics: dict[str, Metric] = {}
+        self._children: dict[tuple[object, ...], Metric] = {}
+        self.sessions = OpenSessions()
+        for name in DECLARED:
+            self._metric(name, ())
+
+    def _metric(self, name: str, labels: tuple[str, ...]) -> Metric:
+        metric = self._metrics.get(name)
+        if metric is not None:
+            return metric
+        declared = DECLARED.get(name) or Declared(
+            "histogram"
+            if name.endswith(("_seconds", "_tokens"))
+            else "counter"
+            if name.endswith("_total")
+            else "gauge",
+            f"{name} (undeclared: add it to rollout_proxy.metrics.DECLARED)",
+            labels,
+            LATENCY if name.endswith("_seconds") else TOKENS,
+        )
+        full, labelnames = PREFIX + name, declared.labels
+        created: Metric
+        if declared.kind == "counter":
+            created = Counter(full, declared.help, labelnames, registry=self.registry)
+        elif declared.kind == "gauge":
+            created = Gauge(full, declared.help, labelnames, registry=self.registry, multiprocess_mode=declared.mode)
+        else:
+            created = Histogram(full, declared.help, labelnames, registry=self.registry, buckets=declared.buckets)
+        self._metrics[name] = created
+        return created
+
+    def _child(self, name: str, labels: dict[str, str]) -> Metric:
+        key = (name, *labels.items())
+        child = self._children.get(key)
+        if child is None:  # prometheus_client's labels() takes a lock and builds a key: once per label set
+            metric = self._metric(name, tuple(sorted(labels)))
+            child = metric.labels(**{k: str(v) for k, v in labels.items()}) if labels else metric
+            self._children[key] = child
+        return child
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
-        self._counters[(name, tuple(sorted(labels.items())))] += value
+        child = self._child(name, labels)
+        assert isinstance(child, Counter | Gauge), f"{name} is not a counter"
+        child.inc(value)
 
     def set(self, name: str, value: float, **labels: str) -> None:
         """A gauge: the value now (it replaces the last one)."""
-        self._gauges[(name, tuple(sorted(labels.items())))] = value
+        child = self._child(name, labels)
+        assert isinstance(child, Gauge), f"{name} is not a gauge"
+        child.set(value)
+
+    def add(self, name: str, delta: float, **labels: str) -> None:
+        """A gauge moved by ``delta`` (calls in flight: +1 when one starts, -1 when it ends)."""
+        child = self._child(name, labels)
+        assert isinstance(child, Gauge), f"{name} is not a gauge"
+        child.inc(delta)
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        """One observation of a histogram (seconds, tokens)."""
+        child = self._child(name, labels)
+        assert isinstance(child, Histogram), f"{name} is not a histogram"
+        child.observe(value)
+
+    @contextlib.contextmanager
+    def timer(self, name: str, **labels: str) -> Iterator[None]:
+        """Observe the seconds the ``with`` block took, whether it raised or not."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observe(name, time.perf_counter() - started, **labels)
+
+    def _sample(self, suffix: str, name: str, labels: dict[str, str]) -> float | None:
+        return self.registry.get_sample_value(PREFIX + name + suffix, {k: str(v) for k, v in labels.items()})
 
     def value(self, name: str, **labels: str) -> float:
-        return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
+        """A counter's value for these labels (0 until counted); a histogram's count of observations."""
+        suffix = "_count" if isinstance(self._metrics.get(name), Histogram) else ""
+        return self._sample(suffix, name, labels) or 0.0
 
     def gauge(self, name: str, **labels: str) -> float | None:
-        return self._gauges.get((name, tuple(sorted(labels.items()))))
+        return self._sample("", name, labels)
 
     def counters(self) -> dict[str, float]:
-        """Every counter summed over its labels, by name (without the ``rollout_proxy_`` prefix)."""
+        """Every counter that has counted something, summed over its labels, by name (no prefix)."""
         totals: dict[str, float] = {}
-        for (name, _), value in self._counters.items():
-            totals[name] = totals.get(name, 0.0) + value
+        for name, metric in self._metrics.items():
+            if not isinstance(metric, Counter):
+                continue
+            for family in metric.collect():
+                total = sum(s.value for s in family.samples if s.name.endswith("_total"))
+                if total:
+                    totals[name] = total
         return totals
 
     def render(self) -> str:
-        lines = []
-        for (name, labels), value in sorted([*self._counters.items(), *self._gauges.items()]):
-            label_text = ",".join(f'{key}="{val}"' for key, val in labels)
-            lines.append(
-                f"rollout_proxy_{name}{{{label_text}}} {value:g}" if label_text else f"rollout_proxy_{name} {value:g}"
-            )
-        return "\n".join(lines) + "\n"
+        """The Prometheus text exposition: this process's registry, or every worker's when multiprocess."""
+        self.set("open_sessions", self.sessions.count(time.time()))
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)
+            return generate_latest(merged).decode()
+        return generate_latest(self.registry).decode()
