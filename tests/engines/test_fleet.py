@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from rollout_proxy.engines.base import SamplingParams
 from rollout_proxy.engines.fleet import Fleet, FleetSettings
@@ -286,3 +287,77 @@ async def test_close_closes_only_the_clients_the_fleet_owns(fakes: FakeFleet):
     assert not sessions[fakes.urls[0]].closed and not sessions[fakes.urls[1]].closed
     for engine in lent:
         await engine.close()
+
+
+# -- the wire under the fleet --------------------------------------------------------------------------
+
+
+async def test_a_vllm_without_dev_mode_serves_no_versions_said_once_not_at_every_probe(tokenizer_dir):
+    async with fake_fleet(tokenizer_dir, 1, dev_mode=False) as fakes:
+        with capture_logs() as logs:
+            fleet = await started(fakes.urls, FleetSettings(policy_version=5, probe_interval=0.01))
+            try:
+                member = fleet.members[fakes.urls[0]]
+                for _ in range(5):
+                    await fleet.probe(member)
+                assert member.state is EngineState.HEALTHY and member.version == 5
+            finally:
+                await fleet.close()
+    events = [entry["event"] for entry in logs]
+    assert events.count("engine_serves_no_versions") == 1
+    assert "engine_call_failed" not in events  # a 404 from /weight_info is an answer, not a failure
+
+
+async def test_a_call_on_a_kept_alive_connection_the_engine_closed_is_sent_again_not_counted(fakes: FakeFleet):
+    fake = fakes.engines[0]
+    fleet = await started(fakes.urls[:1], FleetSettings(probe_interval=60.0, failure_threshold=1))
+    try:
+        await sample(fleet, fleet.engines[0], PROMPT, PARAMS)  # a connection now sits idle in the pool
+        fake.set_fault("drop_reused")  # every reused connection is closed unanswered
+        for _ in range(4):
+            done = await sample(fleet, fleet.engines[0], PROMPT, PARAMS)
+            assert done.attempts == 1 and done.completion.finish_reason in ("stop", "length")
+        assert fake.dropped >= 4 and len(fake.completions) == 5
+        member = fleet.members[fakes.urls[0]]
+        assert member.state is EngineState.HEALTHY and member.breaker.failures == 0
+        assert fleet.metrics.counters().get("engine_call_failures_total", 0) == 0
+    finally:
+        await fleet.close()
+
+
+async def test_a_failed_call_gives_its_slot_back(fakes: FakeFleet):
+    fleet = await started(fakes.urls[:1], FleetSettings(probe_interval=60.0, max_inflight=1))
+    try:
+        fakes.engines[0].failures.append((400, "the request's fault"))
+        with pytest.raises(EngineRejected):
+            await sample(fleet, fleet.engines[0], PROMPT, PARAMS)
+        member = fleet.members[fakes.urls[0]]
+        assert member.in_flight == 0 and member.idle.is_set()
+        async with asyncio.timeout(5):  # the only slot is free again
+            assert (await sample(fleet, fleet.engines[0], PROMPT, PARAMS)).engine is member.client
+    finally:
+        await fleet.close()
+
+
+async def test_an_engine_whose_first_probe_failed_takes_a_turn_as_soon_as_a_probe_succeeds(fakes: FakeFleet):
+    fake = fakes.engines[0]
+    fake.set_fault("hang_all")  # a busy host: the probe at start gets no answer in time
+    fleet = await started(fakes.urls[:1], FleetSettings(probe_interval=60.0, health_timeout=0.05))
+    try:
+        assert states(fleet) == ["unhealthy"]
+        fake.set_fault(None)
+        async with asyncio.timeout(5):  # not after the prober's next round (60 s): a turn probes it now
+            while True:
+                try:
+                    done = await sample(fleet, fleet.engines[0], PROMPT, PARAMS)
+                    break
+                except EngineUnavailable:  # a slow host: its probe went on after the turn's short wait
+                    await asyncio.sleep(0.05)
+        assert done.engine.url == fakes.urls[0] and states(fleet) == ["healthy"]
+        await fakes.kill(0)
+        fleet.mark_down(fleet.members[fakes.urls[0]], "refused")
+        with pytest.raises(EngineUnavailable):  # dead for good: refused at once, not after a wait
+            async with asyncio.timeout(5):
+                await sample(fleet, fleet.engines[0], PROMPT, PARAMS)
+    finally:
+        await fleet.close()

@@ -229,3 +229,45 @@ async def test_the_fleet_routes_are_the_admins_and_check_what_they_are_sent(fake
         assert 'rollout_proxy_engines{state="healthy"} 2' in metrics
         assert 'rollout_proxy_engines{state="unhealthy"} 0' in metrics
         assert "rollout_proxy_policy_version 0" in metrics
+
+
+async def test_when_every_engine_hangs_the_client_gets_an_error_within_the_deadline(fakes: FakeFleet):
+    async with ProxyHarness.running(engine_urls=fakes.urls[:2], engine_timeout=1.0, **FAST) as proxy:
+        session = await proxy.create_session([{"role": "user", "content": "Hi"}])
+        for fake in fakes.engines[:2]:
+            fake.set_fault("hang")  # /health answers, completions never do
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as raised:
+            await session.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+        took = time.monotonic() - started
+        assert raised.value.status_code == 504 and raised.value.body["code"] == "engine_timeout"
+        assert int(raised.value.response.headers["Retry-After"]) >= 1
+        assert 1.0 <= took < 2 * 1.0 + 3.0  # one call timeout per engine tried, never unbounded
+        assert all(len(fake.completions) == 1 for fake in fakes.engines[:2])  # each tried once
+        assert proxy.app[keys.METRICS].value("engine_retries_total") == 1
+
+
+async def test_a_full_pause_queue_answers_503_with_retry_after_and_the_queued_turn_is_answered_after_resume(
+    fakes: FakeFleet,
+):
+    async with ProxyHarness.running(engine_urls=fakes.urls[:1], pause_queue=1, **FAST) as proxy:
+        history = [{"role": "user", "content": "Hi"}]
+        first = await proxy.create_session(history)
+        second = await proxy.create_session(history)
+        status, _ = await proxy.request("POST", "/v1/admin/pause", json={"mode": "keep"})
+        assert status == 200
+        queued = asyncio.create_task(first.client.chat.completions.create(model="m", messages=history))
+        await until(lambda: proxy.app[keys.ENGINES].gate.waiting == 1)
+        with pytest.raises(openai.APIStatusError) as raised:
+            await second.client.chat.completions.create(model="m", messages=history)
+        assert raised.value.status_code == 503 and raised.value.body["code"] == "engines_paused"
+        assert int(raised.value.response.headers["Retry-After"]) >= 1
+        assert fakes.engines[0].completions == []
+        metrics = proxy.app[keys.METRICS].render()
+        assert "rollout_proxy_paused_turns 1" in metrics and "rollout_proxy_engines_paused 1" in metrics
+        status, _ = await proxy.request("POST", "/v1/admin/resume", json={"policy_version": 2})
+        assert status == 200
+        reply = await queued
+        assert reply.choices[0].finish_reason in ("stop", "length") and len(fakes.engines[0].completions) == 1
+        metrics = proxy.app[keys.METRICS].render()
+        assert "rollout_proxy_paused_turns 0" in metrics and "rollout_proxy_pause_seconds_total" in metrics

@@ -5,6 +5,8 @@ timeouts) and judged by its calls (refused, reset, 5xx, timeouts: see ``health``
 is sticky-least-loaded: a session stays on its engine while that engine is healthy (prefix
 cache, ``routed_experts_prompt_start``), else it goes to the least-loaded healthy engine;
 health comes first, so an engine with nothing in flight because it is dead gets nothing.
+When no engine is healthy, a turn probes the starting and unhealthy ones at once (``available``)
+rather than fail while one that is back waits for its next probe.
 
 Versions: the fleet has one policy version (the trainer's integer step). At start it is
 the highest integer the engines report in ``/weight_info``, else ``--policy-version``;
@@ -43,7 +45,7 @@ log = structlog.get_logger(__name__)
 class FleetSettings:
     policy_version: int = 0  # the version of "default" weights, and of a fleet whose engines report none
     probe_interval: float = 2.0  # seconds between probes of an engine that answers
-    health_timeout: float = 0.5  # one probe request
+    health_timeout: float = 2.0  # one probe request (generous: a busy engine answers late, a dead one not at all)
     failure_threshold: int = 3  # 5xx answers or timeouts in a row that open an engine's breaker
     backoff_max: float = 30.0  # the longest wait between probes of an unhealthy engine
     max_inflight: int = 256  # calls in flight per engine before they queue
@@ -57,6 +59,8 @@ class FleetSettings:
 
 
 ABORT_POLICIES = ("continue", "regenerate")
+#: How long a turn that finds no healthy engine waits for the probes it started (``Fleet.available``).
+ON_DEMAND_PROBE_WAIT = 0.25
 
 
 class Fleet:
@@ -175,6 +179,32 @@ class Fleet:
         order = {member.url: (index - shift) % len(candidates) for index, member in enumerate(candidates)}
         return min(candidates, key=lambda member: (member.in_flight, order[member.url]))
 
+    async def available(self, sticky: str | None, *, exclude: frozenset[str] | set[str] = frozenset()) -> Member:
+        """``choose``, and when no engine is routable, probe now each one that is starting or unhealthy
+        (``probe_unanswered``, ≤ ``ON_DEMAND_PROBE_WAIT``) and choose again: an engine whose last probe timed
+        out on a busy host, or that just came back, takes the turn at once instead of after its backoff."""
+        member = self.choose(sticky, exclude=exclude)
+        if member is None:
+            await self.probe_unanswered(exclude=exclude)
+            member = self.choose(sticky, exclude=exclude)
+        if member is None:
+            raise self.unavailable()
+        return member
+
+    async def probe_unanswered(self, *, exclude: frozenset[str] | set[str] = frozenset()) -> None:
+        """Probe now every engine that is starting or unhealthy (one probe each, shared by whoever asks),
+        waiting at most ``ON_DEMAND_PROBE_WAIT``: an engine that is up answers in milliseconds, and one that
+        hangs must not hold the turn (its probe goes on in the background and is judged as usual)."""
+        waiting = [
+            member
+            for member in self.members.values()
+            if member.state in (EngineState.STARTING, EngineState.UNHEALTHY)
+            and not member.draining
+            and member.url not in exclude
+        ]
+        if waiting:
+            await asyncio.wait([self._probe_task(member) for member in waiting], timeout=ON_DEMAND_PROBE_WAIT)
+
     def any_routable(self, *, exclude: frozenset[str] | set[str] = frozenset()) -> bool:
         return any(member.routable and member.url not in exclude for member in self.members.values())
 
@@ -191,6 +221,14 @@ class Fleet:
         if member is None:
             raise self.unavailable()
         return member.client
+
+    async def route_now(self, sticky: str | None, *, exclude: frozenset[str] | set[str] = frozenset()) -> Engine:
+        """``route``, probing now the engines that are starting or unhealthy when none can render."""
+        try:
+            return self.route(sticky, exclude=exclude)
+        except EngineUnavailable:
+            await self.probe_unanswered(exclude=exclude)
+        return self.route(sticky, exclude=exclude)
 
     def get(self, sticky: str | None) -> Engine:
         """The session's engine while it serves, else another (``route``)."""
@@ -334,6 +372,15 @@ class Fleet:
         return asyncio.get_running_loop().time() - member.answered_at < window
 
     async def probe(self, member: Member) -> None:
+        """Probe and judge it; a probe already running is joined, not doubled (turns may ask at once)."""
+        await asyncio.shield(self._probe_task(member))
+
+    def _probe_task(self, member: Member) -> asyncio.Future[None]:
+        if member.probing is None or member.probing.done():
+            member.probing = asyncio.ensure_future(self._probe_once(member))
+        return member.probing
+
+    async def _probe_once(self, member: Member) -> None:
         self._judge(member, await self._fetch(member))
 
     def _start_prober(self, member: Member) -> None:
@@ -343,11 +390,12 @@ class Fleet:
             )
 
     async def _stop_prober(self, member: Member) -> None:
-        task, member.prober = member.prober, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for task in (member.prober, member.probing):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        member.prober = member.probing = None
 
     async def _probe_forever(self, member: Member) -> None:
         while True:

@@ -35,6 +35,8 @@ class Member:
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # probe now
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # nothing in flight
     prober: asyncio.Task[None] | None = None
+    #: the probe running now (the prober's, or one a turn asked for): others wait for it, not start one
+    probing: asyncio.Future[None] | None = None
     answered_at: float = -float("inf")  # loop time of its last successful call
 
     def __post_init__(self) -> None:

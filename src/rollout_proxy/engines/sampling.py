@@ -25,13 +25,14 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import structlog
 
-from rollout_proxy.engines.base import Engine, EngineCompletion, SamplingParams
+from rollout_proxy.engines.base import Engine, EngineCompletion, PieceSink, SamplingParams
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.gate import Deadline
 from rollout_proxy.engines.health import counts_against, describe
@@ -119,8 +120,11 @@ class _Kept:
         return merged, spans
 
 
-async def sample(fleet: Fleet, engine: Engine, prompt: np.ndarray, params: SamplingParams) -> Sampled:
-    """Sample one turn: ``engine`` first (the session's, if it is routable), failing over as the module says."""
+async def sample(
+    fleet: Fleet, engine: Engine, prompt: np.ndarray, params: SamplingParams, *, sink: PieceSink | None = None
+) -> Sampled:
+    """Sample one turn: ``engine`` first (the session's, if it is routable), failing over as the module says.
+    With a ``sink``, every call streams its pieces there (``core.streaming`` decides what a retry means)."""
     settings = fleet.settings
     deadline = Deadline(fleet.gate, settings.turn_deadline)
     kept = _Kept()
@@ -129,12 +133,12 @@ async def sample(fleet: Fleet, engine: Engine, prompt: np.ndarray, params: Sampl
     failures = resubmissions = attempts = 0
     queued = True
     while True:
-        await fleet.gate.wait(queued=queued)
-        member = fleet.choose(preferred, exclude=tried)
-        if member is None:
-            raise fleet.unavailable()
+        gate = fleet.gate  # a wait at a closed gate is timed (queue_wait_seconds)
+        with fleet.metrics.timer("queue_wait_seconds", reason="pause") if gate.paused else contextlib.nullcontext():
+            await gate.wait(queued=queued)
+        member = await fleet.available(preferred, exclude=tried)
         try:
-            attempt = await _attempt(fleet, member, kept.prompt(prompt), params, kept.count, deadline)
+            attempt = await _attempt(fleet, member, kept.prompt(prompt), params, kept.count, deadline, sink)
         except _Requeue:
             continue
         except FleetPaused:
@@ -203,10 +207,18 @@ def _nothing(completion: EngineCompletion) -> EngineCompletion:
 
 
 async def _attempt(
-    fleet: Fleet, member: Member, prompt: np.ndarray, params: SamplingParams, kept: int, deadline: Deadline
+    fleet: Fleet,
+    member: Member,
+    prompt: np.ndarray,
+    params: SamplingParams,
+    kept: int,
+    deadline: Deadline,
+    sink: PieceSink | None = None,
 ) -> _Attempt:
     """One call on ``member``: gated, slotted, watched (its deadline, the engine going down, the pause's bound)."""
+    waiting = time.perf_counter()
     async with member.occupied(), member.limit:
+        fleet.metrics.observe("queue_wait_seconds", time.perf_counter() - waiting, reason="slot")
         if fleet.gate.paused or not member.routable:
             raise _Requeue()
         # from here to the send there is no await: a pause that closes the gate after this sees the call
@@ -216,7 +228,8 @@ async def _attempt(
         member.unsent.add(sent)
         epoch, down = member.epoch, member.down
         call_deadline = Deadline(fleet.gate, fleet.settings.call_timeout)
-        task = asyncio.ensure_future(member.client.complete(prompt, params, on_sent=sent.set))
+        streamed = {"sink": sink} if sink is not None else {}  # engines without streaming never see the argument
+        task = asyncio.ensure_future(member.client.complete(prompt, params, on_sent=sent.set, **streamed))
         try:
             completion = await _watch(fleet, task, down, call_deadline, deadline)
         finally:
