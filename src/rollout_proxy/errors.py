@@ -17,9 +17,12 @@
     ├── PayloadTooLarge             413 request_too_large
     ├── UnsupportedMediaType        415 a body encoding the proxy cannot read
     ├── EngineError                 502 upstream_error (the engine answered badly)
+    │   └── StreamInterrupted       502 a streamed answer broke after its first byte (never retried)
     ├── EngineUnavailable           503 service_unavailable (no engine reachable), Retry-After
     │   └── FleetPaused             503 the engines are paused for a weight update (queue full, or waited too long)
     ├── StoreUnavailable            503 service_unavailable (the state store is down), Retry-After
+    │   └── StoreBusy               503 every Redis connection stayed busy for the pool's wait
+    ├── EngineBusy                  503 every connection to the engine stayed busy for the pool's wait
     └── EngineTimeout               504 timeout (the engine did not answer in time), Retry-After
 
 Core code raises these and knows nothing of HTTP; one middleware turns them into
@@ -140,6 +143,13 @@ class EngineError(ProxyError):
     code = "engine_error"
 
 
+class StreamInterrupted(EngineError):
+    """The engine failed, or the turn had to start over, after part of it was streamed to the client:
+    what the client saw cannot be taken back, so the turn ends here (an SSE ``error`` event)."""
+
+    code = "stream_interrupted"
+
+
 class EngineUnavailable(ProxyError):
     status = 503
     type = "service_unavailable"
@@ -156,6 +166,22 @@ class StoreUnavailable(ProxyError):
     status = 503
     type = "service_unavailable"
     code = "store_unavailable"
+    retry_after = 1.0
+
+
+class StoreBusy(StoreUnavailable):
+    """The store answers, but all of this process's connections to it stayed in use for the pool's wait."""
+
+    code = "store_busy"
+
+
+class EngineBusy(ProxyError):
+    """All of this process's connections to an engine stayed in use for the pool's wait: the proxy's
+    own limit, not the engine's failure (so not an ``EngineUnavailable``: the fleet must not count it)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "engine_busy"
     retry_after = 1.0
 
 

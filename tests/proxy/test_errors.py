@@ -74,7 +74,7 @@ async def test_malformed_json_is_400(ready):
         ),
         ({"messages": []}, "messages"),
         ({"messages": USER, "tools": [{"type": "function", "function": {}}]}, "tools[0]"),
-        ({"messages": USER, "stream": True}, "stream"),
+        ({"messages": USER, "stream": True, "stream_options": "usage"}, "stream_options"),
     ],
 )
 async def test_bad_chat_request_is_400(ready, payload, param):

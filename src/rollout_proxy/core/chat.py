@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
+from rollout_proxy.core.streaming import StreamEvent, TurnStreamer
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnResult, TurnRunner
 from rollout_proxy.records import SessionRecord
@@ -27,3 +29,20 @@ class ChatService:
         return await self._turns.generate(
             session, placement, api="chat", tools=tools if tools is not None else session.tools, stop=stop
         )
+
+    async def stream(
+        self,
+        session: SessionRecord,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None,
+        stop: Sequence[str] = (),
+    ) -> AsyncGenerator[StreamEvent, None]:
+        """``complete``, streamed (``core.streaming``): the same node is recorded at the end."""
+        placement = await self._tree.locate(session, messages, api="chat")
+        events = TurnStreamer(self._turns).stream(
+            session, placement, api="chat", tools=tools if tools is not None else session.tools, stop=stop
+        )
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event

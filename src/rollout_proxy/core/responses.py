@@ -7,12 +7,14 @@ the session's root: the sample's messages, then the input.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import orjson
 
+from rollout_proxy.core.streaming import StreamEvent, TurnStreamer
 from rollout_proxy.core.tree import Placement, ResponseTree, with_sample
 from rollout_proxy.core.turns import TurnResult, TurnRunner
 from rollout_proxy.errors import InvalidRequest
@@ -80,6 +82,56 @@ class ResponsesService:
         store: bool,
     ) -> tuple[TurnResult, list[ResponseNode]]:
         """Generate one response; returns it and the path it extends."""
+        placement, meta = await self._placed(
+            session,
+            messages,
+            previous_response_id=previous_response_id,
+            instructions=instructions,
+            tools=tools,
+            store=store,
+        )
+        result = await self._turns.generate(
+            session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
+        )
+        return result, placement.parent
+
+    async def stream(
+        self,
+        session: SessionRecord,
+        messages: list[dict[str, Any]],
+        *,
+        previous_response_id: str | None,
+        instructions: str | None,
+        tools: list[dict[str, Any]] | None,
+        store: bool,
+    ) -> AsyncGenerator[StreamEvent, None]:
+        """``create``, streamed (``core.streaming``): the same node is recorded at the end."""
+        placement, meta = await self._placed(
+            session,
+            messages,
+            previous_response_id=previous_response_id,
+            instructions=instructions,
+            tools=tools,
+            store=store,
+        )
+        events = TurnStreamer(self._turns).stream(
+            session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
+        )
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+
+    async def _placed(
+        self,
+        session: SessionRecord,
+        messages: list[dict[str, Any]],
+        *,
+        previous_response_id: str | None,
+        instructions: str | None,
+        tools: list[dict[str, Any]] | None,
+        store: bool,
+    ) -> tuple[Placement, dict[str, Any]]:
+        """Where the response goes, and the node's metadata."""
         placement = await self._place(
             session, messages, previous_response_id=previous_response_id, instructions=instructions, api="responses"
         )
@@ -90,10 +142,7 @@ class ResponsesService:
         }
         if tools is not None and tools != session.tools:
             meta["tools"] = tools
-        result = await self._turns.generate(
-            session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
-        )
-        return result, placement.parent
+        return placement, meta
 
     async def append_messages(
         self,

@@ -12,12 +12,11 @@ version of every sampled token, store it once).
 
 While the fleet is paused for a weight update a new turn waits before it touches an engine
 (bounded: ``FleetPaused``). Rendering that fails because its engine failed is done again on
-another engine; the session follows the engine its turn ended on (``set_session_engine``).
+another engine; the session follows the engine its turn ended on (written with the turn's node).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,10 +26,11 @@ from typing import Any, TypeVar
 import numpy as np
 import structlog
 
+from rollout_proxy import tracing
 from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.tree import Placement
 from rollout_proxy.core.turn_routing import align_routing
-from rollout_proxy.engines.base import Engine, EngineInfo, SamplingParams
+from rollout_proxy.engines.base import Engine, EngineInfo, PieceSink, SamplingParams
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.sampling import Sampled
 from rollout_proxy.engines.sampling import sample as sample_on_fleet
@@ -40,13 +40,12 @@ from rollout_proxy.errors import (
     EngineTimeout,
     EngineUnavailable,
     SessionNotFound,
-    StoreUnavailable,
 )
 from rollout_proxy.ids import new_response_id
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind, ResponseNode, SessionRecord
 from rollout_proxy.routing import prompt_start
-from rollout_proxy.state.store import Idempotency, StateStore
+from rollout_proxy.state.store import REQUEST_LEASE_S, Idempotency, StateStore
 from rollout_proxy.tokenization.messages import extend_path_hash
 from rollout_proxy.tokenization.parsers import AssistantView, OutputParser, ToolParse
 
@@ -94,7 +93,14 @@ class TurnRunner:
         self._parser = parser
         self._metrics = metrics
         self._renderers = renderers or Renderers()
-        self._limits: dict[str, asyncio.Semaphore] = {}
+
+    @property
+    def parser(self) -> OutputParser:
+        return self._parser
+
+    @property
+    def metrics(self) -> Metrics:
+        return self._metrics
 
     # -- a generated turn ---------------------------------------------------------------------
 
@@ -108,12 +114,25 @@ class TurnRunner:
         stop: Sequence[str] = (),
         meta: dict[str, Any] | None = None,
     ) -> TurnResult:
-        await self._engines.gate.wait()  # paused for a weight update: no engine is touched until the resume
-        turn = await self._on_an_engine(
-            session, lambda engine: self.prepare(session, placement, tools=tools, stop=stop, engine=engine)
-        )
+        turn = await self.prepare_anywhere(session, placement, tools=tools, stop=stop)
         sampled = await self.sample(session, turn)
         return await self.record(session, placement, turn, sampled, api=api, meta=meta)
+
+    async def prepare_anywhere(
+        self,
+        session: SessionRecord,
+        placement: Placement,
+        *,
+        tools: Sequence[dict[str, Any]] | None,
+        stop: Sequence[str],
+    ) -> PreparedTurn:
+        """``prepare`` after a pause's resume, on the session's engine or another if rendering there fails."""
+        gate = self._engines.gate  # paused for a weight update: no engine is touched until the resume
+        with self._metrics.timer("queue_wait_seconds", reason="pause") if gate.paused else contextlib.nullcontext():
+            await gate.wait()
+        return await self._on_an_engine(
+            session, lambda engine: self.prepare(session, placement, tools=tools, stop=stop, engine=engine)
+        )
 
     async def prepare(
         self,
@@ -128,13 +147,14 @@ class TurnRunner:
         bridge) and the sampling settings."""
         engine = engine or self._engines.route(session.engine)
         info = await engine.info()
-        delta = await self._renderers.delta(
-            engine,
-            placement,
-            tools=tools,
-            chat_template_kwargs=session.generation.chat_template_kwargs,
-            add_generation_prompt=True,
-        )
+        with tracing.span("render", **{"rollout_proxy.session_id": session.id}):
+            delta = await self._renderers.delta(
+                engine,
+                placement,
+                tools=tools,
+                chat_template_kwargs=session.generation.chat_template_kwargs,
+                add_generation_prompt=True,
+            )
         prompt = np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
         room = info.max_model_len - len(prompt)
         if room <= 0:
@@ -155,11 +175,14 @@ class TurnRunner:
         )
         return PreparedTurn(engine=engine, info=info, delta=delta, prompt=prompt, params=params)
 
-    async def sample(self, session: SessionRecord, turn: PreparedTurn) -> Sampled:
+    async def sample(self, session: SessionRecord, turn: PreparedTurn, *, sink: PieceSink | None = None) -> Sampled:
         """The turn's engine call through the fleet (``engines.sampling``: failover, pauses, aborted turns),
         within the session's request bound; the prompt the engine consumed is checked."""
+        waiting = time.perf_counter()
         async with self._request_slot(session):
-            sampled = await sample_on_fleet(self._engines, turn.engine, turn.prompt, turn.params)
+            if session.concurrency:  # the job's request bound: how long this turn waited for a slot
+                self._metrics.observe("queue_wait_seconds", time.perf_counter() - waiting, reason="concurrency")
+            sampled = await sample_on_fleet(self._engines, turn.engine, turn.prompt, turn.params, sink=sink)
         completion = sampled.completion
         if completion.prompt_ids is not None and not np.array_equal(completion.prompt_ids, turn.prompt):
             self._metrics.inc("prompt_drift_total")
@@ -177,8 +200,11 @@ class TurnRunner:
         *,
         api: str,
         meta: dict[str, Any] | None,
+        view: AssistantView | None = None,
+        node_id: str | None = None,
     ) -> TurnResult:
-        """The sampled tokens as a node (with its parsed view, routing and policy versions), stored once."""
+        """The sampled tokens as a node (with its parsed view, routing and policy versions), stored once;
+        ``view``, ``node_id``: what a streamed turn already parsed (``parse``) and named (its chunks carry both)."""
         completion = sampled.completion
         routing, disagreements = await align_routing(
             self._store,
@@ -190,18 +216,20 @@ class TurnRunner:
             requested_start=turn.params.routed_experts_prompt_start or 0,
             engine_url=sampled.engine.url,
         )
-        view = self._parse(completion.text)
+        view = view or self.parse(completion.text)
         node_meta = dict(meta or {})
         if completion.nonfinite_logprobs:
             node_meta["nonfinite_logprobs"] = completion.nonfinite_logprobs
         if disagreements:
             node_meta["routing_disagreements"] = disagreements
+        if (trace_id := tracing.current_trace_id()) is not None:
+            node_meta["trace_id"] = trace_id  # the request's trace (README, "Tracing")
         finish_reason = completion.finish_reason
         if view.tool_calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         output_ids = completion.output_ids
         node = ResponseNode(
-            id=new_response_id(session.id),
+            id=node_id or new_response_id(session.id),
             parent_id=placement.parent_id,
             kind=NodeKind.GENERATED,
             api=api,
@@ -223,10 +251,13 @@ class TurnRunner:
             policy_versions=sampled.versions,
         ).with_routing(routing)
         hashes = [*placement.new_hashes, extend_path_hash(placement.end_hash, node.messages[-1])]
-        await self._save(session, node, hashes)
-        await self._follow(session, sampled.engine)
+        moved_to = sampled.engine.url if sampled.engine.url != session.engine else None
+        await self._save(session, node, hashes, engine=moved_to)  # the node and the move: one round trip
+        self._follow(session, sampled.engine)
         self._metrics.inc("turns_total", api=api)
         self._metrics.inc("generated_tokens_total", len(output_ids))
+        self._metrics.observe("turn_tokens", len(turn.prompt), kind="prompt")
+        self._metrics.observe("turn_tokens", len(output_ids), kind="generated")
         return TurnResult(node=node, prompt_ids=turn.prompt, view=view)
 
     # -- injected messages ----------------------------------------------------------------------
@@ -280,7 +311,7 @@ class TurnRunner:
         engine failed (unreachable, too slow) is counted against that engine and done on the next one."""
         tried: set[str] = set()
         while True:
-            engine = self._engines.route(session.engine, exclude=tried)
+            engine = await self._engines.route_now(session.engine, exclude=tried)
             try:
                 return await step(engine)
             except (EngineUnavailable, EngineTimeout) as exc:
@@ -289,30 +320,27 @@ class TurnRunner:
                 if len(tried) > self._engines.settings.retries:
                     raise
 
-    async def _follow(self, session: SessionRecord, engine: Engine) -> None:
-        """The session's later turns go where this one ended (a failover moved it): best effort, a routing hint."""
+    def _follow(self, session: SessionRecord, engine: Engine) -> None:
+        """The session's later turns go where this one ended (a failover moved it; stored with the node)."""
         if engine.url == session.engine:
             return
         moved_from, session.engine = session.engine, engine.url
         if moved_from is not None:
             self._metrics.inc("engine_failovers_total")
             log.info("session_moved", engine=engine.url, moved_from=moved_from)
-        try:
-            await self._store.set_session_engine(session.id, engine.url)
-        except StoreUnavailable as exc:  # the turn is stored: its answer must not fail over a hint
-            log.warning("session_engine_not_saved", engine=engine.url, error=exc.message)
 
     def _request_slot(self, session: SessionRecord) -> contextlib.AbstractAsyncContextManager[Any]:
-        """A slot of the session's shared request bound (e.g. a job's request_concurrency)."""
+        """A slot of the session's shared request bound (e.g. a job's request_concurrency), kept in the
+        store so that it holds across workers (a dead worker's slots come back after ``REQUEST_LEASE_S``).
+        The Redis store may have taken it with the session read (``ReadAhead.bound``): then it is held from
+        that read to the node write, which gives it back in its own round trip."""
         if not session.concurrency:
             return contextlib.nullcontext()
-        key = session.concurrency["key"]
-        limit = self._limits.get(key)
-        if limit is None:
-            limit = self._limits[key] = asyncio.Semaphore(session.concurrency["max_requests"])
-        return limit
+        concurrency = session.concurrency
+        return self._store.request_slot(concurrency["key"], concurrency["max_requests"], lease=REQUEST_LEASE_S)
 
-    def _parse(self, text: str) -> AssistantView:
+    def parse(self, text: str) -> AssistantView:
+        """The view of generated text, counted by how tool-call parsing ended."""
         view = self._parser.parse(text)
         self._metrics.inc("tool_parse_total", outcome=view.tool_parse.value)
         if view.tool_parse is ToolParse.MALFORMED:
@@ -326,9 +354,11 @@ class TurnRunner:
         hashes: Sequence[str],
         *,
         idempotency: Idempotency | None = None,
+        engine: str | None = None,
     ) -> ResponseNode:
-        """Store the node with the path hashes of its messages (the last one names the node);
-        returns it, or the node an earlier request with the same idempotency key stored."""
+        """Store the node with the path hashes of its messages (the last one names the node), and the
+        session's new engine if it moved; returns the node, or the one an earlier request with the same
+        idempotency key stored."""
         node.path_hash = hashes[-1]
         partial = {path_hash: f"{node.id}#{index + 1}" for index, path_hash in enumerate(hashes[:-1])}
         stored_id = await self._store.put_node(
@@ -338,6 +368,7 @@ class TurnRunner:
             partial_paths=partial,
             latest=node.api,
             idempotency=idempotency,
+            engine=engine,
         )
         if stored_id == node.id:
             return node

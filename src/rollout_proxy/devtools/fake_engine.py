@@ -9,7 +9,9 @@ and its logprobs are a deterministic function of position, token and weight vers
 
 Served endpoints: ``GET /health``, ``GET /version``, ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``POST /v1/completions`` (token-id prompts,
-``cache_salt`` checked as vLLM does) and, as vLLM with ``VLLM_SERVER_DEV_MODE=1``
+``prompt_logprobs: k`` in vLLM's shape (None first; the prompt token, then the top k; more than
+``max_logprobs`` refused), ``cache_salt`` checked as vLLM does; ``stream: true`` chunk for chunk as vLLM streams, a client
+that leaves aborting the generation: ``fake_stream``) and, as vLLM with ``VLLM_SERVER_DEV_MODE=1``
 (``vllm/entrypoints/rl/online/api_router.py``): ``POST /pause?mode=abort|wait|keep``,
 ``POST /resume``, ``GET /is_paused``, ``POST /abort_requests``,
 ``POST /update_weight_version {"new_version": str}``, ``GET /weight_info``,
@@ -25,7 +27,9 @@ which of its tokens.
 Faults, per engine: ``fault = "error"`` (every completion a 500), ``"reset"`` (the
 connection is reset halfway through the answer), ``"hang"`` (completions never answer;
 ``/health`` does), ``"hang_all"`` (nothing answers, like a stopped process), ``"slow"``
-(``slow_delay`` more per token); one-shot HTTP errors queue in ``failures``; and the
+(``slow_delay`` more per token), ``"drop_reused"`` (a request on a connection that already
+served one is dropped unanswered: a server closing an idle keep-alive connection just as the
+client reuses it); one-shot HTTP errors queue in ``failures``; and the
 server can ``kill()`` itself (refuse: it stops listening and resets every connection) and
 ``restart()`` on the same port with a restarted engine's state (weights ``"default"``).
 
@@ -35,6 +39,7 @@ With a ``FakeMoE`` it also returns ``routed_experts`` as vLLM does (see ``fake_m
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import copy
 import functools
@@ -51,6 +56,7 @@ from typing import Any
 from aiohttp import web
 
 from rollout_proxy.devtools.fake_moe import FakeMoE
+from rollout_proxy.devtools.fake_stream import FakeStream
 
 __all__ = ["FAULTS", "FakeEngine", "FakeEngineServer", "FakeMoE", "Generation", "fake_logprob", "load_tokenizer"]
 
@@ -58,7 +64,7 @@ Reply = str | Sequence[int]
 Policy = Callable[[list[int]], Reply]
 
 VERSION = "0.32.0"
-FAULTS = ("error", "reset", "hang", "hang_all", "slow")
+FAULTS = ("error", "reset", "hang", "hang_all", "slow", "drop_reused")
 PAUSE_MODES = ("abort", "wait", "keep")
 #: vLLM's limits on ``cache_salt`` (``vllm/entrypoints/generate/base/protocol.py``)
 MAX_CACHE_SALT = 128
@@ -174,7 +180,9 @@ class FakeEngine:
     slow_delay: float = 0.05  # seconds more per token under the "slow" fault
     generations: list[Generation] = field(default_factory=list)  # every completion generated, in order
     pauses: list[str] = field(default_factory=list)  # the modes of the pauses received
+    disconnects: list[str] = field(default_factory=list)  # request ids of streams whose client went away
     paused: bool = False
+    max_logprobs: int = 20  # vLLM's --max-logprobs (its default): more prompt_logprobs are refused
 
     def __post_init__(self) -> None:
         self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
@@ -189,6 +197,10 @@ class FakeEngine:
         self._thawed = asyncio.Event()  # in-flight generations go on (cleared by a keep-mode pause)
         self._thawed.set()
         self._released = asyncio.Event()  # hung requests end (the fault was cleared, or the server stops)
+        self._connections: set[Any] = set()  # the clients' (host, port) of every connection that sent a request
+        self.dropped = 0  # requests dropped by the "drop_reused" fault
+        #: (path, headers with lower-case names) of the latest requests, newest last: its traceparent, say
+        self.received: collections.deque[tuple[str, dict[str, str]]] = collections.deque(maxlen=256)
 
     # -- what tests use ---------------------------------------------------------------
 
@@ -262,6 +274,14 @@ class FakeEngine:
 
     @web.middleware
     async def _hang_all(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        transport = request.transport
+        peer = transport.get_extra_info("peername") if transport is not None else None
+        if self.fault == "drop_reused" and transport is not None and peer in self._connections:
+            self.dropped += 1
+            transport.close()  # closed unanswered: the client sees its pooled connection gone
+            return web.Response(status=204)  # never written
+        self._connections.add(peer)
+        self.received.append((request.path, {key.lower(): value for key, value in request.headers.items()}))
         if self.fault == "hang_all":
             await self._released.wait()
         return await handler(request)
@@ -424,6 +444,13 @@ class FakeEngine:
                 param="cache_salt",
             )
         max_tokens = int(payload.get("max_tokens") or 16)
+        wanted = payload.get("prompt_logprobs")
+        if isinstance(wanted, int) and wanted > self.max_logprobs:
+            return _error(
+                400,
+                f"Requested prompt logprobs of {wanted}, which is greater than max allowed: {self.max_logprobs}",
+                param="prompt_logprobs",
+            )
         if len(prompt) >= self.max_model_len:
             return _error(
                 400,
@@ -452,6 +479,12 @@ class FakeEngine:
         refusal = self._refusal(payload)
         if refusal is not None:
             return refusal
+        if payload.get("stream") and payload.get("prompt_logprobs") is not None:
+            return _error(
+                400,
+                "`prompt_logprobs` are not available when `stream=True`. (parameter=prompt_logprobs)",
+                param="prompt_logprobs",
+            )
         prompt: list[int] = payload["prompt"]
         max_tokens = min(int(payload.get("max_tokens") or 16), self.max_model_len - len(prompt))
         generation = Generation("cmpl-" + secrets.token_hex(8), prompt, payload, arrived_paused)
@@ -461,13 +494,18 @@ class FakeEngine:
         planned = self._next_reply(prompt)
         truncated = len(planned) > max_tokens
         planned = planned[:max_tokens]
+        stream = (
+            FakeStream(self, request, generation, n_planned=len(planned), truncated=truncated)
+            if payload.get("stream")
+            else None
+        )
         self.generations.append(generation)
         self._active.add(generation)
         self._idle.clear()
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         try:
-            await self._generate(generation, planned)
+            await self._generate(generation, planned, on_token=None if stream is None else stream.token)
         finally:
             self.inflight -= 1
             self._active.discard(generation)
@@ -477,13 +515,18 @@ class FakeEngine:
             generation.finish_reason = "abort"
         else:
             generation.finish_reason = "length" if truncated else "stop"
+        if stream is not None:
+            return await stream.finish()
         body = self._completion_body(payload, generation)
         if self.fault == "reset":
             return await self._reset_midway(request, body)
         return web.json_response(body)
 
-    async def _generate(self, generation: Generation, planned: list[int]) -> None:
-        """Token by token: each waits its share of ``delay``, stops at an abort, freezes during a keep pause."""
+    async def _generate(
+        self, generation: Generation, planned: list[int], on_token: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Token by token: each waits its share of ``delay``, stops at an abort, freezes during a keep pause;
+        ``on_token`` streams each one."""
         step = self.delay / len(planned) if planned else 0.0
         for token in planned:
             wait = step + (self.slow_delay if self.fault == "slow" else 0.0)
@@ -500,6 +543,8 @@ class FakeEngine:
             version = self.weight_version
             position = len(generation.prompt) + len(generation.tokens)
             generation.add(token, fake_logprob(position, token, version), version)
+            if on_token is not None:
+                await on_token()
 
     async def _reset_midway(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """Headers and half the body, then the connection is reset."""
@@ -511,6 +556,26 @@ class FakeEngine:
         if request.transport is not None:
             request.transport.abort()
         return response
+
+    def _prompt_logprobs(self, prompt: list[int], k: int, generation: Generation) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: None first, then per position the prompt's token (first, with its rank)
+        and the top ``k``. The prompt token's logprob is ``fake_logprob`` of its position, as if sampled there
+        (so a teacher on these weights scores a student's tokens exactly as they were sampled); the
+        alternatives are deterministic ids with their own ``fake_logprob``."""
+        version = generation.versions[0][0] if generation.versions else self.weight_version
+        entries: list[dict[str, Any] | None] = [None]
+        for position in range(1, len(prompt)):
+            token = prompt[position]
+            candidates = {token} | {(token + 7919 * j) % self.vocab_size for j in range(1, k + 1)}
+            ranked = sorted(candidates, key=lambda t: (-fake_logprob(position, t, version), t))
+            entry = {str(token): self._logprob_entry(position, token, ranked.index(token) + 1, version)}
+            for rank, other in enumerate(ranked[:k], start=1):
+                entry.setdefault(str(other), self._logprob_entry(position, other, rank, version))
+            entries.append(entry)
+        return entries
+
+    def _logprob_entry(self, position: int, token: int, rank: int, version: str) -> dict[str, Any]:
+        return {"logprob": fake_logprob(position, token, version), "rank": rank, "decoded_token": self.decode([token])}
 
     def _completion_body(self, payload: dict[str, Any], generation: Generation) -> dict[str, Any]:
         prompt, sampled, logprobs = generation.prompt, generation.tokens, generation.logprobs
@@ -535,6 +600,8 @@ class FakeEngine:
             "prompt_token_ids": prompt if payload.get("return_token_ids") else None,
             "routed_experts": routed_experts,
         }
+        if payload.get("prompt_logprobs") is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(prompt, int(payload["prompt_logprobs"]), generation)
         if payload.get("logprobs") is not None:
             choice["logprobs"] = {
                 "text_offset": offsets,

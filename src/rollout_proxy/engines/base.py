@@ -53,6 +53,26 @@ class EngineCompletion:
     routed_experts: str | None = None  # the engine's encoded routing, decoded by routing/
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionPiece:
+    """Part of a completion as the engine streamed it (all of it at once, from an engine that cannot stream)."""
+
+    token_ids: np.ndarray  # int32
+    logprobs: np.ndarray  # float32, clamped as in ``EngineCompletion``
+    text: str
+    finish_reason: str | None = None
+
+
+class PieceSink(Protocol):
+    """Who receives a streamed completion's pieces as they arrive (``core.streaming``)."""
+
+    async def begin(self, prompt_ids: np.ndarray) -> None:
+        """A call from ``prompt_ids`` is about to be sent (a failover or a resubmission sends another)."""
+        ...
+
+    async def piece(self, piece: CompletionPiece) -> None: ...
+
+
 class Engine(Protocol):
     """One inference engine (a vLLM server, or the fake one in tests)."""
 
@@ -74,9 +94,16 @@ class Engine(Protocol):
     async def tokenize_text(self, text: str) -> np.ndarray: ...
 
     async def complete(
-        self, prompt_ids: np.ndarray, params: SamplingParams, *, on_sent: Callable[[], None] | None = None
+        self,
+        prompt_ids: np.ndarray,
+        params: SamplingParams,
+        *,
+        on_sent: Callable[[], None] | None = None,
+        sink: PieceSink | None = None,
     ) -> EngineCompletion:
-        """``on_sent`` is called once the request has left for the engine (the fleet's pause waits for it)."""
+        """``on_sent`` is called once the request has left for the engine (the fleet's pause waits for it).
+        With a ``sink`` the output also goes there in pieces as it is sampled, where the engine can stream it
+        exactly (else nothing goes there: the caller relays the completion); the completion is the same."""
         ...
 
     async def healthy(self) -> bool: ...

@@ -13,9 +13,11 @@ The dev-mode control routes (``/pause``, ``/resume``, ``/is_paused``, ``/weight_
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,8 +26,23 @@ import numpy as np
 import orjson
 import structlog
 
-from rollout_proxy.engines.base import EngineCompletion, EngineInfo, PauseMode, SamplingParams
-from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable, ProxyError, TemplateRenderError
+from rollout_proxy import tracing
+from rollout_proxy.engines.base import (
+    EngineCompletion,
+    EngineInfo,
+    PauseMode,
+    PieceSink,
+    SamplingParams,
+)
+from rollout_proxy.engines.streaming import DONE, SSEReader, StreamAssembly
+from rollout_proxy.errors import (
+    EngineBusy,
+    EngineError,
+    EngineTimeout,
+    EngineUnavailable,
+    ProxyError,
+    TemplateRenderError,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -33,6 +50,14 @@ log = structlog.get_logger(__name__)
 LOGPROB_FLOOR = -9999.0
 #: What vLLM's ``/tokenize`` answers when the chat template fails on the messages it was sent.
 TEMPLATE_FAILURE_STATUSES = frozenset({400, 422})
+#: Connections kept beyond the pool of data calls for health probes and control calls, so a pool full
+#: of long generations never makes a probe wait (and the fleet think the engine is down).
+CONTROL_CONNECTIONS = 8
+#: Times a call that failed on a reused keep-alive connection, before any answer, is sent again (on
+#: another connection) before the failure counts as the engine's.
+STALE_CONNECTION_RETRIES = 2
+#: Error statuses that mean "this engine does not serve that route" (vLLM without dev mode).
+NOT_SERVED = frozenset({404})
 
 
 def _loads(body: bytes) -> Any:
@@ -92,10 +117,23 @@ async def _request_sent(session: aiohttp.ClientSession, context: SimpleNamespace
         callback()
 
 
+async def _connection_reused(session: aiohttp.ClientSession, context: SimpleNamespace, params: object) -> None:
+    """Trace hook: the request went out on a pooled keep-alive connection (``_send`` may retry it once)."""
+    if isinstance(context.trace_request_ctx, dict):
+        context.trace_request_ctx["reused"] = True
+
+
+async def _carry_trace(session: aiohttp.ClientSession, context: SimpleNamespace, params: Any) -> None:
+    """Trace hook: the W3C ``traceparent`` of the current span (``tracing.engine_call``'s) on to the engine."""
+    tracing.inject(params.headers)
+
+
 def _tracing() -> aiohttp.TraceConfig:
     trace = aiohttp.TraceConfig()
     trace.on_request_headers_sent.append(_request_sent)
     trace.on_request_chunk_sent.append(_request_sent)
+    trace.on_connection_reuseconn.append(_connection_reused)
+    trace.on_request_start.append(_carry_trace)
     return trace
 
 
@@ -112,12 +150,17 @@ class VLLMEngine:
         first_byte_timeout: float | None = None,
         health_timeout: float = 0.5,
         bound_completions: bool = True,
+        max_connections: int = 1024,
+        pool_timeout: float = 300.0,
     ) -> None:
         """Timeouts in seconds: ``request_timeout`` bounds a whole call, ``connect_timeout`` the TCP
         connect, ``first_byte_timeout`` (default: the whole call) the wait for the answer to start.
 
         ``bound_completions=False`` leaves completions to the caller's deadline (the fleet's, which
-        stops counting while the fleet is paused: a call frozen by a keep-mode pause must live)."""
+        stops counting while the fleet is paused: a call frozen by a keep-mode pause must live).
+
+        Data calls (generation, ``/tokenize``) share ``max_connections`` connections; one that finds
+        them all busy waits up to ``pool_timeout`` seconds, then fails with ``EngineBusy`` (a 503)."""
         self.url = url.rstrip("/")
         self._session = session
         self._owns_session = session is None
@@ -129,13 +172,21 @@ class VLLMEngine:
         )
         self._connect_timeout = connect_timeout
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout, sock_connect=health_timeout)
+        self._max_connections = max_connections
+        self._pool_timeout = pool_timeout
+        self._slots = asyncio.Semaphore(max_connections)
         self._info: EngineInfo | None = None
         #: learned from the first completion: does this engine attach MoE routing?
         self.returns_routing: bool | None = None
+        #: whether it serves ``/weight_info`` (dev mode); None until the first probe
+        self.serves_versions: bool | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout, trace_configs=[_tracing()])
+            connector = aiohttp.TCPConnector(limit=self._max_connections + CONTROL_CONNECTIONS)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, trace_configs=[_tracing()]
+            )
         return self._session
 
     def _control_limits(self, timeout: float) -> aiohttp.ClientTimeout:
@@ -160,46 +211,105 @@ class VLLMEngine:
         limits: aiohttp.ClientTimeout | None = None,
         params: dict[str, str] | None = None,
         on_sent: Callable[[], None] | None = None,
+        pooled: bool = False,
+        expected: frozenset[int] = frozenset(),
     ) -> Any:
+        """One call; a ``pooled`` one (a data call) first waits, bounded, for one of the pool's slots.
+        ``expected``: error statuses the caller handles as an answer (raised, not logged as failures)."""
+        if not pooled:
+            with tracing.engine_call(self.url, method, path):  # a span per call (traceparent: _tracing)
+                return await self._send(
+                    method, path, payload, limits=limits, params=params, on_sent=on_sent, expected=expected
+                )
+        async with self._pool_slot(path):
+            with tracing.engine_call(self.url, method, path):
+                return await self._send(
+                    method, path, payload, limits=limits, params=params, on_sent=on_sent, expected=expected
+                )
+
+    @contextlib.asynccontextmanager
+    async def _pool_slot(self, path: str) -> AsyncIterator[None]:
+        """One of the pool's slots for a data call, waited for within ``pool_timeout``."""
+        try:
+            async with asyncio.timeout(self._pool_timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            log.warning("engine_pool_exhausted", engine=self.url, path=path, waited=self._pool_timeout)
+            raise EngineBusy(
+                f"all {self._max_connections} of the proxy's connections to the engine stayed busy for "
+                f"{self._pool_timeout:g}s; try again shortly"
+            ) from None
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    def _translated(self, exc: BaseException, path: str, limits: aiohttp.ClientTimeout) -> ProxyError:
+        """aiohttp's failure as the error of the tree that says what happened (logged with the URL)."""
+        error: ProxyError
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):  # never connected: the request was not sent
+            error = EngineUnreachable(f"the engine could not be reached within {limits.sock_connect}s")
+        elif isinstance(exc, aiohttp.SocketTimeoutError):
+            error = EngineTimeout(f"the engine did not start answering {path} within {limits.sock_read}s")
+        elif isinstance(exc, TimeoutError):  # the total; aiohttp's ServerTimeoutError is one too
+            error = EngineTimeout(f"the engine did not answer {path} within {limits.total}s")
+        else:
+            error = EngineUnreachable("the engine is unreachable (connection refused or reset)")
+        return self._failed(error, path, exc)
+
+    def _rejected(self, path: str, status: int, body: bytes, *, quiet: bool = False) -> ProxyError:
+        """An HTTP error answer: 503 is the engine's unavailability, anything else a rejection (logged
+        unless ``quiet``: an answer the caller expects, such as a 404 from a route only dev mode serves)."""
+        raw = body[:200].decode(errors="replace")
+        try:
+            message = _error_message(_loads(body), raw) if body else raw
+        except ValueError:  # a plain-text error page (a gateway in front of the engine, or the engine's own)
+            message = raw
+        text = f"the engine answered {path} with {status}: {message}"
+        error = EngineUnavailable(text) if status == 503 else EngineRejected(text, engine_status=status)
+        return error if quiet else self._failed(error, path)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        payload: dict[str, Any] | None,
+        *,
+        limits: aiohttp.ClientTimeout | None,
+        params: dict[str, str] | None,
+        on_sent: Callable[[], None] | None,
+        expected: frozenset[int] = frozenset(),
+    ) -> Any:
+        """Send once; again (at most ``STALE_CONNECTION_RETRIES`` times) while the call failed on a reused
+        keep-alive connection before any answer: the engine closed it while idle, which says nothing
+        about the engine (uvicorn drops idle connections after 5 s), so that is not an engine failure."""
         url = self.url + path
         data = None if payload is None else orjson.dumps(payload)
         headers = {"Content-Type": "application/json"} if data is not None else None
         limits = limits or self._timeout
-        trace = {"on_sent": on_sent} if on_sent is not None else None
         if on_sent is not None and not self._owns_session:
             on_sent()  # a client we were lent has no trace hook of ours: say so now, not never
-        try:
-            async with self._http().request(
-                method, url, data=data, headers=headers, params=params, timeout=limits, trace_request_ctx=trace
-            ) as response:
-                body = await response.read()
-                status = response.status
-        except aiohttp.ConnectionTimeoutError as exc:  # never connected: the request was not sent
-            raise self._failed(
-                EngineUnreachable(f"the engine could not be reached within {limits.sock_connect}s"), path, exc
-            ) from exc
-        except aiohttp.SocketTimeoutError as exc:
-            raise self._failed(
-                EngineTimeout(f"the engine did not start answering {path} within {limits.sock_read}s"), path, exc
-            ) from exc
-        except TimeoutError as exc:  # the total; aiohttp's ServerTimeoutError is one too
-            raise self._failed(
-                EngineTimeout(f"the engine did not answer {path} within {limits.total}s"), path, exc
-            ) from exc
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            raise self._failed(
-                EngineUnreachable("the engine is unreachable (connection refused or reset)"), path, exc
-            ) from exc
-        if status >= 400:
-            raw = body[:200].decode(errors="replace")
+        for attempt in range(STALE_CONNECTION_RETRIES + 1):
+            trace: dict[str, Any] = {"on_sent": on_sent, "reused": False}
+            answered = False
             try:
-                message = _error_message(_loads(body), raw) if body else raw
-            except ValueError:  # a plain-text error page (a gateway in front of the engine, or the engine's own)
-                message = raw
-            text = f"the engine answered {path} with {status}: {message}"
-            raise self._failed(
-                EngineUnavailable(text) if status == 503 else EngineRejected(text, engine_status=status), path
-            )
+                async with self._http().request(
+                    method, url, data=data, headers=headers, params=params, timeout=limits, trace_request_ctx=trace
+                ) as response:
+                    answered = True
+                    body = await response.read()
+                    status = response.status
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                stale = trace["reused"] and not answered and not isinstance(exc, aiohttp.ClientConnectorError)
+                if not stale or attempt == STALE_CONNECTION_RETRIES:
+                    raise self._translated(exc, path, limits) from exc
+                log.info("engine_connection_stale", engine=self.url, path=path, cause=repr(exc))
+                continue
+            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+                raise self._translated(exc, path, limits) from exc
+            break
+        if status >= 400:
+            raise self._rejected(path, status, body, quiet=status in expected)
         try:
             return _loads(body) if body else None
         except ValueError as exc:
@@ -237,11 +347,20 @@ class VLLMEngine:
     async def weight_version(self) -> str | None:
         """``GET /weight_info``'s ``weight_version`` ("default" before any update); None: not served (no dev mode)."""
         try:
-            answer = await self._request("GET", "/weight_info", limits=self._health_timeout)
+            answer = await self._request("GET", "/weight_info", limits=self._health_timeout, expected=NOT_SERVED)
         except EngineRejected as exc:
-            if exc.engine_status == 404:
-                return None
-            raise
+            if exc.engine_status not in NOT_SERVED:
+                raise
+            if self.serves_versions is not False:  # said once, not at every probe
+                log.info(
+                    "engine_serves_no_versions",
+                    engine=self.url,
+                    detail="no /weight_info (vLLM without VLLM_SERVER_DEV_MODE=1): its version is the one "
+                    "the proxy last set, else --policy-version",
+                )
+            self.serves_versions = False
+            return None
+        self.serves_versions = True
         version = answer.get("weight_version") if isinstance(answer, dict) else None
         if not isinstance(version, str):
             raise self._failed(EngineError("the engine's /weight_info has no weight_version string"), "/weight_info")
@@ -251,10 +370,14 @@ class VLLMEngine:
         """``POST /update_weight_version {"new_version": "<version>"}`` (vLLM wants a string); False: not served."""
         try:
             await self._request(
-                "POST", "/update_weight_version", {"new_version": version}, limits=self._control_limits(within)
+                "POST",
+                "/update_weight_version",
+                {"new_version": version},
+                limits=self._control_limits(within),
+                expected=NOT_SERVED,
             )
         except EngineRejected as exc:
-            if exc.engine_status == 404:
+            if exc.engine_status in NOT_SERVED:
                 return False
             raise
         return True
@@ -268,9 +391,9 @@ class VLLMEngine:
 
     async def is_paused(self) -> bool | None:
         try:
-            answer = await self._request("GET", "/is_paused", limits=self._health_timeout)
+            answer = await self._request("GET", "/is_paused", limits=self._health_timeout, expected=NOT_SERVED)
         except EngineRejected as exc:
-            if exc.engine_status == 404:
+            if exc.engine_status in NOT_SERVED:
                 return None
             raise
         paused = answer.get("is_paused") if isinstance(answer, dict) else None
@@ -299,7 +422,7 @@ class VLLMEngine:
         if chat_template_kwargs:
             payload["chat_template_kwargs"] = chat_template_kwargs
         try:
-            answer = await self._request("POST", "/tokenize", payload)
+            answer = await self._request("POST", "/tokenize", payload, pooled=True)
         except EngineRejected as exc:
             # vLLM answers a template that cannot render the messages (a Jinja error, a
             # raise_exception) with 400 (422 for a request it cannot parse): the request's fault.
@@ -313,12 +436,14 @@ class VLLMEngine:
     async def tokenize_text(self, text: str) -> np.ndarray:
         info = await self.info()
         payload = {"model": info.model, "prompt": text, "add_special_tokens": False}
-        return self._tokens(await self._request("POST", "/tokenize", payload))
+        return self._tokens(await self._request("POST", "/tokenize", payload, pooled=True))
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """``POST /detokenize``: the text of ``token_ids`` (special tokens included), for viewers only."""
         info = await self.info()
-        answer = await self._request("POST", "/detokenize", {"model": info.model, "tokens": list(token_ids)})
+        answer = await self._request(
+            "POST", "/detokenize", {"model": info.model, "tokens": list(token_ids)}, pooled=True
+        )
         text = answer.get("prompt") if isinstance(answer, dict) else None
         if not isinstance(text, str):
             raise self._failed(EngineError("the engine's /detokenize returned no text"), "/detokenize")
@@ -331,8 +456,16 @@ class VLLMEngine:
         return np.asarray(tokens, dtype=np.int32)
 
     async def complete(
-        self, prompt_ids: np.ndarray, params: SamplingParams, *, on_sent: Callable[[], None] | None = None
+        self,
+        prompt_ids: np.ndarray,
+        params: SamplingParams,
+        *,
+        on_sent: Callable[[], None] | None = None,
+        sink: PieceSink | None = None,
     ) -> EngineCompletion:
+        """With a ``sink``: streamed (``engines.streaming``) once this engine is known not to return routing
+        (vLLM does not stream ``routed_experts``); else one plain call, whose output the sink's owner relays
+        from the completion returned."""
         info = await self.info()
         payload: dict[str, Any] = {
             "model": info.model,
@@ -360,8 +493,88 @@ class VLLMEngine:
             payload["routed_experts_prompt_start"] = params.routed_experts_prompt_start
         if params.cache_salt is not None:
             payload["cache_salt"] = params.cache_salt
+        if sink is not None:
+            await sink.begin(prompt_ids)
+            if self.returns_routing is False:
+                return await self._stream(payload, sink, on_sent=on_sent)
+        return await self._complete_once(payload, on_sent=on_sent)
+
+    async def prompt_logprobs(self, prompt_ids: np.ndarray, k: int) -> list[dict[str, Any] | None]:
+        """``prompt_logprobs: k`` over a token-id prompt (``max_tokens: 1``): per position the prompt token's
+        logprob (and rank) and the top ``k``; entry 0 is None. The teacher pass of on-policy distillation."""
+        info = await self.info()
+        payload = {
+            "model": info.model,
+            "prompt": prompt_ids.tolist(),
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "n": 1,
+            "prompt_logprobs": k,
+            "stream": False,
+        }
+        response = await self._request("POST", "/v1/completions", payload, limits=self._completion_timeout, pooled=True)
+        try:
+            entries = response["choices"][0]["prompt_logprobs"]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise self._failed(EngineError("the engine returned no prompt_logprobs"), "/v1/completions", exc) from exc
+        if not isinstance(entries, list):
+            raise self._failed(EngineError("the engine returned no prompt_logprobs"), "/v1/completions")
+        return entries
+
+    async def _stream(
+        self, payload: dict[str, Any], sink: PieceSink, *, on_sent: Callable[[], None] | None
+    ) -> EngineCompletion:
+        """``stream: true``: each chunk to ``sink`` as it arrives. Leaving early (the sink raised, the caller was
+        cancelled) closes the response: that is how vLLM learns to abort the request."""
+        path, limits = "/v1/completions", self._completion_timeout
+        trace = {"on_sent": on_sent} if on_sent is not None else None
+        if on_sent is not None and not self._owns_session:
+            on_sent()
+        reader, assembly = SSEReader(), StreamAssembly()
+        data = orjson.dumps({**payload, "stream": True})
+        try:
+            async with (
+                self._pool_slot(path),
+                tracing.engine_call_async(self.url, "POST", path),  # the whole stream is one span
+                self._http().post(
+                    self.url + path,
+                    data=data,
+                    headers={"Content-Type": "application/json"},
+                    timeout=limits,
+                    trace_request_ctx=trace,
+                ) as response,
+            ):
+                if response.status >= 400:
+                    raise self._rejected(path, response.status, await response.read())
+                try:
+                    async for data_chunk in response.content.iter_any():
+                        for event in reader.feed(data_chunk):
+                            if event is DONE:
+                                continue  # read on to the end of the body: the connection goes back to the pool
+                            assert isinstance(event, bytes)
+                            try:
+                                chunk = _loads(event)
+                            except ValueError as exc:
+                                raise self._failed(
+                                    EngineError("the engine streamed a chunk that is not JSON"), path, exc
+                                ) from exc
+                            piece = assembly.add(chunk, _sampled_logprobs)
+                            if piece is not None:
+                                await sink.piece(piece)
+                except BaseException:
+                    response.close()
+                    raise
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+            raise self._translated(exc, path, limits) from exc
+        if assembly.finish_reason is None:  # the connection ended cleanly, halfway through the answer
+            raise self._failed(EngineUnreachable("the engine's stream ended before its last chunk"), path)
+        return assembly.completion()
+
+    async def _complete_once(self, payload: dict[str, Any], *, on_sent: Callable[[], None] | None) -> EngineCompletion:
         response = await self._request(
-            "POST", "/v1/completions", payload, limits=self._completion_timeout, on_sent=on_sent
+            "POST", "/v1/completions", payload, limits=self._completion_timeout, on_sent=on_sent, pooled=True
         )
         try:
             choice = response["choices"][0]

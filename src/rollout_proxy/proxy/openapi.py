@@ -21,6 +21,7 @@ from rollout_proxy import __version__
 from rollout_proxy.proxy import openapi_answers as answers
 from rollout_proxy.proxy import openapi_examples as examples
 from rollout_proxy.proxy.handlers import viewer
+from rollout_proxy.proxy.handlers.distill import CriticViewIn, CriticViewOut, TeacherPassIn, TeacherPassOut
 from rollout_proxy.proxy.handlers.feed import MAX_PAGE
 from rollout_proxy.proxy.handlers.fleet_admin import EngineIn, PauseIn, ResumeIn
 from rollout_proxy.proxy.schemas import AppendMessages, ChatRequest, FinishRequest, ResponsesRequest, SessionCreate
@@ -176,6 +177,14 @@ OPERATIONS: tuple[Operation, ...] = (
               "viewer", Access.ADMIN, answers.SessionTree, errors=(404, 503), parameters=(SESSION_ID,)),
     Operation("get", "/v1/admin/responses/{response_id}/tokens", "A trajectory token by token: pieces, nodes, grade",
               "viewer", Access.ADMIN, answers.TrajectoryTokens, errors=(404, 503), parameters=(RESPONSE_ID,)),
+    Operation("post", "/v1/admin/sessions/{session_id}/teacher_pass",
+              "A teacher's logprob (and top-k) of every trained token, teacher_context inserted; nothing stored",
+              "distillation", Access.ADMIN, TeacherPassOut, body=TeacherPassIn, errors=(400, 404, *ENGINE_ERRORS),
+              parameters=(SESSION_ID,)),
+    Operation("post", "/v1/admin/sessions/{session_id}/critic_view",
+              "The trajectory's tokens with critic_context inserted (the student's template); nothing stored",
+              "distillation", Access.ADMIN, CriticViewOut, body=CriticViewIn, errors=(400, 404, *ENGINE_ERRORS),
+              parameters=(SESSION_ID,)),
 )  # fmt: skip
 
 ERRORS: dict[int, tuple[str, str]] = {
@@ -239,6 +248,17 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
+#: Operations that answer ``stream: true`` with server-sent events (README "Streaming").
+STREAMED = {
+    "/v1/chat/completions": "With `stream: true`: `chat.completion.chunk` events (`data: {...}`), each with the "
+    "response `id` and the step's `token_ids` (the first also `prompt_token_ids`), then `data: [DONE]`; "
+    "a failure after the first event is `event: error` with an error body.",
+    "/v1/responses": "With `stream: true`: `response.created`, `response.in_progress`, output item, content part, "
+    "`output_text`/`reasoning_text`/`function_call_arguments` delta and done events, `response.completed` "
+    "(each `event: <type>` with a `sequence_number`); a failure after the first event is an `error` event.",
+}
+
+
 def _operation(operation: Operation, schemas: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
     key = f"{operation.method} {operation.path}"
     media = _media_types(operation.answer)
@@ -246,6 +266,15 @@ def _operation(operation: Operation, schemas: dict[tuple[str, str], dict[str, An
         success = _answer("OK", {kind: {"schema": {"type": "string"}} for kind in media})
     else:
         success = _answer("OK", _json(schemas[(key, "serialization")]))
+    if operation.path in STREAMED and operation.method == "post":
+        success["content"]["text/event-stream"] = {  # OpenAPI 3.1: `schema` describes one event of the stream
+            "schema": {
+                "type": "object",
+                "description": STREAMED[operation.path],
+                "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+                "required": ["data"],
+            }
+        }
     responses: dict[str, Any] = {str(operation.status): success}
     if operation.path == "/readyz":  # not ready is an answer of its own, not an error
         responses["503"] = _answer("Not ready", _json(schemas[(key, "serialization")]))
@@ -323,6 +352,7 @@ def build_document() -> dict[str, Any]:
             {"name": "operations", "description": "Health, readiness, metrics, counters, this document"},
             {"name": "fleet", "description": "The engines: health, adding and draining, pause and resume"},
             {"name": "viewer", "description": "The trajectory viewer at /ui and the admin read API it calls"},
+            {"name": "distillation", "description": "On-policy distillation: teacher passes and critic views"},
         ],
         "paths": paths,
         "components": {

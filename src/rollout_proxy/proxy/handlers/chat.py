@@ -10,9 +10,13 @@ from aiohttp import web
 from rollout_proxy.core.turns import TurnResult
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.proxy import keys
+from rollout_proxy.proxy.chat_stream import ChatChunks, include_usage
 from rollout_proxy.proxy.handlers.common import plugin_request
 from rollout_proxy.proxy.http import json_response
 from rollout_proxy.proxy.schemas import ChatRequest
+from rollout_proxy.proxy.sse import serve_stream
+from rollout_proxy.state.store import ReadAhead
+from rollout_proxy.tokenization.messages import path_hashes
 from rollout_proxy.wire.messages import normalize_messages, normalize_tools
 
 
@@ -50,14 +54,29 @@ def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | N
     }
 
 
-async def chat_completions(request: web.Request) -> web.Response:
-    session, body = await plugin_request(request, ChatRequest)
-    if body.top_logprobs:
-        raise InvalidRequest(
-            "top_logprobs is not supported; logprobs=true returns the sampled ones", param="top_logprobs"
-        )
-    messages = normalize_messages(body.messages)
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    normalized: list[list[dict[str, Any]]] = []
+
+    def read_ahead(body: ChatRequest) -> ReadAhead:
+        """The path-index entries the turn attaches by (read with its session: one round trip)."""
+        if body.top_logprobs:
+            raise InvalidRequest(
+                "top_logprobs is not supported; logprobs=true returns the sampled ones", param="top_logprobs"
+            )
+        normalized.append(normalize_messages(body.messages))
+        return ReadAhead(hashes=tuple(path_hashes(normalized[0])))
+
+    session, body = await plugin_request(request, ChatRequest, read_ahead=read_ahead)
+    messages = normalized[0]
     tools = normalize_tools(body.tools)
+    if body.stream:
+        usage = include_usage(body.model_extra)
+        events = request.app[keys.CHAT].stream(session, messages, tools=tools, stop=body.stop_list())
+        return await serve_stream(
+            request,
+            events,
+            lambda started: ChatChunks(started, model=body.model, usage=usage, logprobs=bool(body.logprobs)),
+        )
     result = await request.app[keys.CHAT].complete(session, messages, tools=tools, stop=body.stop_list())
     structlog.contextvars.bind_contextvars(response_id=result.node.id)
     return json_response(completion_body(result, model=body.model, logprobs=body.logprobs))

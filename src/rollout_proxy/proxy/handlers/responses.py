@@ -12,15 +12,34 @@ from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.handlers.common import plugin_request, request_caller
 from rollout_proxy.proxy.http import json_response
 from rollout_proxy.proxy.openai_responses import response_body
+from rollout_proxy.proxy.responses_stream import ResponseEvents
 from rollout_proxy.proxy.schemas import ResponsesRequest
+from rollout_proxy.proxy.sse import serve_stream
+from rollout_proxy.state.store import ReadAhead
 from rollout_proxy.wire.messages import normalize_tools
 from rollout_proxy.wire.responses import input_to_messages
 
 
-async def create_response(request: web.Request) -> web.Response:
-    session, body = await plugin_request(request, ResponsesRequest)
+async def create_response(request: web.Request) -> web.StreamResponse:
+    session, body = await plugin_request(
+        request, ResponsesRequest, read_ahead=lambda body: ReadAhead(response_id=body.previous_response_id)
+    )
     messages = input_to_messages(body.input)
     tools = normalize_tools(body.tools)
+    if body.stream:
+        events = request.app[keys.RESPONSES].stream(
+            session,
+            messages,
+            previous_response_id=body.previous_response_id,
+            instructions=body.instructions,
+            tools=tools,
+            store=body.store,
+        )
+        return await serve_stream(
+            request,
+            events,
+            lambda started: ResponseEvents(started, session=session, tools=tools or session.tools, model=body.model),
+        )
     result, _ = await request.app[keys.RESPONSES].create(
         session,
         messages,

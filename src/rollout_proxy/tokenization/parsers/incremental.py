@@ -1,0 +1,252 @@
+"""The assistant view of a turn as its text streams in: reasoning, content and tool calls, in pieces.
+
+Only what the final parse (``OutputParser.parse`` of the whole text) is sure to contain is
+released, so the pieces concatenate to exactly the non-streamed message:
+
+- ``<think>`` reasoning streams once the text opened with ``<think>``; a trailing newline or
+  part of ``</think>`` waits for what follows. Text that does not open with ``<think>`` may
+  still be reasoning (templates that put the tag in the prompt) until the text ends without a
+  ``</think>``: it is held until one of the two happens.
+- Content streams, except: a trailing whitespace run (stripped if a tool call follows), a
+  suffix that may be the start of ``<tool_call>``, and content that starts with whitespace
+  before any ``<tool_call>`` was seen (whether it is stripped depends on the rest).
+- A hermes ``<tool_call>`` block is held until it closes; then it is released as one complete
+  call, or, if it does not parse, as content (as the final parse keeps it).
+
+``finish`` reconciles with the final parse: the rest of each field is released, and the final
+view takes the ids of the calls already released. Parsers this module does not know are not
+streamed: everything comes at ``finish``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_proxy.tokenization.parsers import OutputParser
+from rollout_proxy.tokenization.parsers.base import AssistantView, NoReasoning, NoTools
+from rollout_proxy.tokenization.parsers.hermes import HermesToolParser
+from rollout_proxy.tokenization.parsers.think import CLOSE, OPEN, ThinkReasoningParser
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+
+
+@dataclass(slots=True)
+class ViewDelta:
+    """What a piece of text adds to the assistant message."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # complete calls, in order
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
+
+
+class IncrementalParser:
+    """Feed the text as it comes (``feed``), then reconcile with the final parse (``finish``)."""
+
+    def __init__(self, parser: OutputParser) -> None:
+        self._parser = parser
+        known_reasoning = isinstance(parser.reasoning, ThinkReasoningParser | NoReasoning)
+        known_tools = isinstance(parser.tools, HermesToolParser | NoTools)
+        self._hold_all = not (known_reasoning and known_tools)
+        self._think = isinstance(parser.reasoning, ThinkReasoningParser)
+        self._hermes = isinstance(parser.tools, HermesToolParser)
+        self._in_reasoning = self._think
+        # reasoning phase
+        self._buffer = ""  # all text of the reasoning phase
+        self._scanned = 0  # where the search for </think> resumes
+        self._opened = False  # the text opened with <think>
+        self._unopened = False  # the text began with something else
+        self._body_start = -1  # where the reasoning text starts (after <think> and newlines); -1: not yet
+        self._reasoning_end = -1  # end of the reasoning released so far
+        # content phase
+        self._strip_newlines = False  # drop the newlines right after </think>
+        self._in_call = False
+        self._pending = ""  # text not classified yet (a possible start of <tool_call>, or a call's body)
+        self._call_scanned = 0
+        self._tag_seen = False
+        self._held = ""  # content not released yet
+        # released so far (pieces: a long turn is not copied at every chunk)
+        self._reasoning: list[str] = []
+        self._content_parts: list[str] = []
+        self.tool_calls: list[dict[str, Any]] = []
+        self._text: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All the text fed so far."""
+        return "".join(self._text)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content_parts)
+
+    # -- feeding ---------------------------------------------------------------------------------
+
+    def feed(self, text: str) -> ViewDelta:
+        delta = ViewDelta()
+        self._text.append(text)
+        if self._hold_all or not text:
+            return delta
+        if self._in_reasoning:
+            text = self._feed_reasoning(text, delta)
+            if self._in_reasoning:
+                return delta
+        self._feed_content(text, delta)
+        return delta
+
+    def _feed_reasoning(self, text: str, delta: ViewDelta) -> str:
+        """Consume reasoning-phase text; returns what follows ``</think>`` once it came (else "")."""
+        buffer = self._buffer = self._buffer + text
+        close = buffer.find(CLOSE, max(0, self._scanned - len(CLOSE) + 1))
+        self._scanned = len(buffer)
+        if close >= 0:
+            reasoning, _ = ThinkReasoningParser().split(buffer[: close + len(CLOSE)])
+            self._release_reasoning(reasoning or "", delta)
+            self._in_reasoning = False
+            self._strip_newlines = True
+            self._buffer = ""
+            return buffer[close + len(CLOSE) :]
+        if not self._opened:
+            if self._unopened:
+                return ""
+            stripped = buffer.lstrip()
+            if not stripped.startswith(OPEN):
+                if stripped and not OPEN.startswith(stripped):
+                    self._unopened = True  # it will not open: held until </think> or the end
+                return ""  # not opened yet
+            self._opened = True
+            self._body_start = len(buffer) - len(stripped) + len(OPEN)
+            self._reasoning_end = -1
+        start = self._reasoning_start(buffer)
+        if start < 0:
+            return ""
+        end = len(buffer) - _partial_suffix(buffer, CLOSE)
+        while end > start and buffer[end - 1] == "\n":
+            end -= 1
+        released = max(self._reasoning_end, start)
+        if end > released:
+            self._emit_reasoning(buffer[released:end], delta)
+            self._reasoning_end = end
+        return ""
+
+    def _reasoning_start(self, buffer: str) -> int:
+        """Where the reasoning text begins: after ``<think>`` and the newlines after it (-1: only newlines yet)."""
+        if self._reasoning_end >= 0:
+            return self._reasoning_end
+        start = self._body_start
+        while start < len(buffer) and buffer[start] == "\n":
+            start += 1
+        if start == len(buffer):
+            return -1
+        self._reasoning_end = start
+        return start
+
+    def _release_reasoning(self, final: str, delta: ViewDelta) -> None:
+        if final.startswith(self.reasoning):
+            self._emit_reasoning(final[len(self.reasoning) :], delta)
+
+    def _emit_reasoning(self, text: str, delta: ViewDelta) -> None:
+        if text:
+            self._reasoning.append(text)
+        delta.reasoning += text
+
+    def _feed_content(self, text: str, delta: ViewDelta) -> None:
+        if self._strip_newlines:
+            text = text.lstrip("\n")
+            if not text:
+                return
+            self._strip_newlines = False
+        if not self._hermes:
+            self._content_parts.append(text)
+            delta.content += text
+            return
+        self._pending += text
+        while True:
+            if self._in_call:
+                close = self._pending.find(CALL_CLOSE, max(0, self._call_scanned - len(CALL_CLOSE) + 1))
+                self._call_scanned = len(self._pending)
+                if close < 0:
+                    return  # an unfinished call is held back
+                block = CALL_OPEN + self._pending[: close + len(CALL_CLOSE)]
+                self._pending = self._pending[close + len(CALL_CLOSE) :]
+                self._in_call = False
+                _, calls, _ = self._parser.tools.extract(block)
+                if calls:
+                    self.tool_calls.extend(calls)
+                    delta.tool_calls.extend(calls)
+                else:
+                    self._content(block, delta)  # malformed: it stays in the content, as the final parse keeps it
+                continue
+            start = self._pending.find(CALL_OPEN)
+            if start >= 0:
+                self._tag_seen = True
+                self._content(self._pending[:start], delta)
+                self._pending = self._pending[start + len(CALL_OPEN) :]
+                self._in_call, self._call_scanned = True, 0
+                continue
+            keep = _partial_suffix(self._pending, CALL_OPEN)
+            self._content(self._pending[: len(self._pending) - keep], delta)
+            self._pending = self._pending[len(self._pending) - keep :]
+            return
+
+    def _content(self, text: str, delta: ViewDelta) -> None:
+        """Release content that no later text can change (see the module docstring)."""
+        held = self._held + text
+        if not self._content_parts:
+            if self._tag_seen:
+                held = held.lstrip()  # with calls the content is stripped
+            elif held[:1].isspace():
+                self._held = held  # stripped or not: only the rest of the text tells
+                return
+        released = held.rstrip()
+        self._held = held[len(released) :]
+        if released:
+            self._content_parts.append(released)
+        delta.content += released
+
+    # -- the end -----------------------------------------------------------------------------------
+
+    def finish(self, final: AssistantView) -> tuple[AssistantView, ViewDelta, bool]:
+        """The rest of the message, given the final parse of the whole text: (the view to record, with the
+        released calls' ids; what is left to release; whether the released pieces agree with it)."""
+        delta = ViewDelta()
+        agrees = True
+        reasoning = final.reasoning or ""
+        content = final.content or ""
+        sent_reasoning, sent_content = self.reasoning, self.content
+        if reasoning.startswith(sent_reasoning):
+            delta.reasoning = reasoning[len(sent_reasoning) :]
+        else:
+            agrees = False
+        if content.startswith(sent_content):
+            delta.content = content[len(sent_content) :]
+        else:
+            agrees = False
+        calls = [dict(call) for call in final.tool_calls]
+        released = len(self.tool_calls)
+        if [c["function"] for c in calls[:released]] != [c["function"] for c in self.tool_calls]:
+            agrees = False
+        for call, sent in zip(calls, self.tool_calls, strict=False):
+            call["id"] = sent["id"]  # the client has these ids already
+        delta.tool_calls = calls[released:]
+        self._reasoning.append(delta.reasoning)
+        self._content_parts.append(delta.content)
+        self.tool_calls.extend(delta.tool_calls)
+        return dataclasses.replace(final, tool_calls=calls), delta, agrees
