@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from rollout_proxy.proxy.server import ProxyRunner
+from rollout_proxy.proxy.server import LISTEN_BACKLOG, ProxyRunner
 
 T = TypeVar("T")
 
@@ -44,7 +44,7 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0
     """Start ``app`` on the current loop; returns its runner and base URL (malformed HTTP answered as JSON)."""
     runner = ProxyRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
     await site.start()
     bound = runner.addresses[0][1]  # the (host, port) the site's socket was bound to
     return runner, f"http://{host}:{bound}"

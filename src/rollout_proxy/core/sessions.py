@@ -21,7 +21,7 @@ from rollout_proxy.errors import (
 )
 from rollout_proxy.ids import new_session_id, session_of_response
 from rollout_proxy.records import GenerationConfig, SessionRecord, SessionStatus
-from rollout_proxy.state.store import StateStore
+from rollout_proxy.state.store import ReadAhead, StateStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +92,16 @@ class SessionService:
         await self._store.create_session(session)
         return session
 
-    async def get(self, session_id: str) -> SessionRecord:
-        session = await self._store.get_session(session_id)
+    async def get(self, session_id: str, *, read_ahead: ReadAhead | None = None) -> SessionRecord:
+        session = await self._store.get_session(session_id, read_ahead=read_ahead)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} not found (unknown or expired)", param="session_id")
         return session
 
-    async def get_open(self, session_id: str) -> SessionRecord:
-        """The session, if it still takes requests (409 once it is finished)."""
-        session = await self.get(session_id)
+    async def get_open(self, session_id: str, *, read_ahead: ReadAhead | None = None) -> SessionRecord:
+        """The session, if it still takes requests (409 once it is finished); ``read_ahead``: what the turn
+        reads next, read by the store in the same round trip (``state.store.ReadAhead``)."""
+        session = await self.get(session_id, read_ahead=read_ahead)
         if session.status is not SessionStatus.OPEN:
             raise SessionFinished(f"session {session_id!r} is already finished", param="session_id")
         return session

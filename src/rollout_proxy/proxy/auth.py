@@ -3,6 +3,11 @@
 A session token is a JWT (HS256) naming one session and expiring with it (a token
 without ``exp`` is refused); the plugin uses it as its OpenAI ``api_key``. It opens
 that session's data and nothing else, and only while the session exists.
+
+A session with a request bound (a job's ``request_concurrency``) also carries it in its token
+(``request_bound``), so a turn can take the bound's slot in the same store round trip as its session
+read (``state.store.ReadAhead.bound``). The claim is a hint, never authority: the session record is
+(a token without it, from an older proxy, takes its slot at the engine call as before).
 """
 
 from __future__ import annotations
@@ -14,16 +19,20 @@ import jwt
 from aiohttp import web
 
 from rollout_proxy.errors import AuthenticationFailed, NotFound
+from rollout_proxy.state.store import RequestBound
 
 AUDIENCE = "rollout-proxy/session"
 #: ``exp`` above all: a token without it would never expire.
 REQUIRED_CLAIMS = ["sub", "aud", "exp"]
+#: The claim naming the session's request bound: ``{"key": str, "max_requests": int}``.
+BOUND_CLAIM = "request_bound"
 
 
 @dataclass(frozen=True, slots=True)
 class Caller:
     admin: bool
     session_id: str | None = None
+    bound: RequestBound | None = None  # the session's request bound, as its token names it
 
     def require_session(self, session_id: str) -> None:
         """Admins see every session; a plugin sees only its own (others do not exist for it)."""
@@ -35,11 +44,14 @@ class SessionTokens:
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
 
-    def issue(self, session_id: str, expires_at: float) -> str:
-        claims = {"sub": session_id, "aud": AUDIENCE, "exp": int(expires_at)}
+    def issue(self, session_id: str, expires_at: float, *, bound: RequestBound | None = None) -> str:
+        claims: dict[str, object] = {"sub": session_id, "aud": AUDIENCE, "exp": int(expires_at)}
+        if bound is not None:
+            claims[BOUND_CLAIM] = {"key": bound.key, "max_requests": bound.limit}
         return jwt.encode(claims, self._secret, algorithm="HS256")
 
-    def verify(self, token: str) -> str:
+    def verify(self, token: str) -> Caller:
+        """The plugin the token names: its session, and its request bound if the token carries one."""
         try:
             claims = jwt.decode(
                 token, self._secret, algorithms=["HS256"], audience=AUDIENCE, options={"require": REQUIRED_CLAIMS}
@@ -51,7 +63,18 @@ class SessionTokens:
         session_id = claims.get("sub")
         if not isinstance(session_id, str):
             raise AuthenticationFailed("invalid session token")
-        return session_id
+        return Caller(admin=False, session_id=session_id, bound=_bound(claims.get(BOUND_CLAIM)))
+
+
+def _bound(claim: object) -> RequestBound | None:
+    """The bound claim, if well formed (we signed it; anything else is read as no claim: the slot is then
+    taken at the engine call, as for an older token)."""
+    if not isinstance(claim, dict):
+        return None
+    key, limit = claim.get("key"), claim.get("max_requests")
+    if not isinstance(key, str) or not key or type(limit) is not int or limit < 1:
+        return None
+    return RequestBound(key, limit)
 
 
 def bearer_token(request: web.Request) -> str:
@@ -80,4 +103,4 @@ def authenticate(request: web.Request, *, admin_key: str, tokens: SessionTokens,
         return Caller(admin=True)
     if admin_only:
         raise AuthenticationFailed("this endpoint needs the admin key")
-    return Caller(admin=False, session_id=tokens.verify(token))
+    return tokens.verify(token)

@@ -85,8 +85,16 @@ class ProxyRunner(web.AppRunner):
         )
 
 
-async def serve_until_stopped(app: web.Application, host: str, port: int, *, shutdown_timeout: float = 60.0) -> None:
-    """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully.
+#: Connections the kernel queues before ``accept`` (capped by net.core.somaxconn): as vLLM's, so a burst of
+#: a thousand plugins connecting at once is queued rather than refused and retried (aiohttp's default is 128).
+LISTEN_BACKLOG = 2048
+
+
+async def serve_until_stopped(
+    app: web.Application, host: str, port: int, *, shutdown_timeout: float = 60.0, reuse_port: bool = False
+) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (``reuse_port``: share the port with
+    the other workers of ``serve --workers``, SO_REUSEPORT).
 
     Graceful: stop accepting, give requests in flight up to ``shutdown_timeout`` seconds to
     finish, then close the store and engines (the app's cleanup contexts).
@@ -98,7 +106,7 @@ async def serve_until_stopped(app: web.Application, host: str, port: int, *, shu
     runner = ProxyRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port or None).start()
         await stop.wait()
         log.info("shutting_down", grace_s=shutdown_timeout)
     finally:

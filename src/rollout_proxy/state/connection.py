@@ -2,7 +2,7 @@
 
 The store, the trainer feed and the trainer's consumer all connect through
 ``connect_redis``, so they accept the same URLs (``redis://``, ``rediss://`` for TLS,
-``unix://``), wait the same way for a server that is still coming up, and share the
+``unix://``, ``redis+cluster://``), wait the same way for a server that is still coming up, and share the
 same pool settings (``RedisOptions``): socket timeouts, a PING before reusing a
 connection that sat idle, and one retry of a command on a fresh connection.
 
@@ -13,6 +13,12 @@ reads, ``SET``, the idempotent scripts (``put_node``, the feed's publish), ``XAC
 ``WATCH`` redis-py never retries: it raises ``WatchError``, which the compare-and-set
 in ``finish_session`` answers by reading again before it writes.
 
+The pool is a ``BlockingConnectionPool`` of ``max_connections``: a command that finds every
+connection busy waits up to ``pool_timeout`` for one, then fails as ``StoreBusy`` (503 with
+``Retry-After``), never as redis-py's ``MaxConnectionsError`` (a 500). A Redis Cluster
+(``redis+cluster://HOST:PORT``) gets redis-py's ``RedisCluster``, whose per-node pools fail at once
+when full: ``ConnectionGate`` is the same bounded wait, kept by the store.
+
 What is still failing after that becomes ``StoreUnavailable`` (503 with ``Retry-After``)
 at the boundary (``translate_errors`` on each store and feed method); the Redis
 address and the driver's message go to the log, not to the client.
@@ -21,22 +27,34 @@ address and the driver's message go to the log, not to the client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import structlog
 from redis import asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, ResponseError, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    MaxConnectionsError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rollout_proxy.errors import StoreUnavailable
+from rollout_proxy.errors import StoreBusy, StoreUnavailable
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: A Redis Cluster: ``redis+cluster://HOST:PORT`` (any one node; the client learns the rest), or
+#: ``rediss+cluster://`` for TLS.
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 #: Failures that say "the store cannot answer now", not "this request is wrong". ConnectionError
 #: covers BusyLoadingError (the server is loading its AOF after a restart); ReadOnlyError is a
@@ -65,10 +83,23 @@ class RedisOptions:
     connect_timeout: float = 2.0
     health_check_interval: int = 5  # seconds idle before a pooled connection is pinged before use
     retries: int = 1  # of a command, on a fresh connection, after a connection error
+    max_connections: int = 512  # the pool's size (per cluster node on a cluster)
+    pool_timeout: float = 10.0  # the longest a command waits for a free pooled connection; then StoreBusy
+
+
+def is_pool_exhausted(exc: BaseException) -> bool:
+    """Every pooled connection stayed busy: the blocking pool's timeout, or a cluster node's full pool."""
+    return isinstance(exc, MaxConnectionsError) or (
+        isinstance(exc, RedisConnectionError) and str(exc) == "No connection available."
+    )
 
 
 def is_redis_url(url: str) -> bool:
-    return url.startswith(REDIS_SCHEMES)
+    return url.startswith(REDIS_SCHEMES) or is_cluster_url(url)
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEMES)
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -88,6 +119,9 @@ def translate_errors(call: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, C
         try:
             return await call(*args, **kwargs)
         except Exception as exc:
+            if is_pool_exhausted(exc):
+                log.warning("store_pool_exhausted", error=f"{type(exc).__name__}: {exc}")
+                raise StoreBusy("the proxy's connections to the state store are all busy; try again shortly") from exc
             if is_unavailable(exc):
                 raise store_unavailable(exc) from exc
             raise
@@ -95,16 +129,58 @@ def translate_errors(call: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, C
     return translated
 
 
+class ConnectionGate:
+    """A bounded wait for one of ``size`` connections, for a client whose pool does not wait itself
+    (redis-py's cluster pools fail at once when full): ``StoreBusy`` once ``timeout`` runs out."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self._free = asyncio.Semaphore(size)
+        self._timeout = timeout
+
+    @contextlib.asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(self._timeout):
+                await self._free.acquire()
+        except TimeoutError:
+            log.warning("store_pool_exhausted", waited=self._timeout)
+            raise StoreBusy("the proxy's connections to the state store are all busy; try again shortly") from None
+        try:
+            yield
+        finally:
+            self._free.release()
+
+
 def client_for(url: str, options: RedisOptions) -> aioredis.Redis:
+    """A client over a blocking pool: a command that finds every connection busy waits (bounded) for one."""
     backoff = ExponentialWithJitterBackoff(base=0.02, cap=0.2)
-    return aioredis.Redis.from_url(
+    if is_cluster_url(url):
+        return cast(aioredis.Redis, cluster_client(url, options))
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=options.max_connections,
+        timeout=options.pool_timeout,
         decode_responses=False,
         socket_timeout=options.socket_timeout,
         socket_connect_timeout=options.connect_timeout,
         health_check_interval=options.health_check_interval,
         # connection errors only: a timed-out command may still run on the server
         retry=Retry(backoff, options.retries, supported_errors=(RedisConnectionError,)),
+    )
+    return aioredis.Redis.from_pool(pool)
+
+
+def cluster_client(url: str, options: RedisOptions) -> RedisCluster:
+    """A Redis Cluster client (it learns the slots from the node in ``url``). redis-py's cluster pools do
+    not wait for a free connection; ``RedisStore`` bounds its own concurrency to the pool instead."""
+    plain = url.replace("+cluster", "", 1)
+    return RedisCluster.from_url(
+        plain,
+        decode_responses=False,
+        socket_timeout=options.socket_timeout,
+        socket_connect_timeout=options.connect_timeout,
+        health_check_interval=options.health_check_interval,
+        max_connections=options.max_connections,
     )
 
 
@@ -113,7 +189,9 @@ async def connect_redis(
 ) -> aioredis.Redis:
     """A client of ``url`` that has answered a ping, retrying (with backoff) while the server comes up."""
     if not is_redis_url(url):
-        raise ValueError(f"not a Redis URL: {url!r} (use redis://HOST:PORT/DB, rediss://... or unix://PATH)")
+        raise ValueError(
+            f"not a Redis URL: {url!r} (use redis://HOST:PORT/DB, rediss://..., unix://PATH or redis+cluster://HOST:PORT)"
+        )
     client = client_for(url, options or RedisOptions())
     for attempt in range(retries + 1):
         try:

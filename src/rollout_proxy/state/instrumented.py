@@ -30,13 +30,15 @@ class InstrumentedStore:
         if name in UNTIMED or name.startswith("_") or not inspect.iscoroutinefunction(attr):
             return attr
         metrics = self._metrics
+        inner = self.inner
 
         @functools.wraps(attr)
         async def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             try:
                 with span(f"store {name}", **{"db.operation.name": name}):
-                    return await attr(*args, **kwargs)
+                    # looked up per call, so the wrapper stays transparent to a replaced method
+                    return await getattr(inner, name)(*args, **kwargs)
             finally:
                 metrics.observe("store_seconds", time.perf_counter() - started, op=name)
 

@@ -67,6 +67,7 @@ def session_keys(session_id: str) -> list[str]:
         routing_key(session_id),
         finished_key(session_id),
         idempotency_key(session_id),
+        engine_key(session_id),
     ]
 
 
@@ -92,6 +93,18 @@ def session_summary_key() -> str:
 def session_index_keys() -> list[str]:
     """The index's keys, in the order its scripts take them."""
     return [session_index_key(), session_expiry_key(), session_summary_key()]
+
+
+def request_leases_key(limit_key: str) -> str:
+    """Sorted set: lease id -> its expiry (ms, Redis's clock): the requests in flight under one shared
+    bound (a job's request_concurrency), for every worker and proxy sharing this Redis; a slot of its own."""
+    return f"{PREFIX}:{{limit:{limit_key}}}:leases"
+
+
+def fleet_state_key() -> str:
+    """String: the engine fleet's shared state (JSON: paused, policy version, engines added and removed),
+    followed by every worker and proxy sharing this Redis; a slot of its own."""
+    return f"{PREFIX}:{{fleet}}:state"
 
 
 def feed_stream_key(stream: str) -> str:

@@ -14,14 +14,17 @@ import contextlib
 import dataclasses
 import heapq
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
 
 from rollout_proxy.errors import SessionFinished, SessionNotFound
 from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus
 from rollout_proxy.state import listing
 from rollout_proxy.state.listing import SessionPage, SessionSummary, Where
-from rollout_proxy.state.store import Idempotency, json_bytes
+from rollout_proxy.state.store import Idempotency, ReadAhead, json_bytes
 
 #: Seconds between expiry sweeps: how long an expired session may still hold memory.
 SWEEP_EVERY = 1.0
@@ -37,6 +40,12 @@ class _SessionState:
     summary: SessionSummary | None = None  # written at create and at finish (the listing's index)
 
 
+@contextlib.asynccontextmanager
+async def _held(semaphore: asyncio.Semaphore) -> AsyncIterator[None]:
+    async with semaphore:
+        yield
+
+
 class MemoryStore:
     def __init__(self, *, clock=time.time, sweep_every: float = SWEEP_EVERY) -> None:
         self._clock = clock
@@ -44,6 +53,8 @@ class MemoryStore:
         self._sessions: dict[str, _SessionState] = {}
         self._expiries: list[tuple[float, str]] = []  # a heap; entries of dropped sessions go when popped
         self._sweeper: asyncio.Task[None] | None = None
+        self._limits: dict[str, asyncio.Semaphore] = {}  # request_slot's bounds, by key
+        self._fleet_state: bytes | None = None  # JSON, so a reader never shares the writer's objects
 
     def _state(self, session_id: str) -> _SessionState | None:
         state = self._sessions.get(session_id)
@@ -78,7 +89,9 @@ class MemoryStore:
         self._sessions[session.id] = _SessionState(session=session, summary=listing.opened(session))
         heapq.heappush(self._expiries, (session.expires_at, session.id))
 
-    async def get_session(self, session_id: str) -> SessionRecord | None:
+    async def get_session(self, session_id: str, *, read_ahead: ReadAhead | None = None) -> SessionRecord | None:
+        """``read_ahead`` is ignored: a read here is no round trip (its ``bound`` too: the turn takes its
+        slot at the engine call, a semaphore acquire)."""
         state = self._state(session_id)
         return None if state is None else state.session
 
@@ -100,6 +113,7 @@ class MemoryStore:
         partial_paths: Mapping[str, str],
         latest: str | None,
         idempotency: Idempotency | None = None,
+        engine: str | None = None,
     ) -> str:
         # no await below: the checks and the write are one step of the event loop
         state = self._state(session_id)
@@ -118,7 +132,16 @@ class MemoryStore:
         state.paths.update(paths)
         if latest is not None:
             state.latest[latest] = state.latest["*"] = node.id
+        if engine is not None:
+            state.session = dataclasses.replace(state.session, engine=engine)
         return node.id
+
+    def request_slot(self, key: str, limit: int, *, lease: float) -> contextlib.AbstractAsyncContextManager[None]:
+        """A semaphore per key: this process is the only one using this store (no lease needed)."""
+        semaphore = self._limits.get(key)
+        if semaphore is None:
+            semaphore = self._limits[key] = asyncio.Semaphore(limit)
+        return _held(semaphore)
 
     async def set_session_engine(self, session_id: str, engine: str) -> bool:
         state = self._state(session_id)
@@ -167,6 +190,12 @@ class MemoryStore:
             if not scan.offer(summary):
                 return scan.page(exhausted=False)
         return scan.page(exhausted=True)
+
+    async def get_fleet_state(self) -> dict[str, Any] | None:
+        return None if self._fleet_state is None else orjson.loads(self._fleet_state)
+
+    async def put_fleet_state(self, state: Mapping[str, Any]) -> None:
+        self._fleet_state = json_bytes(dict(state), "the fleet state")
 
     async def ping(self) -> bool:
         return True

@@ -10,6 +10,15 @@ decoding the session's JSON with cjson on every turn: the record carries the sam
 messages and tools, so its size is the client's to choose, and cjson's number and
 nesting rules differ from orjson's.
 
+A turn costs two round trips: its session read also reads what the turn reads next
+(``ReadAhead``: the path-index entries of its messages and its parent's path, one script), and
+its node write also moves the session's engine after a failover. A job's request bound is a
+sorted set of leases per job (``request_slot``), shared by every worker and proxy on this Redis. A turn
+whose token names its bound (``ReadAhead.bound``) takes its slot in the read's pipeline and gives it back
+in the write's, so it still costs two round trips; a full bound costs one more per poll, and a failed
+turn gives its slot back on its own when its task ends. On a cluster a pipeline cannot carry scripts of
+different slots: there the slot is taken and given back around the engine call, two round trips more.
+
 The session listing has an index of its own (``keys.session_index_keys``): a create writes
 the session and its index entry in one pipelined round trip, a finish rewrites the entry's
 summary once it has committed (best effort: the index is a view, the session record is the
@@ -18,24 +27,36 @@ truth), and the index drops entries as their sessions expire.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import functools
+import random
 import time
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import orjson
 import structlog
 from redis import asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError, WatchError
 
 from rollout_proxy.errors import Conflict, SessionFinished, SessionNotFound
 from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus
 from rollout_proxy.state import keys, listing
 from rollout_proxy.state.codec import decode_node, encode_node
-from rollout_proxy.state.connection import RedisOptions, connect_redis, translate_errors
+from rollout_proxy.state.connection import ConnectionGate, RedisOptions, connect_redis, translate_errors
 from rollout_proxy.state.listing import SessionPage, SessionSummary, Where
-from rollout_proxy.state.store import Idempotency, json_bytes
+from rollout_proxy.state.store import REQUEST_LEASE_S, Idempotency, ReadAhead, RequestBound, json_bytes
 
 log = structlog.get_logger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 #: A path deeper than this is refused (a cycle would otherwise loop in the script).
 MAX_DEPTH = 100_000
@@ -45,6 +66,9 @@ MAX_FINISH_ATTEMPTS = 8
 INDEX_TRIM = 64
 #: Index entries read per round trip of a listing.
 INDEX_BATCH = 500
+#: Seconds between tries for a slot of a full request bound (doubling, with jitter, up to the max).
+SLOT_POLL_MIN = 0.005
+SLOT_POLL_MAX = 0.1
 
 _SET_ENGINE = """
 -- KEYS: session, engine; ARGV: engine URL. The engine key lives as long as the session.
@@ -52,6 +76,26 @@ local ttl = redis.call("PTTL", KEYS[1])
 if ttl < 0 then return 0 end
 redis.call("SET", KEYS[2], ARGV[1], "PX", ttl)
 return 1
+"""
+
+_ACQUIRE = """
+-- KEYS: leases; ARGV: lease id, limit, lease ms. On Redis's clock, so workers' clocks never matter.
+local now = redis.call("TIME")
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call("ZREMRANGEBYSCORE", KEYS[1], "-inf", ms)
+if redis.call("ZCARD", KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call("ZADD", KEYS[1], ms + tonumber(ARGV[3]), ARGV[1])
+redis.call("PEXPIRE", KEYS[1], tonumber(ARGV[3]))
+return 1
+"""
+
+_RENEW = """
+-- KEYS: leases; ARGV: lease id, lease ms. Extends a lease still held (never re-adds one given back).
+local now = redis.call("TIME")
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local renewed = redis.call("ZADD", KEYS[1], "XX", "CH", ms + tonumber(ARGV[2]), ARGV[1])
+redis.call("PEXPIRE", KEYS[1], tonumber(ARGV[2]))
+return renewed
 """
 
 _GET_PATH = """
@@ -75,9 +119,10 @@ return blobs
 """
 
 _PUT_NODE = """
--- KEYS: session, nodes, parents, paths, latest, routing, finished marker, idempotency
+-- KEYS: session, nodes, parents, paths, latest, routing, finished marker, idempotency, engine
 -- ARGV: id, blob, parent, latest api, routing blob ("" = none),
---       idempotency key ("" = none), its fingerprint, n partial, partial pairs, full pairs
+--       idempotency key ("" = none), its fingerprint, engine to move the session to ("" = stay),
+--       n partial, partial pairs, full pairs
 -- Returns 1 when written, or what the idempotency key already holds ("<fingerprint> <id>").
 local ttl = redis.call("PTTL", KEYS[1])
 if ttl < 0 then return redis.error_reply("NOSESSION session expired or unknown") end
@@ -91,8 +136,8 @@ end
 redis.call("HSET", KEYS[2], ARGV[1], ARGV[2])
 redis.call("HSET", KEYS[3], ARGV[1], ARGV[3])
 if ARGV[5] ~= "" then redis.call("HSET", KEYS[6], ARGV[1], ARGV[5]) end
-local n_partial = tonumber(ARGV[8])
-local i = 9
+local n_partial = tonumber(ARGV[9])
+local i = 10
 for _ = 1, n_partial do
   redis.call("HSETNX", KEYS[4], ARGV[i], ARGV[i + 1])
   i = i + 2
@@ -103,7 +148,37 @@ while i <= #ARGV do
 end
 if ARGV[4] ~= "" then redis.call("HSET", KEYS[5], ARGV[4], ARGV[1], "*", ARGV[1]) end
 for k = 2, 6 do redis.call("PEXPIRE", KEYS[k], ttl) end
+if ARGV[8] ~= "" then redis.call("SET", KEYS[9], ARGV[8], "PX", ttl) end
 return 1
+"""
+
+_READ_TURN = """
+-- KEYS: session, engine, paths, parents, nodes
+-- ARGV: leaf id ("" = the deepest whole-node match of the hashes), depth limit, path hashes...
+-- Returns {} for no session, else: record, engine, n, n index entries, the leaf walked ("" = none),
+-- then its root-to-leaf node blobs (none when the leaf is not in the session).
+local session = redis.call("GET", KEYS[1])
+if not session then return {} end
+local out = {session, redis.call("GET", KEYS[2]), #ARGV - 2}
+local leaf = ARGV[1]
+for i = 3, #ARGV do
+  local value = redis.call("HGET", KEYS[3], ARGV[i])
+  out[#out + 1] = value
+  if value and ARGV[1] == "" and not string.find(value, "#", 1, true) then leaf = value end
+end
+out[#out + 1] = leaf
+local ids = {}
+local current = leaf
+local limit = tonumber(ARGV[2])
+while current ~= "" do
+  if #ids >= limit then return redis.error_reply("path deeper than " .. limit) end
+  ids[#ids + 1] = current
+  local parent = redis.call("HGET", KEYS[4], current)
+  if not parent then return out end
+  current = parent
+end
+for i = #ids, 1, -1 do out[#out + 1] = redis.call("HGET", KEYS[5], ids[i]) end
+return out
 """
 
 
@@ -160,9 +235,73 @@ def _bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else value
 
 
+@dataclass(slots=True)
+class _Ahead:
+    """What a turn's session read also read (``ReadAhead``), until the turn uses it or writes."""
+
+    session_id: str
+    hashes: tuple[str, ...]
+    matches: list[str | None] | None  # None once used
+    leaf: str
+    path: list[ResponseNode] | None
+
+
+@dataclass(slots=True)
+class _Slot:
+    """A request slot a session read took for its task (``ReadAhead.bound``): the task's ``request_slot``
+    uses it; its node write, or else its end, gives it back (``given_back`` once either has)."""
+
+    key: str
+    leases: str
+    lease_id: str
+    renewing: asyncio.Task[None] | None = None
+    given_back: bool = False
+
+    def let_go(self) -> bool:
+        """Mark it given back (stop renewing); False if it already was."""
+        if self.given_back:
+            return False
+        self.given_back = True
+        if self.renewing is not None:
+            self.renewing.cancel()
+        return True
+
+
+def _lease_ms(lease: float) -> int:
+    return max(1, int(lease * 1000))
+
+
+def _store_call(
+    call: Callable[Concatenate[RedisStore, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[RedisStore, P], Coroutine[Any, Any, T]]:
+    """A store method: within the connection gate (a cluster's), with Redis failures translated."""
+    translated = translate_errors(call)
+
+    @functools.wraps(call)
+    async def gated(store: RedisStore, *args: P.args, **kwargs: P.kwargs) -> T:
+        if store._gate is None:
+            return await translated(store, *args, **kwargs)
+        async with store._gate.held():
+            return await translated(store, *args, **kwargs)
+
+    return gated
+
+
 class RedisStore:
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, *, options: RedisOptions | None = None) -> None:
         self._redis = client
+        self._cluster = isinstance(client, RedisCluster)
+        # a blocking pool waits by itself; a cluster's per-node pools do not: a store call waits here instead
+        options = options or RedisOptions()
+        self._gate = ConnectionGate(options.max_connections, options.pool_timeout) if self._cluster else None
+        # per task (one request): set by a session read with read-ahead, used once, dropped at a write
+        self._ahead: ContextVar[_Ahead | None] = ContextVar(f"rp_read_ahead_{id(self)}", default=None)
+        # per task (one request): the request slot its session read took, until its node write or its end
+        self._slot: ContextVar[_Slot | None] = ContextVar(f"rp_request_slot_{id(self)}", default=None)
+        self._giving_back: set[asyncio.Task[None]] = set()  # slots of tasks that ended without a node write
+        self._read_turn = client.register_script(_READ_TURN)
+        self._acquire = client.register_script(_ACQUIRE)
+        self._renew = client.register_script(_RENEW)
         self._get_path = client.register_script(_GET_PATH)
         self._put_node = client.register_script(_PUT_NODE)
         self._set_engine = client.register_script(_SET_ENGINE)
@@ -175,9 +314,11 @@ class RedisStore:
         cls, url: str, *, retries: int = 5, delay: float = 0.5, options: RedisOptions | None = None
     ) -> RedisStore:
         """Connect and ping, retrying while the server comes up."""
-        return cls(await connect_redis(url, retries=retries, delay=delay, options=options))
+        return cls(await connect_redis(url, retries=retries, delay=delay, options=options), options=options)
 
     async def close(self) -> None:
+        if self._giving_back:
+            await asyncio.gather(*self._giving_back, return_exceptions=True)
         await self._redis.aclose()
 
     async def ping(self) -> bool:
@@ -186,7 +327,16 @@ class RedisStore:
         except (RedisError, OSError):
             return False
 
-    @translate_errors
+    @_store_call
+    async def get_fleet_state(self) -> dict[str, Any] | None:
+        raw = await self._redis.get(keys.fleet_state_key())
+        return None if raw is None else orjson.loads(raw)
+
+    @_store_call
+    async def put_fleet_state(self, state: Mapping[str, Any]) -> None:
+        await self._redis.set(keys.fleet_state_key(), json_bytes(dict(state), "the fleet state"))
+
+    @_store_call
     async def create_session(self, session: SessionRecord) -> None:
         """The record and its index entry, pipelined: one round trip (two keyspaces, so no MULTI on a cluster)."""
         summary = listing.opened(session)
@@ -199,12 +349,23 @@ class RedisStore:
             INDEX_TRIM,
         ]
         index_keys = keys.session_index_keys()
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.set(keys.session_key(session.id), orjson.dumps(session.to_dict()), pxat=int(session.expires_at * 1000))
-            # EVALSHA straight: a script registered with the pipeline would cost a SCRIPT EXISTS round trip each time
-            pipe.evalsha(self._index_open.sha, len(index_keys), *index_keys, *index_args)
-            stored, indexed = await pipe.execute(raise_on_error=False)
-        if isinstance(stored, Exception):
+        record, expires = orjson.dumps(session.to_dict()), int(session.expires_at * 1000)
+        stored: object
+        indexed: object
+        if self._cluster:  # a cluster pipeline refuses scripts; one after the other, a call holds one connection
+            await self._redis.set(keys.session_key(session.id), record, pxat=expires)
+            stored = True
+            try:
+                indexed = await self._index_open(keys=index_keys, args=index_args)
+            except RedisError as exc:
+                indexed = exc
+        else:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.set(keys.session_key(session.id), record, pxat=expires)
+                # EVALSHA straight: a script registered with the pipeline would cost a SCRIPT EXISTS round trip
+                pipe.evalsha(self._index_open.sha, len(index_keys), *index_keys, *index_args)
+                stored, indexed = await pipe.execute(raise_on_error=False)
+        if isinstance(stored, BaseException):
             raise stored
         if isinstance(indexed, NoScriptError):  # a server that has not seen the script yet (once)
             await self._index_open(keys=index_keys, args=index_args)
@@ -213,24 +374,165 @@ class RedisStore:
                 "session_index_not_written", session_id=session.id, error=f"{type(indexed).__name__}: {indexed}"
             )
 
-    @translate_errors
-    async def get_session(self, session_id: str) -> SessionRecord | None:
-        """The record, with the engine a failover moved it to (one MGET: both keys share the session's slot)."""
-        raw, engine = await self._redis.mget(keys.session_key(session_id), keys.engine_key(session_id))
-        if raw is None:
-            return None
-        session = SessionRecord.from_dict(orjson.loads(raw))
-        if engine is not None:
+    @_store_call
+    async def get_session(self, session_id: str, *, read_ahead: ReadAhead | None = None) -> SessionRecord | None:
+        """The record, with the engine a failover moved it to (one MGET: both keys share the session's slot);
+        with ``read_ahead``, one script that also reads the turn's path-index entries and parent path."""
+        self._ahead.set(None)
+        if read_ahead is None:
+            raw, engine = await self._redis.mget(keys.session_key(session_id), keys.engine_key(session_id))
+        else:
+            raw, engine = await self._read_ahead(session_id, read_ahead)
+        session = None if raw is None else SessionRecord.from_dict(orjson.loads(raw))
+        slot = self._slot.get()
+        if (
+            read_ahead is not None
+            and read_ahead.bound is not None
+            and slot is not None
+            and (session is None or session.status is not SessionStatus.OPEN or not _bounded(session, slot))
+            and slot.let_go()
+        ):  # no turn will use it: given back now
+            await asyncio.shield(self._give_back_slot(slot.leases, slot.lease_id))
+        if session is not None and engine is not None:
             session.engine = _text(engine)
         return session
 
-    @translate_errors
+    async def _read_ahead(self, session_id: str, ahead: ReadAhead) -> tuple[bytes | None, bytes | None]:
+        turn_keys = [
+            keys.session_key(session_id),
+            keys.engine_key(session_id),
+            keys.paths_key(session_id),
+            keys.parents_key(session_id),
+            keys.nodes_key(session_id),
+        ]
+        turn_args: list[str | int] = [ahead.response_id or "", MAX_DEPTH, *ahead.hashes]
+        slot = self._slot_to_take(ahead.bound)
+        if slot is None or ahead.bound is None:
+            rows = await self._read_turn(keys=turn_keys, args=turn_args)
+        else:
+            rows = await self._read_and_take(turn_keys, turn_args, slot, ahead.bound.limit)
+        if not rows:
+            return None, None
+        n = int(rows[2])
+        matches = [None if value is None else _text(value) for value in rows[3 : 3 + n]]
+        leaf, blobs = _text(rows[3 + n]), rows[4 + n :]
+        path = [decode_node(_bytes(blob)) for blob in blobs] if blobs else None
+        self._ahead.set(_Ahead(session_id, ahead.hashes, matches, leaf, path))
+        return rows[0], rows[1]
+
+    def _slot_to_take(self, bound: RequestBound | None) -> _Slot | None:
+        """The slot a session read should take with it: none on a cluster (see the module) or when this
+        task holds one already."""
+        if bound is None or self._cluster:
+            return None
+        held = self._slot.get()
+        if held is not None and not held.given_back:
+            return None
+        return _Slot(bound.key, keys.request_leases_key(bound.key), uuid.uuid4().hex)
+
+    async def _read_and_take(
+        self, turn_keys: list[str], turn_args: list[str | int], slot: _Slot, limit: int
+    ) -> list[Any]:
+        """The turn's read and the slot's take, pipelined: one round trip. A full bound takes nothing: the
+        turn then waits for a slot at its engine call (``request_slot``)."""
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                # EVALSHA straight: a script registered with the pipeline would cost a SCRIPT EXISTS round trip
+                pipe.evalsha(self._read_turn.sha, len(turn_keys), *turn_keys, *turn_args)
+                pipe.evalsha(self._acquire.sha, 1, slot.leases, slot.lease_id, limit, _lease_ms(REQUEST_LEASE_S))
+                rows, taken = await pipe.execute(raise_on_error=False)
+            if isinstance(taken, NoScriptError):  # a server that has not seen the script yet (once)
+                taken = await self._acquire(keys=[slot.leases], args=[slot.lease_id, limit, _lease_ms(REQUEST_LEASE_S)])
+        except BaseException:  # perhaps taken before the reply was lost: given back (else its lease runs out)
+            await asyncio.shield(self._give_back_slot(slot.leases, slot.lease_id))
+            raise
+        if taken == 1:
+            self._hold(slot)
+        elif isinstance(taken, Exception):  # the read stands; the turn takes its slot at the engine call
+            log.warning("request_slot_not_taken", error=f"{type(taken).__name__}: {taken}")
+        if isinstance(rows, NoScriptError):
+            rows = await self._read_turn(keys=turn_keys, args=turn_args)
+        elif isinstance(rows, Exception):
+            raise rows
+        return list(rows)
+
+    def _hold(self, slot: _Slot) -> None:
+        """The slot is this task's: renewed while held, given back by its node write or else when it ends."""
+        slot.renewing = asyncio.create_task(
+            self._renew_slot(slot.leases, slot.lease_id, REQUEST_LEASE_S), name="request-slot-lease"
+        )
+        self._slot.set(slot)
+        task = asyncio.current_task()
+        if task is not None:
+            task.add_done_callback(lambda _: self._give_back_later(slot))
+
+    def _give_back_later(self, slot: _Slot) -> None:
+        """At its task's end, a slot no node write gave back (the turn failed, or never reached the engine)."""
+        if not slot.let_go():
+            return
+        giving_back = asyncio.get_running_loop().create_task(self._give_back_slot(slot.leases, slot.lease_id))
+        self._giving_back.add(giving_back)
+        giving_back.add_done_callback(self._giving_back.discard)
+
+    @contextlib.asynccontextmanager
+    async def request_slot(self, key: str, limit: int, *, lease: float) -> AsyncIterator[None]:
+        """A lease in Redis: taken by a script (one round trip while there is room; a full bound is polled
+        with backoff), given back with ZREM; a holder that died frees its slot when the lease runs out.
+        The slot this task's session read took for ``key`` is used as it is (no round trip here)."""
+        held = self._slot.get()
+        if held is not None and not held.given_back and held.key == key:
+            yield  # given back with the node write, or when the task ends
+            return
+        leases, lease_id = keys.request_leases_key(key), uuid.uuid4().hex
+        pause = SLOT_POLL_MIN
+        try:
+            while not await self._try_slot(leases, lease_id, limit, lease):
+                await asyncio.sleep(pause * random.uniform(0.5, 1.0))
+                pause = min(pause * 2, SLOT_POLL_MAX)
+        except BaseException:  # cancelled or failed, perhaps after the script took it: give it back
+            await asyncio.shield(self._give_back_slot(leases, lease_id))
+            raise
+        renewing = asyncio.create_task(self._renew_slot(leases, lease_id, lease), name="request-slot-lease")
+        try:
+            yield
+        finally:
+            renewing.cancel()
+            await asyncio.shield(self._give_back_slot(leases, lease_id))
+
+    async def _renew_slot(self, leases: str, lease_id: str, lease: float) -> None:
+        """While the slot is held, its lease is extended every third of it: only a dead holder's runs out."""
+        while True:
+            await asyncio.sleep(lease / 3)
+            try:
+                await self._renew(keys=[leases], args=[lease_id, _lease_ms(lease)])
+            except (RedisError, OSError) as exc:  # the next try may reach it; the lease covers two misses
+                log.warning("request_slot_not_renewed", error=f"{type(exc).__name__}: {exc}")
+
+    @_store_call
+    async def _try_slot(self, leases: str, lease_id: str, limit: int, lease: float) -> bool:
+        return bool(await self._acquire(keys=[leases], args=[lease_id, limit, _lease_ms(lease)]))
+
+    async def _give_back_slot(self, leases: str, lease_id: str) -> None:
+        """Best effort: a slot not given back (Redis down) is freed when its lease runs out."""
+        try:
+            await self._redis.zrem(leases, lease_id)
+        except (RedisError, OSError) as exc:
+            log.warning("request_slot_not_released", error=f"{type(exc).__name__}: {exc}")
+
+    @_store_call
     async def set_session_engine(self, session_id: str, engine: str) -> bool:
+        self._ahead.set(None)
         keys_ = [keys.session_key(session_id), keys.engine_key(session_id)]
         return bool(await self._set_engine(keys=keys_, args=[engine]))
 
-    @translate_errors
+    @_store_call
     async def finish_session(self, session_id: str, result: dict) -> SessionRecord | None:
+        finished = await self._commit_finish(session_id, result)
+        if finished is not None:  # once the transaction's connection is back in the pool: a finish holds one
+            await self._index_finished(finished)
+        return finished
+
+    async def _commit_finish(self, session_id: str, result: dict) -> SessionRecord | None:
         key = keys.session_key(session_id)
         sent: bytes | None = None  # what an attempt committed, if its EXEC's reply was lost with the connection
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -245,7 +547,6 @@ class RedisStore:
                         # our own earlier EXEC committed and only its reply was lost: that is a success
                         if sent is None or raw != sent:
                             return None
-                        await self._index_finished(session)
                         return session
                     session = dataclasses.replace(session, status=SessionStatus.FINISHED, result=result)
                     record = json_bytes(session.to_dict(), "the rollout result")
@@ -254,7 +555,6 @@ class RedisStore:
                     pipe.set(key, record, keepttl=True)
                     pipe.set(keys.finished_key(session_id), b"1", pxat=int(session.expires_at * 1000))
                     await pipe.execute()
-                    await self._index_finished(session)
                     return session
                 except WatchError:
                     continue  # someone else touched the session: read it again
@@ -273,7 +573,7 @@ class RedisStore:
         except (RedisError, OSError) as exc:
             log.warning("session_index_not_updated", session_id=session.id, error=f"{type(exc).__name__}: {exc}")
 
-    @translate_errors
+    @_store_call
     async def put_node(
         self,
         session_id: str,
@@ -283,7 +583,9 @@ class RedisStore:
         partial_paths: Mapping[str, str],
         latest: str | None,
         idempotency: Idempotency | None = None,
+        engine: str | None = None,
     ) -> str:
+        self._ahead.set(None)
         blob, routing = encode_node(node)
         args: list[str | bytes | int] = [
             node.id,
@@ -293,13 +595,18 @@ class RedisStore:
             routing or b"",
             idempotency.key if idempotency else "",
             idempotency.fingerprint if idempotency else "",
+            engine or "",
             len(partial_paths),
         ]
         for entries in (partial_paths, paths):
             for path_hash, value in entries.items():
                 args += [path_hash, value]
+        slot = self._slot.get()
         try:
-            written = await self._put_node(keys=keys.session_keys(session_id), args=args)
+            if slot is not None and slot.let_go():  # the turn is done with its request slot
+                written = await self._write_node_and_give_back(keys.session_keys(session_id), args, slot)
+            else:
+                written = await self._put_node(keys=keys.session_keys(session_id), args=args)
         except ResponseError as exc:
             if "NOSESSION" in str(exc):
                 raise SessionNotFound(
@@ -313,8 +620,31 @@ class RedisStore:
         fingerprint, response_id = _text(written).split(" ", 1)
         return idempotency.replay(fingerprint, response_id)
 
-    @translate_errors
+    async def _write_node_and_give_back(self, node_keys: list[str], args: list[Any], slot: _Slot) -> Any:
+        """The node script and the slot's give-back, pipelined: one round trip (the slot goes back whether
+        or not the write succeeds)."""
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.evalsha(self._put_node.sha, len(node_keys), *node_keys, *args)
+                pipe.zrem(slot.leases, slot.lease_id)
+                written, given_back = await pipe.execute(raise_on_error=False)
+        except BaseException:
+            await asyncio.shield(self._give_back_slot(slot.leases, slot.lease_id))
+            raise
+        if isinstance(given_back, Exception):  # its lease runs out instead
+            log.warning("request_slot_not_released", error=f"{type(given_back).__name__}: {given_back}")
+        if isinstance(written, NoScriptError):  # a server that has not seen the script yet (once)
+            return await self._put_node(keys=node_keys, args=args)
+        if isinstance(written, Exception):
+            raise written
+        return written
+
+    @_store_call
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
+        ahead = self._ahead.get()
+        if ahead is not None and not routing and ahead.session_id == session_id and ahead.leaf == node_id:
+            self._ahead.set(None)
+            return ahead.path
         blobs = await self._get_path(
             keys=[keys.parents_key(session_id), keys.nodes_key(session_id), keys.routing_key(session_id)],
             args=[node_id, MAX_DEPTH, "1" if routing else "0"],
@@ -325,19 +655,24 @@ class RedisStore:
             return [decode_node(blob) for blob in blobs]
         return [decode_node(blob, rows or None) for blob, rows in zip(blobs[::2], blobs[1::2], strict=True)]
 
-    @translate_errors
+    @_store_call
     async def match_paths(self, session_id: str, hashes: Sequence[str]) -> list[str | None]:
         if not hashes:
             return []
+        ahead = self._ahead.get()
+        if ahead is not None and ahead.matches is not None and ahead.session_id == session_id:
+            matches, ahead.matches = ahead.matches, None  # once: a later read of them is a fresh one
+            if ahead.hashes == tuple(hashes):
+                return matches
         values = await self._redis.hmget(keys.paths_key(session_id), list(hashes))
         return [None if value is None else _text(value) for value in values]
 
-    @translate_errors
+    @_store_call
     async def latest(self, session_id: str, api: str) -> str | None:
         value = await self._redis.hget(keys.latest_key(session_id), api)
         return None if value is None else _text(value)
 
-    @translate_errors
+    @_store_call
     async def get_nodes(self, session_id: str) -> list[ResponseNode] | None:
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.exists(keys.session_key(session_id))
@@ -347,7 +682,7 @@ class RedisStore:
             return None
         return sorted((decode_node(_bytes(blob)) for blob in blobs.values()), key=lambda node: node.created_at)
 
-    @translate_errors
+    @_store_call
     async def list_sessions(self, where: Where, *, cursor: str | None = None, limit: int = 50) -> SessionPage:
         position = listing.decode_cursor(cursor) if cursor is not None else None
         scan = listing.Scan(where, limit, time.time())
@@ -372,3 +707,9 @@ class RedisStore:
                     continue
                 if not scan.offer(SessionSummary.from_dict(orjson.loads(blob))):
                     return scan.page(exhausted=False)
+
+
+def _bounded(session: SessionRecord, slot: _Slot) -> bool:
+    """Whether the session's own bound is the one its token named (the record, not the token, decides)."""
+    bound = RequestBound.of(session.concurrency)
+    return bound is not None and bound.key == slot.key

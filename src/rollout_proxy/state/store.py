@@ -21,13 +21,20 @@ Contract (tested once, over both, in tests/state/test_store_contract.py):
 - ids are looked up within the given session only: another session's id is absent;
 - a write to a session that is unknown or expired raises ``SessionNotFound``;
 - ``get_nodes`` returns every node of a session in one round trip;
+- ``get_session`` with a ``ReadAhead`` answers the turn's next ``match_paths``/``get_path`` of what
+  it names as if they were read with the session (the Redis store: in the same round trip);
+- ``request_slot`` bounds the requests in flight per key across everything sharing the store; a
+  slot taken with a session read (``ReadAhead.bound``) is given back at the task's node write or end;
 - ``list_sessions`` pages the live sessions' summaries newest first (``state.listing``):
-  a summary is written at create and at finish only, and goes when its session expires.
+  a summary is written at create and at finish only, and goes when its session expires;
+- ``put_fleet_state``/``get_fleet_state`` keep one JSON object, the engine fleet's shared state
+  (``engines.shared``), for every worker and proxy sharing the store; it never expires.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,6 +62,44 @@ class Idempotency:
         return response_id
 
 
+#: Seconds after which a request slot whose holder died (never gave it back) is free again; a live
+#: holder's lease is renewed while it holds the slot.
+REQUEST_LEASE_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBound:
+    """A bound on requests in flight shared by every session naming ``key`` (a job's request_concurrency)."""
+
+    key: str
+    limit: int
+
+    @classmethod
+    def of(cls, concurrency: Mapping[str, Any] | None) -> RequestBound | None:
+        """A session's ``concurrency`` (``{"key", "max_requests"}``) as a bound; None for none."""
+        if not concurrency:
+            return None
+        return cls(str(concurrency["key"]), int(concurrency["max_requests"]))
+
+
+@dataclass(frozen=True, slots=True)
+class ReadAhead:
+    """What a turn reads right after its session, named up front so a store can read it in the same
+    round trip: the path-index entries of ``hashes`` (``match_paths``) and the path of their deepest
+    whole-node match, or the path of ``response_id`` (``get_path``). A store may ignore it; one that
+    reads ahead answers the turn's next ``match_paths``/``get_path`` of exactly these from that read,
+    once, and forgets it at the turn's first write.
+
+    ``bound``: the request bound whose slot the turn will take (its session token names it). A store
+    may take the slot in the same round trip, for an open session of that bound only; the slot is then
+    the calling task's: its ``request_slot`` of that key uses it (no wait), its next ``put_node`` gives
+    it back (in the write's round trip), and it is given back when the task ends, whatever happened."""
+
+    hashes: tuple[str, ...] = ()
+    response_id: str | None = None
+    bound: RequestBound | None = None
+
+
 def json_bytes(value: Any, what: str) -> bytes:
     """``value`` as JSON, or ``InvalidRequest``: a store never commits what it could not read back."""
     try:
@@ -66,7 +111,9 @@ def json_bytes(value: Any, what: str) -> bytes:
 class StateStore(Protocol):
     async def create_session(self, session: SessionRecord) -> None: ...
 
-    async def get_session(self, session_id: str) -> SessionRecord | None: ...
+    async def get_session(self, session_id: str, *, read_ahead: ReadAhead | None = None) -> SessionRecord | None:
+        """The record (with the engine the session moved to); ``read_ahead``: see ``ReadAhead``."""
+        ...
 
     async def finish_session(self, session_id: str, result: dict) -> SessionRecord | None:
         """Atomically mark an open session finished with ``result``; None if it is not open."""
@@ -81,8 +128,9 @@ class StateStore(Protocol):
         partial_paths: Mapping[str, str],
         latest: str | None,
         idempotency: Idempotency | None = None,
+        engine: str | None = None,
     ) -> str:
-        """Store a node; returns the id stored for this write: ``node.id``, or, for an
+        """Store a node (and, with ``engine``, move the session there, as ``set_session_engine``); returns the id stored for this write: ``node.id``, or, for an
         idempotency key already used with the same request, the earlier node's (and
         nothing is written). ``paths`` entries overwrite, ``partial_paths`` never do; the
         latest pointer is set for ``latest`` (an api name) and for ``"*"``.
@@ -117,6 +165,21 @@ class StateStore(Protocol):
 
         A page may hold fewer than ``limit`` while ``next`` is set: the scan stops after
         ``listing.SCAN_LIMIT`` summaries. ``InvalidRequest`` for a cursor it never gave out."""
+        ...
+
+    def request_slot(self, key: str, limit: int, *, lease: float) -> AbstractAsyncContextManager[None]:
+        """One of ``limit`` slots shared by every request naming ``key`` (a job's request_concurrency), held
+        while the context is; waits for a free one. A Redis store shares them across workers and proxies; a
+        slot whose holder died is freed after ``lease`` seconds. A slot the task's session read already took
+        (``ReadAhead.bound``) is used instead, and stays held until the task's node write or its end."""
+        ...
+
+    async def get_fleet_state(self) -> dict[str, Any] | None:
+        """The fleet's shared state as last put (None: never put), in one round trip."""
+        ...
+
+    async def put_fleet_state(self, state: Mapping[str, Any]) -> None:
+        """Replace the fleet's shared state (a JSON object), in one round trip."""
         ...
 
     async def ping(self) -> bool:

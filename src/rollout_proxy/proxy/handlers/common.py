@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import structlog
 from aiohttp import web
 
-from rollout_proxy.errors import AuthenticationFailed, InvalidRequest
+from rollout_proxy.errors import AuthenticationFailed
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import Caller, authenticate
 from rollout_proxy.proxy.http import read_json_object
 from rollout_proxy.proxy.schemas import refuse_pinned
 from rollout_proxy.proxy.validation import M, validate
 from rollout_proxy.records import SessionRecord
+from rollout_proxy.state.store import ReadAhead
 
 
 def request_caller(request: web.Request, *, admin_only: bool = False) -> Caller:
@@ -24,20 +28,37 @@ def request_caller(request: web.Request, *, admin_only: bool = False) -> Caller:
     return found
 
 
-async def plugin_session(request: web.Request) -> SessionRecord:
+async def plugin_session(request: web.Request, *, read_ahead: ReadAhead | None = None) -> SessionRecord:
     """The open session named by the caller's token (plugin routes need one)."""
     found = request_caller(request)
     if found.session_id is None:
         raise AuthenticationFailed("this endpoint needs a session token, not the admin key")
-    return await request.app[keys.SESSIONS].get_open(found.session_id)
+    return await request.app[keys.SESSIONS].get_open(found.session_id, read_ahead=read_ahead)
 
 
-async def plugin_request(request: web.Request, model: type[M]) -> tuple[SessionRecord, M]:
-    """A plugin's generation request: its open session, and the body without pinned settings."""
-    session = await plugin_session(request)
+async def plugin_request(
+    request: web.Request, model: type[M], *, read_ahead: Callable[[M], ReadAhead | None] | None = None
+) -> tuple[SessionRecord, M]:
+    """A plugin's generation request: its open session, and the body without pinned settings.
+
+    With ``read_ahead``, the body is checked first and the session read with what the turn reads next
+    and, when the token names the session's request bound, the bound's slot taken (one store round trip
+    for all: ``state.store.ReadAhead``)."""
+    if read_ahead is None:
+        session = await plugin_session(request)
+        return session, await _plugin_body(request, model)
+    found = request_caller(request)
+    if found.session_id is None:
+        raise AuthenticationFailed("this endpoint needs a session token, not the admin key")
+    body = await _plugin_body(request, model)
+    ahead = read_ahead(body)
+    if found.bound is not None:
+        ahead = dataclasses.replace(ahead or ReadAhead(), bound=found.bound)
+    return await request.app[keys.SESSIONS].get_open(found.session_id, read_ahead=ahead), body
+
+
+async def _plugin_body(request: web.Request, model: type[M]) -> M:
+    """The request's body as ``model``, without the settings the session pins."""
     payload = await read_json_object(request)
     refuse_pinned(payload)
-    body = validate(model, payload)
-    if getattr(body, "stream", False):
-        raise InvalidRequest("stream=true is not supported yet; call without streaming", param="stream")
-    return session, body
+    return validate(model, payload)

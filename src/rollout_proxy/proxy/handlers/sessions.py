@@ -9,6 +9,7 @@ from rollout_proxy.proxy import keys, validation
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response, read_json_object
 from rollout_proxy.proxy.schemas import AppendMessages, FinishRequest, SessionCreate
+from rollout_proxy.state.store import RequestBound
 from rollout_proxy.wire.messages import normalize_messages, normalize_tools
 
 
@@ -30,11 +31,14 @@ async def create_session(request: web.Request) -> web.Response:
         concurrency=body.concurrency.model_dump() if body.concurrency else None,
     )
     structlog.contextvars.bind_contextvars(session_id=session.id)
+    request.app[keys.METRICS].sessions.opened(session.id, session.expires_at)
     return json_response(
         {
             "session_id": session.id,
             "base_url": plugin_base_url(request),
-            "api_key": request.app[keys.TOKENS].issue(session.id, session.expires_at),
+            "api_key": request.app[keys.TOKENS].issue(
+                session.id, session.expires_at, bound=RequestBound.of(session.concurrency)
+            ),
             "expires_at": int(session.expires_at),
         },
         status=201,
@@ -92,4 +96,5 @@ async def finish_session(request: web.Request) -> web.Response:
         }
     )
     await sessions.commit_finish(plan)
+    request.app[keys.METRICS].sessions.closed(session_id)
     return answer

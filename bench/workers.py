@@ -1,0 +1,124 @@
+"""``serve --workers 2`` against one worker, where the proxy is the bottleneck (an engine that answers at once).
+
+    python bench/workers.py                          # 64 and 256 sessions x 4 turns, 3 interleaved rounds
+    python bench/workers.py --sizes 256 --rounds 1 --turns 3
+
+Both proxies run on the Redis store in front of the same engine process (``load_tests.engine``,
+0 ms, fixed 16-token reply); the runs alternate round by round. Reported per number of workers:
+turns per second, p50/p99 turn latency, and the proxy's CPU per turn (supervisor and workers
+together, from their own counters). The goal (issue 14): two workers ≥ 1.7× one worker's
+throughput where the proxy is the bottleneck. On a machine whose cores are shared with the
+client and the engine (this one: 2 cores for all three), the client and engine take a share the
+workers cannot have, so read the ratio together with CPU per turn. Writes ``workers.json``
+under ``--out``. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from proxy_overhead import ADMIN_KEY, Run, Target, cpu_seconds, measure, percentile  # noqa: E402
+
+from load_tests.run import Services, free_port, start_redis  # noqa: E402
+
+
+def start(services: Services, workers: int, engine_url: str, redis_url: str) -> Target:
+    port = free_port()
+    argv = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(port), "--engine", engine_url]
+    argv += ["--store", redis_url, "--admin-key", ADMIN_KEY, "--log-level", "warning", "--log-format", "json"]
+    argv += ["--workers", str(workers)]
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # one process: its own registry; several: the supervisor's
+    process = services.start(f"proxy-{workers}", argv)
+    base = f"http://127.0.0.1:{port}"
+    services.wait_http(f"proxy-{workers}", f"{base}/readyz", timeout=300)
+    return Target(f"{workers} worker(s)", f"{base}/v1/chat/completions", process.pid, base)
+
+
+def summary(runs: list[Run]) -> dict[str, Any]:
+    latencies = [latency for run in runs for latency in run.latencies]
+    turns, seconds = sum(run.turns for run in runs), sum(run.seconds for run in runs)
+    return {
+        "turns": turns,
+        "errors": sum(run.errors for run in runs),
+        "turns_per_s": turns / seconds if seconds else 0.0,
+        "p50_ms": percentile(latencies, 50) * 1000,
+        "p99_ms": percentile(latencies, 99) * 1000,
+        "cpu_ms_per_turn": sum(run.cpu_turns for run in runs) / turns * 1000 if turns else float("nan"),
+    }
+
+
+async def run(args: argparse.Namespace, targets: dict[int, Target], engine_pid: int) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        for target in targets.values():  # warm: tokenizers load, connections open, outside the measurement
+            await measure(http, target, engine_pid, 8, 2)
+        for size in args.sizes:
+            runs: dict[int, list[Run]] = {workers: [] for workers in targets}
+            for round_index in range(args.rounds):
+                order = list(targets) if round_index % 2 == 0 else list(reversed(targets))
+                for workers in order:
+                    result = await measure(http, targets[workers], engine_pid, size, args.turns)
+                    runs[workers].append(result)
+                    print(
+                        f"  {size:>5} sessions x {args.turns} turns, {workers} worker(s): "
+                        f"{result.turns / result.seconds:7.1f} turns/s, errors {result.errors}",
+                        flush=True,
+                    )
+            sizes = {workers: summary(each) for workers, each in runs.items()}
+            one, two = sizes[1]["turns_per_s"], sizes[max(sizes)]["turns_per_s"]
+            report[str(size)] = {"by_workers": sizes, "ratio": two / one if one else float("nan")}
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="64,256", help="concurrent sessions (default 64,256)")
+    parser.add_argument("--turns", type=int, default=4, help="turns per session (default 4)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (default 3)")
+    parser.add_argument("--workers", type=int, default=2, help="workers of the many-worker proxy (default 2)")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench", help="JSON (default out/bench)")
+    args = parser.parse_args(argv)
+    args.sizes = [int(size) for size in args.sizes.split(",")]
+    workdir = Path(tempfile.mkdtemp(prefix="rp-bench-workers-"))
+    services = Services(workdir)
+    try:
+        redis_url = start_redis(services)
+        engine_port = free_port()
+        engine_argv = [sys.executable, "-m", "load_tests.engine", "--port", str(engine_port), "--policy", "fixed"]
+        engine = services.start("engine", [*engine_argv, "--delay", "0"])
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        services.wait_http("engine", f"{engine_url}/health")
+        targets = {workers: start(services, workers, engine_url, redis_url) for workers in (1, args.workers)}
+        report = asyncio.run(run(args, targets, engine.pid))
+        report["cpus"] = os.cpu_count()
+        report["engine_cpu_s"] = cpu_seconds(engine.pid)
+    finally:
+        services.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "workers.json").write_text(json.dumps(report, indent=2))
+    for size, row in report.items():
+        if isinstance(row, dict):
+            cells = ", ".join(
+                f"{workers}: {each['turns_per_s']:.1f} turns/s (p50 {each['p50_ms']:.1f} ms, "
+                f"CPU {each['cpu_ms_per_turn']:.2f} ms/turn, errors {each['errors']})"
+                for workers, each in row["by_workers"].items()
+            )
+            print(f"{size} sessions: {cells}; ratio {row['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
