@@ -10,6 +10,11 @@ version in the proxy, ``POST /resume`` on each, then the queue is released. Only
 pause paused are resumed at the new version: the trainer loads the new weights into the
 engines ``GET /v1/admin/engines`` lists as paused. Any other engine that is not at the new
 version is stale until its version is set (see ``Fleet.readmit``).
+
+With a shared store (several workers), both are written there before anything else changes (a
+store failure refuses the call) and waited out (``shared.settle``) before the engines are paused
+or their version changes, so every worker's gate is closed by then; the resume's outcome is
+written before its answer (see ``engines.shared``).
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from typing import Any
 
 import structlog
 
+from rollout_proxy.engines import shared
 from rollout_proxy.engines.base import PauseMode
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.health import EngineState, describe
 from rollout_proxy.engines.member import Member
-from rollout_proxy.errors import Conflict
+from rollout_proxy.errors import Conflict, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -34,9 +40,11 @@ DISPATCH_WAIT = 1.0
 async def pause(fleet: Fleet, mode: PauseMode) -> dict[str, Any]:
     async with fleet.control_lock:
         if not fleet.gate.paused:
+            await shared.publish(fleet, paused=True, mode=mode, next_version=None)
             fleet.gate.close()
             fleet.metrics.inc("pauses_total", mode=mode)
             log.info("fleet_pausing", mode=mode, policy_version=fleet.version)
+            await shared.settle(fleet)  # every other worker's gate closes meanwhile
         fleet.publish()
         await _until_sent(fleet)
         within = fleet.settings.call_timeout if mode == "wait" else fleet.settings.control_timeout
@@ -52,11 +60,16 @@ async def resume(fleet: Fleet, version: int) -> dict[str, Any]:
     async with fleet.control_lock:
         if not fleet.gate.paused:
             if version == fleet.version:
-                return _answer(fleet, [])  # a retried resume: already done
+                await shared.publish(fleet, paused=False, mode=None, version=version, next_version=None)
+                return _answer(fleet, [])  # a retried resume: already done (and shared again)
             raise Conflict(
                 f"the engines are not paused (policy version {fleet.version}): pause them before a weight update",
                 param="policy_version",
             )
+        if version != fleet.version and fleet.shared is not None:
+            await shared.publish(fleet, next_version=version)
+            fleet.next_version = version
+            await shared.settle(fleet)  # every other worker expects the new version before an engine reports it
         within = fleet.settings.control_timeout
         targets = [member for member in fleet.members.values() if member.state is EngineState.PAUSED]
         errors = dict(
@@ -94,11 +107,19 @@ async def resume(fleet: Fleet, version: int) -> dict[str, Any]:
             if member.state is EngineState.HEALTHY and member.version != version:
                 reason = f"not paused for the update to {version}: its weights are {member.version}"
                 fleet.set_state(member, EngineState.STALE, reason)
+        unshared: StoreUnavailable | None = None
+        try:
+            await shared.publish(fleet, paused=False, mode=None, version=version, next_version=None)
+        except StoreUnavailable as exc:  # the engines run: this worker goes on; a retried resume shares it
+            unshared = exc
+        fleet.next_version = None
         paused_for = fleet.gate.open()
         fleet.metrics.inc("pause_seconds_total", paused_for)
         fleet.metrics.inc("resumes_total")
         fleet.publish()
         log.info("fleet_resumed", policy_version=version, was=previous, paused_s=round(paused_for, 3))
+        if unshared is not None:
+            raise unshared
         return _answer(fleet, [_result(member, errors[member]) for member in targets])
 
 

@@ -18,7 +18,8 @@ until its version is the fleet's (it reports it, or an operator re-admits it wit
 unreachable, at ``--policy-version`` (it may have restarted).
 
 A turn's call, with failover and pause handling, is ``sampling.sample``; pause and resume
-are ``control``.
+are ``control``. With a shared store (Redis: several workers or proxies), paused, the version and
+the engines added or removed are shared by every fleet on it (``shared``).
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from dataclasses import dataclass
 
 import structlog
 
+from rollout_proxy.engines import shared as sharing
 from rollout_proxy.engines.base import Engine, EngineInfo
 from rollout_proxy.engines.gate import PauseGate
 from rollout_proxy.engines.health import Breaker, EngineState, counts_against, describe, is_definite, parse_version
 from rollout_proxy.engines.member import Member
-from rollout_proxy.errors import EngineError, EngineUnavailable, InvalidRequest, NotFound
+from rollout_proxy.errors import EngineError, EngineUnavailable, InvalidRequest, NotFound, ProxyError
 from rollout_proxy.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -56,6 +58,7 @@ class FleetSettings:
     pause_wait: float = 600.0  # the longest a turn waits for a resume (queued, or frozen in flight)
     control_timeout: float = 60.0  # one pause, resume or version step on one engine (a wait-mode pause: call_timeout)
     abort_policy: str = "continue"  # what to do with a turn a pause aborted: "continue" or "regenerate"
+    follow_interval: float = 0.25  # seconds between reads of the shared fleet state (a shared store only)
 
 
 ABORT_POLICIES = ("continue", "regenerate")
@@ -72,8 +75,10 @@ class Fleet:
         metrics: Metrics | None = None,
         connect: Callable[[str], Engine] | None = None,
         owned: bool = True,
+        shared: sharing.FleetStateStore | None = None,
     ) -> None:
-        """``connect`` makes a client for an engine added by URL; ``owned``: whether ``close`` closes ``engines``."""
+        """``connect`` makes a client for an engine added by URL; ``owned``: whether ``close`` closes ``engines``;
+        ``shared``: the store whose fleet state this fleet writes and follows (other workers share it)."""
         self.settings = settings or FleetSettings()
         if self.settings.abort_policy not in ABORT_POLICIES:
             raise ValueError(f"abort policy must be one of {ABORT_POLICIES}, not {self.settings.abort_policy!r}")
@@ -85,6 +90,8 @@ class Fleet:
                 raise ValueError(f"engine {engine.url} is listed twice")
             self.members[engine.url] = self._member(engine, owned=owned)
         self.version = self.settings.policy_version
+        self.shared = shared
+        self.next_version: int | None = None  # a resume to this version is under way (``shared``)
         self.gate = PauseGate(
             max_waiting=self.settings.pause_queue, max_wait=self.settings.pause_wait, on_change=self.publish
         )
@@ -113,18 +120,36 @@ class Fleet:
                 ):  # a non-integer is that engine's problem (stale), not the fleet's
                     explicit.append(parse_version(report, default=self.settings.policy_version))
         self.version = max(explicit) if explicit else self.settings.policy_version
+        state = await self._shared_state()
+        if state is not None:
+            self.version = state.version  # the last admin decision, shared by every worker
         for member, report in zip(members, reports, strict=True):
             self._judge(member, report)
             self._start_prober(member)
         self._started = True
+        if state is not None:
+            await sharing.follow(self, state)
+        if self.shared is not None:
+            task = asyncio.get_running_loop().create_task(sharing.follow_forever(self), name="follow fleet state")
+            self._tasks.add(task)
         self.publish()
         log.info("fleet_started", policy_version=self.version, engines={m.url: m.state.value for m in members})
 
+    async def _shared_state(self) -> sharing.SharedState | None:
+        """The shared state at start; an unreadable one is logged and followed later (``follow_forever``)."""
+        try:
+            return await sharing.read(self)
+        except (ProxyError, ValueError) as exc:  # the store's failure must not stop the start
+            log.warning("fleet_state_unreadable", error=str(exc))
+        return None
+
     async def close(self) -> None:
+        tasks = list(self._tasks)  # first: the follower may add engines
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for member in self.members.values():
             await self._stop_prober(member)
-        for task in list(self._tasks):
-            task.cancel()
         for member in self.members.values():
             if member.owned:
                 await member.client.close()
@@ -352,10 +377,12 @@ class Fleet:
         if report is None:  # no /weight_info: the version the fleet last set, or --policy-version after a loss
             version = member.version if member.version is not None else self.settings.policy_version
         if member.state is EngineState.PAUSED:
-            if report is not None and version != member.version:  # it restarted while paused
+            if report is not None and version not in (member.version, self.next_version):  # restarted while paused
                 member.version = version
                 self.set_state(member, EngineState.STALE, "restarted during a pause (its weights are not known)")
             return
+        if version != self.version and version == self.next_version and report is not None:
+            return  # another worker is resuming the fleet at this version: it is not stale, it is ahead
         member.version, member.reports_version = version, report is not None
         if version == self.version:
             self.set_state(member, EngineState.HEALTHY)
@@ -416,20 +443,37 @@ class Fleet:
 
     async def admit(self, url: str, *, policy_version: int | None = None) -> dict[str, object]:
         """``POST /v1/admin/engines``: add the engine (or probe a known one again); with ``policy_version``,
-        the operator says those are its weights now (``readmit``). Answers its entry, probed."""
+        the operator says those are its weights now (``readmit``). Answers its entry, probed.
+        Shared: every worker adds it (``shared``)."""
         member, _ = await self.add(url)
+        await self._share_membership(added=member.url)
         if policy_version is not None:
             member = await self.readmit(member.url, policy_version)
         return member.view()
 
-    async def add(self, url: str) -> tuple[Member, bool]:
-        """Add an engine by URL (probed before this answers); (its member, whether it is new).
-        A known URL is re-probed (and a draining one kept)."""
+    async def _share_membership(self, *, added: str | None = None, removed: str | None = None) -> None:
+        if self.shared is None:
+            return
+        state = await sharing.read(self)
+        now_added = set(state.added) if state is not None else set()
+        now_removed = set(state.removed) if state is not None else set()
+        if added is not None:
+            now_added.add(added)
+            now_removed.discard(added)
+        if removed is not None:
+            now_removed.add(removed)
+            now_added.discard(removed)
+        await sharing.publish(self, added=tuple(sorted(now_added)), removed=tuple(sorted(now_removed)))
+
+    async def add(self, url: str, *, wait: bool = True) -> tuple[Member, bool]:
+        """Add an engine by URL (probed before this answers, unless not ``wait``: then in the background);
+        (its member, whether it is new). A known URL is re-probed (and a draining one kept)."""
         url = url.rstrip("/")
         member = self.members.get(url)
         if member is not None:
             member.draining = False
-            await self.probe(member)
+            if wait:
+                await self.probe(member)
             self.publish()
             return member, False
         if self._connect is None:
@@ -437,7 +481,10 @@ class Fleet:
         member = self._member(self._connect(url), owned=True)
         self.members[url] = member
         log.info("engine_added", engine=url)
-        await self.probe(member)
+        if wait:
+            await self.probe(member)
+        else:
+            member.wake.set()  # its prober probes it at once
         if self._started:
             self._start_prober(member)
         self.publish()
@@ -468,8 +515,14 @@ class Fleet:
     async def remove(self, url: str) -> dict[str, object]:
         """Drain the engine (no new turns; calls in flight finish) and remove it once idle.
 
-        Answers its entry: state ``removed`` when it had nothing in flight, else ``draining``."""
+        Answers its entry: state ``removed`` when it had nothing in flight, else ``draining``.
+        Shared: every worker drains it (``shared``)."""
         member = self._known(url)
+        await self._share_membership(removed=member.url)
+        return await self.drain(member)
+
+    async def drain(self, member: Member) -> dict[str, object]:
+        """``remove``, on this fleet only."""
         member.draining = True
         log.info("engine_draining", engine=member.url, in_flight=member.in_flight)
         view = member.view()
