@@ -40,6 +40,12 @@ class AssembledTrajectory:
     forks: list[dict[str, Any]] = field(default_factory=list)
     routing_disagreements: int = 0
     policy_versions: list[PolicySpan] = field(default_factory=list)
+    trace_ids: list[str | None] = field(default_factory=list)  # each generated turn's request's trace
+    # on-policy distillation (``core.teacher``): set by the runner from the teacher pass, None without one
+    teacher: str | None = None
+    total_teacher_logprobs: list[float | None] | None = None
+    teacher_topk: dict[str, Any] | None = None
+    critic: dict[str, Any] | None = None  # {"token_ids", "n_tokens_injected"}: the critic_context view
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -58,6 +64,11 @@ class AssembledTrajectory:
             "forks": self.forks,
             "routing_disagreements": self.routing_disagreements,
             "policy_versions": [span.to_dict() for span in self.policy_versions],
+            "trace_ids": self.trace_ids,
+            "teacher": self.teacher,
+            "total_teacher_logprobs": self.total_teacher_logprobs,
+            "teacher_topk": self.teacher_topk,
+            "critic": self.critic,
         }
 
 
@@ -104,4 +115,5 @@ def assemble(
         forks=forks,
         routing_disagreements=sum(node.meta.get("routing_disagreements", 0) for node in path),
         policy_versions=merge_spans(spans),
+        trace_ids=[node.meta.get("trace_id") for node in generated],
     )

@@ -74,6 +74,7 @@ async def run_job(
                 reasoning_parser=job.proxy.reasoning_parser,
                 feed=feed_url,
                 feed_stream=job.proxy.feed_stream,
+                teachers=";".join(f"{name}={','.join(t.engines)}" for name, t in job.proxy.teachers.items()),
             )
             embedded = BackgroundServer(lambda: create_app(settings))
             proxy_url = await asyncio.to_thread(embedded.start)

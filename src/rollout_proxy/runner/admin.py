@@ -42,6 +42,20 @@ class AdminClient:
         )
         return [Trajectory.model_validate(trajectory) for trajectory in finished["trajectories"]]
 
+    async def teacher_pass(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``{"response_id", "teacher", "teacher_context", "topk"}`` -> the teacher's fields for that trajectory."""
+        answer = await self._transport.apost(
+            f"/v1/admin/sessions/{session_id}/teacher_pass", body, what=f"the teacher pass of session {session_id}"
+        )
+        return dict(answer)
+
+    async def critic_view(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``{"response_id", "critic_context"}`` -> ``{"critic_token_ids", "n_tokens_injected"}``."""
+        answer = await self._transport.apost(
+            f"/v1/admin/sessions/{session_id}/critic_view", body, what=f"the critic view of session {session_id}"
+        )
+        return dict(answer)
+
     async def counters(self) -> dict[str, float]:
         """The proxy's counters summed over their labels (``prompt_drift_total``, ``forks_total``, ...).
 

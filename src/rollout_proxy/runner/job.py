@@ -77,10 +77,18 @@ class Hyperparameters(BaseModel):
     num_steps: int | None = Field(None, ge=1)
 
 
+class TeacherSpec(Strict):
+    """An on-policy distillation teacher: a vLLM engine group of its own, sharing the student's tokenizer."""
+
+    engines: list[str] = Field(min_length=1)
+
+
 class ProxySection(Strict):
     """Where the rollouts run (ours, not the seed's): engines, store, feed, output."""
 
     engines: list[str] = Field(default_factory=list)
+    #: the teachers ``config["teachers"]`` may name, for a proxy the runner starts (an external proxy: --teacher)
+    teachers: dict[str, TeacherSpec] = Field(default_factory=dict)
     store: str = "memory"
     feed: str | None = None  # jsonl:PATH or redis://...; default: a JSONL file in the output dir
     feed_stream: str = "trajectories"
@@ -127,6 +135,16 @@ class TrainingLoop(Strict):
     poll_interval: float = Field(0.5, gt=0.0, description="seconds between reads of the fleet's version while waiting")
 
 
+class OPDSection(Strict):
+    """On-policy distillation (the seed's OPD): token advantages
+    ``task_reward_coef * task_advantage - kl_reward_coef * (student_logprob - teacher_logprob)``."""
+
+    task_reward_coef: float = Field(1.0, ge=0.0)
+    kl_reward_coef: float = Field(1.0, ge=0.0)
+    topk: int = Field(0, ge=0, le=128, description=">= 2: the teacher's top-k per trained token is recorded too")
+    topk_type: Literal["default", "teacher"] = "default"  # "student" (the student's own top-k): not supported yet
+
+
 class JobConfig(Strict):
     name: str = "rollout-job"
     customization_type: str = "GRPO"
@@ -137,6 +155,7 @@ class JobConfig(Strict):
     proxy: ProxySection = Field(default_factory=ProxySection)
     ray: RaySection | None = None  # plugin calls as Ray tasks; None: in the runner's process
     training_loop: TrainingLoop = Field(default_factory=TrainingLoop)  # max_staleness, stale groups
+    opd: OPDSection | None = None  # on-policy distillation: teacher passes and OPD advantages
     # accepted as in the seed, not used by the local runner
     project: str | None = None
     save_model_limit: int | None = None

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollout_proxy.runner.admin import AdminClient
+from rollout_proxy.runner.distill import TeacherUnavailable, distill
 from rollout_proxy.runner.executor import InProcessExecutor, PluginExecutor, rollout_arguments
 from rollout_proxy.runner.retries import gather_first_error, with_retries
 from rollout_proxy.sdk.decorators import Plugin, PluginKind
@@ -37,8 +38,11 @@ class Rollouts:
         job_id: str,
         on_failed_attempt: Callable[[], None] = _no_op,
         executor: PluginExecutor | None = None,
+        topk: int = 0,
     ) -> None:
+        """``topk``: the teacher's top-k recorded per trained token by a teacher pass (``runner.distill``)."""
         runtime = plugin.spec.runtime
+        self._topk = topk
         self.plugin = plugin
         self._admin = admin
         self._executor = executor or InProcessExecutor()
@@ -84,6 +88,13 @@ class Rollouts:
             arguments = rollout_arguments(self.plugin, context, proxy, sample, n_sample)
             attempt = await self._executor.attempt(self.plugin, *arguments, limit=self._limit)
             trajectories = await self._admin.finish(proxy.session_id, self._finish_body(attempt))
+        if attempt.succeeded and attempt.result is not None:
+            try:  # before grading: the teacher's fields and the critic's view, as config asks
+                trajectories = await distill(
+                    self._admin, proxy.session_id, trajectories, attempt.result.config, topk=self._topk
+                )
+            except TeacherUnavailable as exc:
+                return Attempt(PluginStatus.FAILURE, str(exc))
         return Attempt(attempt.status, attempt.error, trajectories)
 
     def _finish_body(self, attempt: Attempt) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 import structlog
 
 from rollout_proxy.runner.admin import AdminClient
+from rollout_proxy.runner.distill import opd_advantages
 from rollout_proxy.runner.executor import InProcessExecutor, PluginExecutor
 from rollout_proxy.runner.grading import Graders, aggregate_metrics
 from rollout_proxy.runner.job import JobConfig
@@ -108,6 +109,7 @@ class JobRunner:
                 job_id=self.job_id,
                 on_failed_attempt=progress.attempt_failed,
                 executor=self.executor,
+                topk=self.job.opd.topk if self.job.opd is not None else 0,
             ),
             graders=Graders(self.graders, on_failed_attempt=progress.attempt_failed, executor=self.executor),
             publisher=StepPublisher(self._feed, self.job_id, on_published=progress.published),
@@ -146,6 +148,8 @@ class JobRunner:
             metrics=grade.metrics,
             custom=grade.custom,
         )
+        if self.job.opd is not None:  # the task advantage and the teacher's signal, per token
+            group.custom = opd_advantages(trajectories, group.advantages(), self.job.opd)
         parts.progress.sample_done(trajectories, grade.rewards, step=step, advantages=group.advantages()[1])
         return group
 

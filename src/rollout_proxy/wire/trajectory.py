@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout_proxy.wire.arrays import decode_array
 from rollout_proxy.wire.routed_experts import decode_routed_experts
 
 
@@ -47,6 +48,17 @@ class Trajectory(BaseModel):
     routing_disagreements: int = 0
     #: which policy version sampled which generated tokens (prompt, bridge and injected tokens: none)
     policy_versions: list[PolicyVersionSpan] = Field(default_factory=list)
+    #: the trace id (32 hex digits) of each generated turn's request, in order; None where it had none
+    trace_ids: list[str | None] = Field(default_factory=list)
+    #: on-policy distillation: the teacher that scored this trajectory (``config["teachers"]``), else None
+    teacher: str | None = None
+    #: the teacher's logprob of each token, aligned with ``total_token_ids``: a value where the weight is > 0
+    total_teacher_logprobs: list[float | None] | None = None
+    #: the teacher's top-k per trained token: ``{"ids", "logprobs"}``, each a ``{dtype, shape, data}`` array
+    #: of shape (trained tokens, k) (int32, float32), in the order of the trained tokens
+    teacher_topk: dict[str, Any] | None = None
+    #: the critic's view (``critic_context`` inserted): ``{"token_ids", "n_tokens_injected"}``
+    critic: dict[str, Any] | None = None
 
     def token_ids(self) -> np.ndarray:
         return np.asarray(self.total_token_ids or [], dtype=np.int32)
@@ -59,6 +71,21 @@ class Trajectory(BaseModel):
 
     def routed_experts_array(self) -> np.ndarray | None:
         return decode_routed_experts(self.routed_experts)
+
+    def teacher_logprobs(self) -> np.ndarray | None:
+        """float32, NaN where the teacher gave no value (untrained tokens); None without a teacher pass."""
+        if self.total_teacher_logprobs is None:
+            return None
+        return np.asarray([np.nan if v is None else v for v in self.total_teacher_logprobs], dtype=np.float32)
+
+    def teacher_topk_arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids int32, logprobs float32), each (trained tokens, k); None without top-k."""
+        if self.teacher_topk is None:
+            return None
+        return (
+            decode_array(self.teacher_topk["ids"], param="teacher_topk.ids"),
+            decode_array(self.teacher_topk["logprobs"], param="teacher_topk.logprobs"),
+        )
 
     @property
     def assistant_turns(self) -> int:
