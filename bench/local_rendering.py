@@ -128,6 +128,68 @@ async def turn_costs(engine_url: str, template: str, turns: int = 40) -> dict[st
     return costs
 
 
+async def growth(tokenizer: Path, template: str, template_text: str, turns: int = 100) -> dict[str, Any]:
+    """One chat of ``turns`` turns through a proxy on the fake engine (all in this process), per
+    rendering: median ms of the render step (``Renderers.delta``: the bridge) and of the whole
+    turn (a plain HTTP client, the proxy, the fake engine: wall, and CPU time of this process, which
+    shared cores disturb less), at turns 2-21 and at the last twenty.
+    The request of a Chat Completions turn carries the whole history, so the whole turn grows
+    with it (JSON, hashing the messages to find the parent, the prompt sent); the render step
+    must not. (The openai SDK is not the client here: its request transform of 200 messages
+    costs ~100 ms, more than everything else together.)"""
+    from rollout_proxy.core.rendering import Renderers
+    from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+    from tests.harness import ProxyHarness
+
+    delta = Renderers.delta
+    spent: list[float] = []
+
+    async def timed_delta(self: Renderers, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return await delta(self, *args, **kwargs)
+        finally:
+            spent.append((time.perf_counter() - start) * 1e3)
+
+    Renderers.delta = timed_delta  # type: ignore[method-assign]
+    results: dict[str, Any] = {}
+    try:
+        for rendering in ("engine", "auto"):
+            fake = FakeEngine(tokenizer, chat_template=template_text, max_model_len=32768)
+            async with (
+                FakeEngineServer(fake) as url,
+                ProxyHarness.running(
+                    engine_urls=[url], rendering=rendering, chat_template=template, render_check_rate=0.0
+                ) as proxy,
+            ):
+                messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+                session = await proxy.create_session(messages, tools=[TOOL])
+                fake.queue(*(f"It is sunny in city {turn}, 20C, light wind." for turn in range(turns)))
+                renders, walls, cpus = [], [], []
+                for turn in range(turns):
+                    spent.clear()
+                    start, cpu = time.perf_counter(), time.process_time()
+                    status, answer = await proxy.request(
+                        "POST", "/v1/chat/completions", json={"model": "m", "messages": messages}, token=session.api_key
+                    )
+                    walls.append((time.perf_counter() - start) * 1e3)
+                    cpus.append((time.process_time() - cpu) * 1e3)
+                    assert status == 200, answer
+                    renders.append(sum(spent))
+                    reply = {key: value for key, value in answer["choices"][0]["message"].items() if value is not None}
+                    messages += [reply, {"role": "user", "content": f"And in city {turn}?"}]
+            early, late = slice(1, 21), slice(turns - 20, turns)
+            results[rendering] = {
+                "render": (statistics.median(renders[early]), statistics.median(renders[late])),
+                "turn": (statistics.median(walls[early]), statistics.median(walls[late])),
+                "cpu": (statistics.median(cpus[early]), statistics.median(cpus[late])),
+                "messages": len(messages),
+            }
+    finally:
+        Renderers.delta = delta  # type: ignore[method-assign]
+    return results
+
+
 async def bridge_times(
     tokenizer: Path, template: str, template_text: str, engine_url: str | None, repeat: int
 ) -> list[tuple[str, Any]]:
@@ -197,6 +259,20 @@ async def main() -> None:
             print(
                 f"  rendering={rendering:<6} median {wall:.2f} ms per turn, CPU {cpu:.2f} ms per turn (proxy + client)"
             )
+    print("\none chat of 100 turns on the fake engine, median ms at turns 2-21 / turns 81-100 (late/early):")
+    for rendering, row in (await growth(tokenizer, template, template_text)).items():
+        print(
+            f"  rendering={rendering:<6} "
+            + "; ".join(
+                f"{what} {early:.2f} / {late:.2f} ({late / early:.2f}x)"
+                for what, (early, late) in (
+                    ("render step", row["render"]),
+                    ("whole turn", row["turn"]),
+                    ("its CPU", row["cpu"]),
+                )
+            )
+            + f"; {row['messages']} messages at the end"
+        )
     print("\nrender times (median ms / p90 ms / CPU ms in this process per call):")
     for name, (median, p90, cpu) in await bridge_times(tokenizer, template, template_text, args.engine, args.repeat):
         print(f"  {name:<58} {median:8.3f} {p90:8.3f} {cpu:8.3f}")

@@ -24,6 +24,7 @@ from rollout_proxy.devtools.fake_engine import FakeEngine
 from rollout_proxy.embedded import serve_app
 from rollout_proxy.proxy import keys
 from rollout_proxy.settings import Settings
+from rollout_proxy.tokenization.local import LocalTemplate
 from tests.conftest import TEMPLATES, TEMPLATES_DIR, free_port
 from tests.harness import ADMIN_KEY, WEATHER_TOOL, ProxyHarness, store_snapshot
 
@@ -314,3 +315,31 @@ def test_rendering_settings_are_checked_and_read_from_the_environment():
         "/models/m/t.jinja",
     )
     assert settings.render_check_rate == 0.25
+
+
+@pytest.mark.parametrize("template_name", ["qwen3_style"])
+async def test_a_late_turn_renders_no_more_than_an_early_one(engine, template_name, monkeypatch):
+    """No re-render of the history: a bridge renders the anchor and the new messages, whatever came before."""
+    rendered: list[tuple[int, int]] = []  # (messages, characters) of every local render
+    render_ids = LocalTemplate.render_ids
+
+    def recording(self: LocalTemplate, messages: Any, **kwargs: Any) -> Any:
+        rendered.append((len(messages), len(str(messages))))
+        return render_ids(self, messages, **kwargs)
+
+    async with proxy_for(engine, chat_template=QWEN_FILE, render_check_rate=0.0) as proxy:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}, USER]
+        session = await proxy.create_session(messages)
+        engine.fake.queue(*(f"Answer number {turn}." for turn in range(40)))
+        monkeypatch.setattr(LocalTemplate, "render_ids", recording)
+        per_turn: list[list[tuple[int, int]]] = []
+        for _ in range(40):
+            rendered.clear()
+            answer = await session.client.chat.completions.create(model="m", messages=messages)
+            per_turn.append(list(rendered))
+            messages += [answer.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        assert engine.completions >= 40 and counter(proxy, "renders_total", source="local") == 40
+    # turn 2 also learns the anchor's shape once; from then on every turn renders the same few messages,
+    # the anchor (user, assistant) and the new user message, with ~80 messages of history behind turn 40
+    assert per_turn[2] == per_turn[39] == [(3, per_turn[2][0][1])]
+    assert all(count <= 3 for turn in per_turn[1:] for count, _ in turn)

@@ -1,0 +1,539 @@
+"""Side by side in one run: the engine called directly, rollout-proxy (memory and Redis stores), LiteLLM's proxy.
+
+    python bench/proxy_overhead.py                      # the README's run (a few minutes on 2 cores)
+    python bench/proxy_overhead.py --quick              # 1 and 32 sessions, one round, 20-turn long run
+    python bench/proxy_overhead.py --sizes 1,32 --delays 0 --no-litellm --out out/bench
+
+Every target talks to the same engine process (``load_tests.engine``, fixed 16-token reply), one
+with a 0 ms and one with a 50 ms completion; each proxy is its own process (``rollout-proxy
+serve``), so its CPU time is read from its own counters (``psutil``: utime + stime). For each
+number of concurrent sessions (1, 32, 256, 1,024 by default), each session a Chat Completions
+conversation resending its history as the openai SDK does, the targets run in turn, interleaved
+round by round (the order rotates), and the run reports per target:
+
+  p50 / p99 overhead per turn  the target's turn latency percentile minus the direct one's
+  throughput ratio             turns per second over direct's, same sessions and turns
+  CPU per turn                 the proxy process's CPU seconds over the turns (session creation
+                               measured apart: CPU per session created)
+
+and a long run (``--long-turns``, default 100, sessions in lock step) comparing turn 100 with turn
+2: latency and the proxy's CPU per turn over the first and last five turns.
+
+Direct = the engine's vLLM-style ``/v1/chat/completions`` (it renders the whole history each
+turn, as vLLM does); the proxies call its ``/v1/completions`` with token ids. LiteLLM runs
+from its own venv (``--litellm``, default ``~/.cache/rollout-proxy/litellm-venv/bin/litellm``;
+``pip install 'litellm[proxy]'`` there); when it is not installed its column is skipped, said so.
+Writes ``proxy_overhead.json`` and ``proxy_overhead.png`` under ``--out``. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # load_tests: the fake engine process and the process helpers
+
+ADMIN_KEY = "bench-admin-key"
+LITELLM_KEY = "sk-bench"
+DEFAULT_LITELLM = Path(os.environ.get("ROLLOUT_PROXY_CACHE", Path.home() / ".cache/rollout-proxy"))
+DEFAULT_LITELLM = DEFAULT_LITELLM / "litellm-venv" / "bin" / "litellm"
+MAX_TOKENS = 16
+
+
+@dataclass
+class Target:
+    name: str
+    url: str  # the chat completions URL
+    pid: int | None = None  # the process whose CPU is its own (None: direct)
+    base: str | None = None  # a rollout-proxy's base URL (sessions are opened there)
+    key: str | None = None  # bearer for every call (LiteLLM's master key)
+
+
+@dataclass
+class Run:
+    """One target's run of ``sessions`` × ``turns``."""
+
+    latencies: list[float] = field(default_factory=list)  # seconds, every answered turn
+    seconds: float = 0.0  # wall time of the turns (session creation not included)
+    turns: int = 0
+    errors: int = 0
+    first_error: str = ""
+    cpu_turns: float = 0.0  # CPU seconds of the target's process over the turns
+    cpu_create: float = 0.0  # ... over creating the sessions
+    engine_cpu: float = 0.0  # CPU seconds of the engine over the turns
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU of a process and its children (LiteLLM may fork workers)."""
+    if pid is None:
+        return 0.0
+    process = psutil.Process(pid)
+    total = 0.0
+    for each in [process, *process.children(recursive=True)]:
+        try:
+            times = each.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], token: str | None) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    async with http.post(url, data=orjson.dumps(body), headers=headers) as answer:
+        return answer.status, await answer.read()
+
+
+async def open_sessions(http: aiohttp.ClientSession, target: Target, count: int) -> tuple[list[str | None], list[str]]:
+    """Each session's bearer token (a proxy's session key; LiteLLM's key; "" where opening one failed), and errors."""
+    if target.base is None:
+        return [target.key] * count, []
+    limit = asyncio.Semaphore(256)
+    errors: list[str] = []
+
+    async def one(index: int) -> str | None:
+        body = {"sample": {"messages": first_messages(index)}, "generation": {"max_new_tokens": MAX_TOKENS}}
+        async with limit:
+            try:
+                status, raw = await post(http, f"{target.base}/v1/sessions", body, ADMIN_KEY)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                errors.append(f"opening a session: {exc!r}")
+                return ""
+        if status != 201:
+            errors.append(f"opening a session: {status}: {raw[:200]!r}")
+            return ""
+        return str(orjson.loads(raw)["api_key"])
+
+    return list(await asyncio.gather(*(one(index) for index in range(count)))), errors
+
+
+def first_messages(index: int) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"Conversation {index}: tell me something."}]
+
+
+class Conversation:
+    """One session's chat: its history grows by the reply and a user message each turn."""
+
+    def __init__(self, target: Target, index: int, token: str | None) -> None:
+        self.target, self.token, self.messages = target, token, first_messages(index)
+        self.failed = ""
+
+    async def turn(self, http: aiohttp.ClientSession, k: int) -> float | None:
+        if self.failed:
+            return None
+        body: dict[str, Any] = {"model": "policy", "messages": self.messages}
+        if self.target.base is None:
+            body["max_tokens"] = MAX_TOKENS  # the proxies pin it per session
+        started = time.perf_counter()
+        try:
+            status, raw = await post(http, self.target.url, body, self.token)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.failed = repr(exc)
+            return None
+        elapsed = time.perf_counter() - started
+        if status != 200:
+            self.failed = f"{status}: {raw[:200]!r}"
+            return None
+        content = orjson.loads(raw)["choices"][0]["message"]["content"]
+        self.messages = [
+            *self.messages,
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": f"Turn {k}: and then?"},
+        ]
+        return elapsed
+
+
+async def measure(http: aiohttp.ClientSession, target: Target, engine_pid: int, sessions: int, turns: int) -> Run:
+    """``sessions`` conversations of ``turns`` turns each, all at once."""
+    run = Run()
+    cpu_before = cpu_seconds(target.pid)
+    tokens, refused = await open_sessions(http, target, sessions)
+    cpu_created = cpu_seconds(target.pid)
+    run.cpu_create = (cpu_created - cpu_before) / sessions
+    conversations = [Conversation(target, index, token) for index, token in enumerate(tokens) if token != ""]
+    run.errors = sessions - len(conversations)
+    per_turn: list[list[float]] = [[] for _ in range(turns)]
+    engine_before, started = cpu_seconds(engine_pid), time.perf_counter()
+
+    async def whole(conversation: Conversation) -> None:
+        for k in range(turns):
+            latency = await conversation.turn(http, k)
+            if latency is None:
+                return
+            per_turn[k].append(latency)
+
+    await asyncio.gather(*(whole(conversation) for conversation in conversations))
+    run.seconds = time.perf_counter() - started
+    run.cpu_turns = cpu_seconds(target.pid) - cpu_created
+    run.engine_cpu = cpu_seconds(engine_pid) - engine_before
+    run.latencies = [latency for latencies in per_turn for latency in latencies]
+    run.turns = len(run.latencies)
+    failures = refused[:1] + [conversation.failed for conversation in conversations if conversation.failed]
+    run.errors += len(failures) - len(refused[:1])
+    run.first_error = failures[0] if failures else ""
+    return run
+
+
+async def lockstep(
+    http: aiohttp.ClientSession, target: Target, sessions: int, turns: int
+) -> tuple[list[list[float]], list[float]]:
+    """All sessions take turn k together: each turn index's latencies and the target's CPU over it."""
+    tokens, _ = await open_sessions(http, target, sessions)
+    conversations = [Conversation(target, index, token) for index, token in enumerate(tokens) if token != ""]
+    latencies: list[list[float]] = []
+    cpu: list[float] = []
+    for k in range(turns):
+        before = cpu_seconds(target.pid)
+        answered = await asyncio.gather(*(conversation.turn(http, k) for conversation in conversations))
+        cpu.append((cpu_seconds(target.pid) - before) / sessions)
+        latencies.append([latency for latency in answered if latency is not None])
+    return latencies, cpu
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+# -- the processes -------------------------------------------------------------------------------------
+
+
+def start_targets(services: Any, args: argparse.Namespace, delay: float, redis_url: str | None) -> tuple[Any, list]:
+    """The engine of this delay, and in front of it each proxy (its own process) and LiteLLM."""
+    from load_tests.run import free_port
+
+    engine_port = free_port()
+    argv = [sys.executable, "-m", "load_tests.engine", "--port", str(engine_port), "--policy", "fixed"]
+    engine = services.start(f"engine-{delay:g}", [*argv, "--delay", str(delay)])
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    services.wait_http(f"engine-{delay:g}", f"{engine_url}/health")
+    targets = [Target("direct", f"{engine_url}/v1/chat/completions")]
+    stores = [("memory", "memory")] + ([("redis", redis_url)] if redis_url else [])
+    for name, store in stores:
+        port = free_port()
+        argv = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(port), "--engine", engine_url]
+        argv += ["--store", store, "--admin-key", ADMIN_KEY, "--log-level", "warning", "--log-format", "json"]
+        argv += ["--session-ttl", "3600", *args.proxy_arg]
+        process = services.start(f"proxy-{name}-{delay:g}", argv)
+        base = f"http://127.0.0.1:{port}"
+        services.wait_http(f"proxy-{name}-{delay:g}", f"{base}/readyz")
+        targets.append(Target(f"rollout-proxy ({name})", f"{base}/v1/chat/completions", process.pid, base))
+    if args.litellm:
+        port = free_port()
+        config = services.workdir / f"litellm-{delay:g}.yaml"
+        config.write_text(
+            "model_list:\n  - model_name: policy\n    litellm_params:\n      model: openai/fake-smollm2\n"
+            f"      api_base: {engine_url}/v1\n      api_key: none\n"
+            f"general_settings:\n  master_key: {LITELLM_KEY}\nlitellm_settings:\n  telemetry: false\n"
+        )
+        os.environ.update(LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")
+        argv = [str(args.litellm), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+        process = services.start(f"litellm-{delay:g}", argv)
+        services.wait_http(f"litellm-{delay:g}", f"http://127.0.0.1:{port}/health/liveliness", timeout=300)
+        targets.append(Target("LiteLLM", f"http://127.0.0.1:{port}/v1/chat/completions", process.pid, key=LITELLM_KEY))
+    return engine, targets
+
+
+async def warm(http: aiohttp.ClientSession, targets: list[Target], engine_pid: int) -> None:
+    """A few turns each first: tokenizers load and connections open outside the measurement."""
+    for target in targets:
+        run = await measure(http, target, engine_pid, 4, 3)
+        if run.errors:
+            raise SystemExit(f"{target.name} does not answer: {run.first_error}")
+
+
+async def phase(args: argparse.Namespace, delay: float, targets: list[Target], engine_pid: int) -> dict[str, Any]:
+    results: dict[str, Any] = {"sizes": {}, "long": {}}
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        await warm(http, targets, engine_pid)
+        for size in args.sizes:
+            turns = args.turns[size]
+            runs: dict[str, list[Run]] = {target.name: [] for target in targets}
+            for round_index in range(args.rounds):
+                shift = round_index % len(targets)
+                for target in targets[shift:] + targets[:shift]:
+                    run = await measure(http, target, engine_pid, size, turns)
+                    runs[target.name].append(run)
+                    print(
+                        f"  delay {delay * 1000:g} ms, {size:>5} sessions x {turns:>3} turns, {target.name:<22} "
+                        f"p50 {percentile(run.latencies, 50) * 1000:7.1f} ms, {run.turns / run.seconds:7.1f} turns/s, "
+                        f"errors {run.errors}" + (f" (first: {run.first_error})" if run.errors else ""),
+                        flush=True,
+                    )
+            results["sizes"][size] = summarize(runs, size, turns)
+        if delay == 0 and args.long_turns:
+            for target in targets:
+                if target.name == "LiteLLM" and not args.long_litellm:
+                    continue
+                latencies, cpu = await lockstep(http, target, args.long_sessions, args.long_turns)
+                results["long"][target.name] = {"latencies": latencies, "cpu": cpu}
+                print(f"  long run: {target.name} done", flush=True)
+    return results
+
+
+def summarize(runs: dict[str, list[Run]], sessions: int, turns: int) -> dict[str, Any]:
+    merged: dict[str, dict[str, Any]] = {}
+    for name, each in runs.items():
+        latencies = [latency for run in each for latency in run.latencies]
+        done, seconds = sum(run.turns for run in each), sum(run.seconds for run in each)
+        merged[name] = {
+            "turns": done,
+            "errors": sum(run.errors for run in each),
+            "first_error": next((run.first_error for run in each if run.first_error), ""),
+            "p50_ms": percentile(latencies, 50) * 1000,
+            "p99_ms": percentile(latencies, 99) * 1000,
+            "turns_per_s": done / seconds if seconds else 0.0,
+            "cpu_ms_per_turn": sum(run.cpu_turns for run in each) / done * 1000 if done else float("nan"),
+            "cpu_ms_per_session_created": statistics.mean(run.cpu_create for run in each) * 1000,
+            "engine_cpu_ms_per_turn": sum(run.engine_cpu for run in each) / done * 1000 if done else float("nan"),
+        }
+    direct = merged["direct"]
+    for values in merged.values():
+        values["p50_overhead_ms"] = values["p50_ms"] - direct["p50_ms"]
+        values["p99_overhead_ms"] = values["p99_ms"] - direct["p99_ms"]
+        values["throughput_ratio"] = values["turns_per_s"] / direct["turns_per_s"] if direct["turns_per_s"] else 0
+    return {"sessions": sessions, "turns": turns, "targets": merged}
+
+
+def long_summary(long: dict[str, Any], turns: int) -> dict[str, Any]:
+    """Turn 2 against the last turn: medians over the first and last five turns (past the first)."""
+    if not long:
+        return {}
+    early, late = range(1, min(6, turns)), range(max(1, turns - 5), turns)
+    out: dict[str, Any] = {}
+    for name, data in long.items():
+
+        def window(indices: range, data: dict[str, Any] = data) -> tuple[float, float]:
+            latencies = [latency for k in indices for latency in data["latencies"][k]]
+            cpu = statistics.mean(data["cpu"][k] for k in indices)
+            return statistics.median(latencies) * 1000 if latencies else float("nan"), cpu * 1000
+
+        (early_ms, early_cpu), (late_ms, late_cpu) = window(early), window(late)
+        out[name] = {"turn2_ms": early_ms, "last_ms": late_ms, "turn2_cpu_ms": early_cpu, "last_cpu_ms": late_cpu}
+    direct = out.get("direct")
+    for values in out.values():
+        if direct:
+            values["turn2_overhead_ms"] = values["turn2_ms"] - direct["turn2_ms"]
+            values["last_overhead_ms"] = values["last_ms"] - direct["last_ms"]
+        values["latency_ratio"] = values["last_ms"] / values["turn2_ms"]
+        values["cpu_ratio"] = values["last_cpu_ms"] / values["turn2_cpu_ms"] if values["turn2_cpu_ms"] else None
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------------
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [
+        "| engine | sessions × turns | target | p50 overhead / turn | p99 overhead / turn | throughput vs direct "
+        "| CPU / turn (process) | CPU / session created | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for delay, phase_result in report["phases"].items():
+        for result in phase_result["sizes"].values():
+            for name, values in result["targets"].items():
+                if name == "direct":
+                    what = f"p50 {values['p50_ms']:.1f} ms, p99 {values['p99_ms']:.1f} ms"
+                    lines.append(
+                        f"| {delay} ms | {result['sessions']} × {result['turns']} | direct (engine) | {what} | | "
+                        f"{values['turns_per_s']:.0f} turns/s | engine {values['engine_cpu_ms_per_turn']:.2f} ms | | "
+                        f"{values['errors']} |"
+                    )
+                    continue
+                # LiteLLM has no sessions; one session's creation is below the counters' 10 ms tick
+                few = name == "LiteLLM" or result["sessions"] < 16
+                create = "-" if few else f"{values['cpu_ms_per_session_created']:.2f} ms"
+                lines.append(
+                    f"| {delay} ms | {result['sessions']} × {result['turns']} | {name} "
+                    f"| {values['p50_overhead_ms']:+.1f} ms | {values['p99_overhead_ms']:+.1f} ms "
+                    f"| {values['throughput_ratio']:.2f}× | {values['cpu_ms_per_turn']:.2f} ms "
+                    f"| {create} | {values['errors']} |"
+                )
+    long = report.get("long_summary") or {}
+    if long:
+        turns = report["settings"]["long_turns"]
+        lines += [
+            "",
+            f"Long conversations ({report['settings']['long_sessions']} sessions in lock step, engine 0 ms): "
+            f"turns 2-6 against turns {turns - 4}-{turns} (medians)",
+            "",
+            "| target | latency turn 2 | latency last | last / turn 2 | CPU / turn at 2 | CPU / turn last | last / turn 2 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, values in long.items():
+            cpu_ratio = f"{values['cpu_ratio']:.2f}×" if values["cpu_ratio"] else "-"
+            early_cpu, late_cpu = (
+                ("-", "-") if name == "direct" else (f"{values[k]:.2f} ms" for k in ("turn2_cpu_ms", "last_cpu_ms"))
+            )
+            lines.append(
+                f"| {name} | {values['turn2_ms']:.1f} ms | {values['last_ms']:.1f} ms | {values['latency_ratio']:.2f}× "
+                f"| {early_cpu} | {late_cpu} | {cpu_ratio} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    delays = list(report["phases"])
+    figure, axes = plt.subplots(2, len(delays) + 1, figsize=(5 * (len(delays) + 1), 8), squeeze=False)
+    for column, delay in enumerate(delays):
+        sizes = report["phases"][delay]["sizes"]
+        names = [name for name in next(iter(sizes.values()))["targets"] if name != "direct"]
+        for name in names:
+            xs = [int(size) for size in sizes]
+            overhead = [sizes[size]["targets"][name]["p50_overhead_ms"] for size in sizes]
+            ratio = [sizes[size]["targets"][name]["throughput_ratio"] for size in sizes]
+            axes[0][column].plot(xs, overhead, marker="o", label=name)
+            axes[1][column].plot(xs, ratio, marker="o", label=name)
+        axes[0][column].set_title(f"p50 overhead per turn, engine {delay} ms")
+        axes[0][column].set_ylabel("ms over direct")
+        axes[0][column].set_yscale("symlog", linthresh=10)
+        axes[1][column].set_title(f"throughput vs direct, engine {delay} ms")
+        axes[1][column].axhline(1.0, color="grey", linewidth=0.8)
+        for row in (0, 1):
+            axes[row][column].set_xscale("log", base=2)
+            axes[row][column].set_xlabel("concurrent sessions")
+            axes[row][column].legend(fontsize=8)
+    long = report.get("long_raw") or {}
+    ax = axes[0][-1]
+    for name, data in long.items():
+        ax.plot(
+            range(1, len(data["latencies"]) + 1), [statistics.median(x) * 1000 for x in data["latencies"]], label=name
+        )
+    ax.set_title("long conversation: median turn latency")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=8)
+    ax = axes[1][-1]
+    for name, data in long.items():
+        if name != "direct":
+            ax.plot(range(1, len(data["cpu"]) + 1), [cpu * 1000 for cpu in data["cpu"]], label=name)
+    ax.set_title("long conversation: process CPU per turn")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=8)
+    figure.suptitle(report["title"], fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1,32,256,1024", help="concurrent sessions (default 1,32,256,1024)")
+    parser.add_argument(
+        "--turns", default="40,6,3,2", help="turns per session, one per size or one for all (default 40,6,3,2)"
+    )
+    parser.add_argument("--delays", default="0,50", help="engine milliseconds per completion (default 0,50)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per size (default 2)")
+    parser.add_argument("--long-turns", type=int, default=100, help="turns of the long run (0: none; default 100)")
+    parser.add_argument("--long-sessions", type=int, default=16, help="sessions of the long run (default 16)")
+    parser.add_argument("--long-litellm", action="store_true", help="LiteLLM in the long run too")
+    parser.add_argument("--no-redis", action="store_true", help="skip the Redis-store proxy")
+    parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM")
+    parser.add_argument("--litellm", type=Path, default=DEFAULT_LITELLM, help="LiteLLM's CLI (its own venv)")
+    parser.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=None,
+        help="passed to rollout-proxy serve, repeatable (default: --engine-max-inflight 4096, so the proxy "
+        "does not queue what direct sends at once)",
+    )
+    parser.add_argument("--quick", action="store_true", help="1 and 32 sessions, 1 round, 20-turn long run")
+    parser.add_argument("--replot", type=Path, help="only print the table and draw the plot of a saved JSON report")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench", help="JSON and PNG (default out/bench)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.turns, args.rounds, args.long_turns = "1,32", "10,4", 1, 20
+    args.sizes = [int(size) for size in args.sizes.split(",")]
+    turns = [int(turn) for turn in args.turns.split(",")]
+    args.turns = dict(
+        zip(args.sizes, turns if len(turns) == len(args.sizes) else turns[:1] * len(args.sizes), strict=True)
+    )
+    args.delays = [float(delay) / 1000 for delay in args.delays.split(",")]
+    args.proxy_arg = args.proxy_arg if args.proxy_arg is not None else ["--engine-max-inflight", "4096"]
+    if args.no_litellm:
+        args.litellm = None
+    elif not args.litellm.exists():
+        print(f"LiteLLM is not installed at {args.litellm}: its column is skipped (pip install 'litellm[proxy]')")
+        args.litellm = None
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    import shutil
+
+    from load_tests.run import Services, start_redis
+
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        plot(saved, args.out / "proxy_overhead.png")
+        print(table(saved))
+        return
+    services = Services(Path(tempfile.mkdtemp(prefix="rp-bench-", dir=args.out)))
+    report: dict[str, Any] = {"phases": {}, "settings": {}}
+    try:
+        redis_url = None if args.no_redis or not shutil.which("redis-server") else start_redis(services)
+        for delay in args.delays:
+            print(f"engine {delay * 1000:g} ms: starting the engine and the targets", flush=True)
+            engine, targets = start_targets(services, args, delay, redis_url)
+            result = asyncio.run(phase(args, delay, targets, engine.pid))
+            report["phases"][f"{delay * 1000:g}"] = result
+            for name, _ in list(services.processes):
+                if name.endswith(f"-{delay:g}"):
+                    services.stop_one(name)
+    finally:
+        services.stop()
+    long: dict[str, Any] = next((result.pop("long") for result in report["phases"].values() if result.get("long")), {})
+    for result in report["phases"].values():
+        result.pop("long", None)
+    report["long_raw"] = long
+    report["long_summary"] = long_summary(long, args.long_turns)
+    report["settings"] = {
+        "sizes": args.sizes,
+        "turns": args.turns,
+        "rounds": args.rounds,
+        "long_turns": args.long_turns,
+        "long_sessions": args.long_sessions,
+        "proxy_args": args.proxy_arg,
+        "litellm": str(args.litellm) if args.litellm else None,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+    }
+    report["title"] = (
+        f"rollout-proxy overhead vs direct (and LiteLLM), {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    )
+    (args.out / "proxy_overhead.json").write_text(json.dumps(report, indent=1, default=str))
+    plot(report, args.out / "proxy_overhead.png")
+    print(table(report))
+    print(f"wrote {args.out / 'proxy_overhead.json'} and {args.out / 'proxy_overhead.png'}")
+    shutil.rmtree(services.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from load_tests.run import main
+
+sys.exit(main())
