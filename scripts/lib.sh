@@ -47,10 +47,10 @@ ensure_venv() {
 # it fails naming each one that did not pass.
 run_lint() {
     local failed=()
-    say "lint: ruff check src tests bench"
-    "$VENV/bin/ruff" check src tests bench || failed+=("ruff check (fix the findings above; many are safe with 'ruff check --fix')")
-    say "lint: ruff format --check src tests bench"
-    "$VENV/bin/ruff" format --check src tests bench || failed+=("ruff format (run '$VENV/bin/ruff format src tests bench')")
+    say "lint: ruff check src tests bench load_tests"
+    "$VENV/bin/ruff" check src tests bench load_tests || failed+=("ruff check (fix the findings above; many are safe with 'ruff check --fix')")
+    say "lint: ruff format --check src tests bench load_tests"
+    "$VENV/bin/ruff" format --check src tests bench load_tests || failed+=("ruff format (run '$VENV/bin/ruff format src tests bench load_tests')")
     say "lint: mypy (src/rollout_proxy)"
     "$VENV/bin/mypy" || failed+=("mypy (type errors above)")
     if [ "${#failed[@]}" -gt 0 ]; then

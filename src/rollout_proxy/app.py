@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import cast
 
 import structlog
 from aiohttp import web
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from rollout_proxy.core.chat import ChatService
+from rollout_proxy.core.distill import Distillation, parse_teachers
 from rollout_proxy.core.rendering import Renderers, RenderingConfig
 from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
@@ -25,14 +28,18 @@ from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import SessionTokens
 from rollout_proxy.proxy.handlers import chat, docs, fleet_admin, meta, responses, sessions, trajectories, ui, viewer
+from rollout_proxy.proxy.handlers import distill as distill_handlers
 from rollout_proxy.proxy.handlers import feed as feed_handlers
 from rollout_proxy.proxy.middleware import request_middleware
+from rollout_proxy.proxy.telemetry import telemetry_middleware
 from rollout_proxy.settings import Settings
 from rollout_proxy.state.connection import RedisOptions, is_redis_url
 from rollout_proxy.state.feed import Feed, open_feed
+from rollout_proxy.state.instrumented import InstrumentedStore
 from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.state.store import StateStore
 from rollout_proxy.tokenization.parsers import OutputParser
+from rollout_proxy.tracing import Telemetry, otlp_endpoint_from_env
 from rollout_proxy.ui.assets import load_assets
 from rollout_proxy.ui.grades import GradeBook
 from rollout_proxy.ui.pieces import PieceCache
@@ -61,6 +68,8 @@ def redis_options(settings: Settings) -> RedisOptions:
         connect_timeout=settings.redis_connect_timeout,
         health_check_interval=settings.redis_health_check_interval,
         retries=settings.redis_retries,
+        max_connections=settings.redis_max_connections,
+        pool_timeout=settings.redis_pool_timeout,
     )
 
 
@@ -72,6 +81,8 @@ def engine_client(url: str, settings: Settings) -> VLLMEngine:
         first_byte_timeout=settings.engine_first_byte_timeout,
         health_timeout=settings.engine_health_timeout,
         bound_completions=False,  # the fleet bounds them, not counting time paused (fleet_settings)
+        max_connections=settings.engine_max_connections,
+        pool_timeout=settings.engine_pool_timeout,
     )
 
 
@@ -110,16 +121,26 @@ def create_app(
     store: StateStore | None = None,
     engines: Sequence[Engine] | None = None,
     feed: Feed | None = None,
+    span_exporters: Sequence[SpanExporter] = (),
 ) -> web.Application:
+    """``span_exporters`` receive the app's spans besides the OTLP collector, if any (tests: in memory)."""
     if not settings.admin_key:
         raise ValueError("an admin key is required (--admin-key or ROLLOUT_PROXY_ADMIN_KEY)")
     check_store_url(settings.store)
     fleet_settings(settings)  # refuses a bad abort policy now, not at start
     rendering_config(settings)  # refuses a bad rendering setting now, not at start
+    teacher_urls = parse_teachers(settings.teachers)  # refuses a bad teacher list now, not at start
     parser = OutputParser.named(settings.tool_parser, settings.reasoning_parser)
-    app = web.Application(middlewares=[request_middleware], client_max_size=settings.max_body_bytes)
+    app = web.Application(
+        middlewares=[telemetry_middleware, request_middleware], client_max_size=settings.max_body_bytes
+    )
     app[keys.SETTINGS] = settings
     app[keys.METRICS] = Metrics()
+    app[keys.TELEMETRY] = Telemetry(
+        app[keys.METRICS],
+        otlp_endpoint=settings.otlp_endpoint or otlp_endpoint_from_env(),
+        exporters=span_exporters,
+    )
     app[keys.TOKENS] = SessionTokens(settings.token_secret)
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -149,26 +170,43 @@ def create_app(
             metrics=app[keys.METRICS],
             connect=lambda url: engine_client(url, settings),
             owned=engines is None,
+            # paused, the version and the engines added or removed are shared by every worker on a shared store
+            shared=None if isinstance(app[keys.STORE], MemoryStore) else app[keys.STORE],
         )
         await fleet.start()
         app[keys.ENGINES] = fleet
         yield
         await fleet.close()
 
+    async def teachers_ctx(app: web.Application) -> AsyncIterator[None]:
+        """Each distillation teacher is an engine group of its own (health probes and failover as the policy's)."""
+        teachers = {
+            name: Fleet(
+                [engine_client(url, settings) for url in urls], fleet_settings(settings), metrics=app[keys.METRICS]
+            )
+            for name, urls in teacher_urls.items()
+        }
+        await asyncio.gather(*(teacher.start() for teacher in teachers.values()))
+        app[keys.DISTILLATION] = Distillation(store=app[keys.STORE], student=app[keys.ENGINES], teachers=teachers)
+        yield
+        await asyncio.gather(*(teacher.close() for teacher in teachers.values()))
+
     async def services_ctx(app: web.Application) -> AsyncIterator[None]:
+        # the services' store calls are timed and traced; app[keys.STORE] stays the store itself
+        store = cast(StateStore, InstrumentedStore(app[keys.STORE], app[keys.METRICS]))
         renderers = Renderers(rendering_config(settings), metrics=app[keys.METRICS])
         renderers.warm(app[keys.ENGINES].engines)  # each engine's self-check, before its first turn
         turns = TurnRunner(
-            store=app[keys.STORE],
+            store=store,
             engines=app[keys.ENGINES],
             parser=parser,
             metrics=app[keys.METRICS],
             renderers=renderers,
         )
         app[keys.SESSIONS] = SessionService(
-            store=app[keys.STORE], engines=app[keys.ENGINES], ttl=settings.session_ttl, renderers=renderers
+            store=store, engines=app[keys.ENGINES], ttl=settings.session_ttl, renderers=renderers
         )
-        tree = ResponseTree(store=app[keys.STORE], metrics=app[keys.METRICS])
+        tree = ResponseTree(store=store, metrics=app[keys.METRICS])
         app[keys.TREE] = tree
         app[keys.CHAT] = ChatService(tree=tree, turns=turns)
         app[keys.RESPONSES] = ResponsesService(tree=tree, turns=turns)
@@ -187,7 +225,11 @@ def create_app(
         )
         yield
 
-    app.cleanup_ctx.extend([store_ctx, feed_ctx, engines_ctx, services_ctx])
+    async def telemetry_ctx(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(app[keys.TELEMETRY].shutdown)  # the last spans flushed to the collector
+
+    app.cleanup_ctx.extend([telemetry_ctx, store_ctx, feed_ctx, engines_ctx, teachers_ctx, services_ctx])
     app.cleanup_ctx.append(viewer_ctx)
     add_routes(app)
     return app
@@ -220,4 +262,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/ui/static/{name}", ui.static_file)
     app.router.add_get("/v1/admin/sessions", viewer.list_sessions)
     app.router.add_get("/v1/admin/sessions/{session_id}", viewer.session_tree)
+    app.router.add_post("/v1/admin/sessions/{session_id}/teacher_pass", distill_handlers.teacher_pass)
+    app.router.add_post("/v1/admin/sessions/{session_id}/critic_view", distill_handlers.critic_view)
     app.router.add_get("/v1/admin/responses/{response_id}/tokens", viewer.response_tokens)

@@ -7,13 +7,19 @@ Every option of ``serve`` can also come from a ``ROLLOUT_PROXY_<NAME>`` variable
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rollout_proxy.logs import LOG_FORMATS, configure_logging
+from rollout_proxy.proxy.workers import WORKER_HEADER
 from rollout_proxy.settings import DEFAULT_ENGINE, Settings
 from rollout_proxy.tokenization.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 def _serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -29,6 +35,14 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         action="append",
         metavar="URL",
         help=f"base URL of a vLLM OpenAI server; repeat for several (env ROLLOUT_PROXY_ENGINES, comma-separated; default {DEFAULT_ENGINE})",
+    )
+    serve.add_argument(
+        "--teacher",
+        dest="teachers",
+        action="append",
+        metavar="NAME=URL[,URL]",
+        help="an on-policy distillation teacher: its name and vLLM server(s), an engine group of its own; repeat "
+        "for several (env ROLLOUT_PROXY_TEACHERS, ';'-separated)",
     )
     serve.add_argument(
         "--store",
@@ -77,7 +91,7 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         "so this bounds a generation (default 600)",
     )
     serve.add_argument(
-        "--engine-health-timeout", type=float, help="seconds one engine health check may take (default 0.5)"
+        "--engine-health-timeout", type=float, help="seconds one engine health probe may take (default 2)"
     )
     serve.add_argument(
         "--engine-max-inflight", type=int, help="requests in flight per engine before queueing (default 256)"
@@ -101,6 +115,7 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         type=int,
         help="retries of a Redis command on a fresh connection after a connection error (default 1)",
     )
+    _pool_arguments(serve)
     serve.add_argument(
         "--rendering",
         choices=("auto", "engine"),
@@ -132,7 +147,42 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         help="share of turns whose local rendering is also asked of the engine and compared; a difference "
         "switches that engine back to its /tokenize (default 0.01)",
     )
+    serve.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="OTLP/HTTP collector for the proxy's traces, e.g. http://localhost:4318 (default: the standard "
+        "OTEL_EXPORTER_OTLP_ENDPOINT; neither: no traces are exported)",
+    )
     serve.set_defaults(handler=_serve)
+
+
+def _pool_arguments(serve: argparse.ArgumentParser) -> None:
+    """Connection pools and worker processes (README, "Scale-out: workers, pools, Redis Cluster")."""
+    serve.add_argument(
+        "--redis-max-connections",
+        type=int,
+        help="Redis connections per worker (per node on a cluster); a command finding all busy waits (default 512)",
+    )
+    serve.add_argument(
+        "--redis-pool-timeout",
+        type=float,
+        help="seconds a Redis command waits for a free connection before a 503 with Retry-After (default 10)",
+    )
+    serve.add_argument(
+        "--engine-max-connections",
+        type=int,
+        help="generation and /tokenize calls in flight per engine and worker; more wait (default 1024)",
+    )
+    serve.add_argument(
+        "--engine-pool-timeout",
+        type=float,
+        help="seconds an engine call waits for a free connection before a 503 with Retry-After (default 300)",
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        help="serving processes sharing the port (SO_REUSEPORT); more than one needs a Redis store (default 1)",
+    )
 
 
 def _fleet_arguments(serve: argparse.ArgumentParser) -> None:
@@ -196,6 +246,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from rollout_proxy.app import create_app
     from rollout_proxy.proxy.server import serve_until_stopped
+    from rollout_proxy.proxy.workers import run_workers, worker_index
 
     overrides = {
         key: getattr(args, key)
@@ -232,21 +283,49 @@ def _serve(args: argparse.Namespace) -> int:
             "redis_connect_timeout",
             "redis_health_check_interval",
             "redis_retries",
+            "redis_max_connections",
+            "redis_pool_timeout",
+            "engine_max_connections",
+            "engine_pool_timeout",
+            "workers",
             "rendering",
             "tokenizer",
             "chat_template",
             "chat_template_content_format",
             "render_check_rate",
+            "otlp_endpoint",
         )
     }
     if args.engines:
         overrides["engines"] = tuple(args.engines)
+    if args.teachers:
+        overrides["teachers"] = ";".join(args.teachers)
     settings = Settings.from_env(**overrides)
     configure_logging(settings.log_format, settings.log_level)
     generated_key = not settings.admin_key
     if generated_key:
         settings = Settings.from_env(**{**overrides, "admin_key": secrets.token_urlsafe(24)})
+    index = worker_index()
+    if settings.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    if settings.workers > 1 and settings.port == 0:
+        raise ValueError("--workers needs a fixed --port: each worker binds the same one")
+    if settings.workers > 1 and settings.store == "memory":
+        raise ValueError(
+            f"--workers {settings.workers} needs a Redis store (--store redis://HOST:PORT/DB): the memory store "
+            "lives in one process, so each worker would see only its own sessions"
+        )
+    if settings.workers > 1 and index is None:  # the supervisor: its workers make the app (and its metrics)
+        print(f"rollout-proxy: {settings.workers} workers on http://{settings.host}:{settings.port}", file=sys.stderr)
+        if generated_key:
+            print(f"  admin key (generated, pass --admin-key to fix it): {settings.admin_key}", file=sys.stderr)
+        return run_workers(settings.workers, args.argv, admin_key=settings.admin_key)
     app = create_app(settings)
+    if index is not None:  # one of serve --workers' processes: share the port, name ourselves in answers
+        app.on_response_prepare.append(_name_worker)
+        print(f"rollout-proxy worker {index} (pid {os.getpid()}) on port {settings.port}", file=sys.stderr)
+        asyncio.run(serve_until_stopped(app, settings.host, settings.port, reuse_port=True))
+        return 0
     print(f"rollout-proxy listening on http://{settings.host}:{settings.port}", file=sys.stderr)
     print(f"  engines: {', '.join(settings.engines)}", file=sys.stderr)
     print(f"  store:   {settings.store}", file=sys.stderr)
@@ -256,6 +335,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"  admin key (generated, pass --admin-key to fix it): {settings.admin_key}", file=sys.stderr)
     asyncio.run(serve_until_stopped(app, settings.host, settings.port))
     return 0
+
+
+async def _name_worker(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[WORKER_HEADER] = str(os.getpid())
 
 
 def _run_parser(commands: argparse._SubParsersAction) -> None:
@@ -345,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve --workers starts its workers with it
     try:
         return args.handler(args)
     except ValueError as exc:

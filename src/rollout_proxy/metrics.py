@@ -172,6 +172,9 @@ class Metrics:
     """One application's metrics: ``inc`` a counter, ``set`` a gauge, ``observe`` a histogram."""
 
     def __init__(self) -> None:
+        shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if shared_dir:  # prometheus_client writes its value files there from the first metric on
+            os.makedirs(shared_dir, exist_ok=True)
         self.registry = CollectorRegistry(auto_describe=True)
         self._metrics: dict[str, Metric] = {}
         self._children: dict[tuple[object, ...], Metric] = {}

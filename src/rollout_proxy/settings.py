@@ -16,6 +16,7 @@ DEFAULT_ENGINE = "http://127.0.0.1:8000"
 @dataclass(frozen=True, slots=True)
 class Settings:
     engines: tuple[str, ...] = (DEFAULT_ENGINE,)
+    teachers: str = ""  # on-policy distillation teachers: name=URL[,URL][;name=URL...], each an engine group
     store: str = "memory"  # "memory" or a redis:// URL
     host: str = "127.0.0.1"
     port: int = 8080
@@ -33,7 +34,9 @@ class Settings:
     engine_connect_timeout: float = 5.0
     engine_first_byte_timeout: float = 600.0
     engine_timeout: float = 600.0  # total, per engine call
-    engine_health_timeout: float = 0.5  # one health check; /readyz must answer within a second
+    # one probe request (/health, /weight_info): generous, since a probe that times out counts against an
+    # engine that may only be busy (a CPU vLLM's API server starves while it generates); /readyz never waits on it
+    engine_health_timeout: float = 2.0
     engine_max_inflight: int = 256
     # The fleet (README, "Fleet and weight updates"): probes, circuit breaker, failover, pauses.
     policy_version: int = 0  # the version of weights engines report as "default" (and of a fleet reporting none)
@@ -52,6 +55,13 @@ class Settings:
     redis_connect_timeout: float = 2.0
     redis_health_check_interval: int = 5
     redis_retries: int = 1
+    # Pools (README, "Scale-out: workers, pools, Redis Cluster"): a request that finds every connection
+    # busy waits this long for one, then gets a 503 with Retry-After (never a 500).
+    redis_max_connections: int = 512  # per worker process (on a cluster: per node)
+    redis_pool_timeout: float = 10.0
+    engine_max_connections: int = 1024  # generation and /tokenize calls in flight per engine, per worker
+    engine_pool_timeout: float = 300.0  # generations are long: a full pool frees slowly
+    workers: int = 1  # serving processes sharing the port (more than one needs the Redis store)
     feed: str = ""  # trainer feed to serve at /v1/feed: jsonl:PATH or redis://...; empty: none
     feed_stream: str = "trajectories"
     # Rendering of the messages the policy did not generate (README, "Rendering"): "auto" renders in the
@@ -62,6 +72,9 @@ class Settings:
     chat_template: str = ""  # the Jinja file the engines were started with (--chat-template); empty: the tokenizer's
     chat_template_content_format: str = "auto"  # as vLLM's flag of that name: auto, string or openai
     render_check_rate: float = 0.01  # share of live turns also rendered by the engine and compared
+    # Traces (README, "Tracing"): an OTLP/HTTP collector for the proxy's spans; empty: the standard
+    # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT variables, and without those no export at all.
+    otlp_endpoint: str = ""
 
     @property
     def token_secret(self) -> bytes:

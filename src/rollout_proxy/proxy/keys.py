@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from rollout_proxy.core.chat import ChatService
+from rollout_proxy.core.distill import Distillation
 from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
@@ -14,11 +15,13 @@ from rollout_proxy.proxy.auth import SessionTokens
 from rollout_proxy.settings import Settings
 from rollout_proxy.state.feed import Feed
 from rollout_proxy.state.store import StateStore
+from rollout_proxy.tracing import Telemetry
 from rollout_proxy.ui.assets import Asset
 from rollout_proxy.ui.service import Viewer
 
 SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", Metrics)
+TELEMETRY = web.AppKey("telemetry", Telemetry)
 TOKENS = web.AppKey("tokens", SessionTokens)
 STORE = web.AppKey("store", StateStore)
 FEED = web.AppKey("feed", Feed)
@@ -28,4 +31,5 @@ TREE = web.AppKey("tree", ResponseTree)
 CHAT = web.AppKey("chat", ChatService)
 RESPONSES = web.AppKey("responses", ResponsesService)
 VIEWER = web.AppKey("viewer", Viewer)
+DISTILLATION = web.AppKey("distillation", Distillation)
 UI_ASSETS = web.AppKey("ui_assets", dict[str, Asset])
