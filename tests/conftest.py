@@ -79,6 +79,63 @@ def redis_url() -> Iterator[str]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """A private three-master Redis Cluster (no replicas) for the test session: ``redis+cluster://`` of one node."""
+    binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if binary is None or cli is None:
+        pytest.fail("redis-server/redis-cli are not installed; run scripts/test.sh or apt-get install redis-server")
+    workdir = tempfile.mkdtemp(prefix="rp-redis-cluster-")
+    ports = [free_port() for _ in range(3)]
+    bus_ports = [free_port() for _ in range(3)]  # not port + 10000, which may be taken or out of range
+    processes = []
+    for port, bus_port in zip(ports, bus_ports, strict=True):
+        node_dir = Path(workdir) / str(port)
+        node_dir.mkdir()
+        args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(node_dir)]
+        args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus_port)]
+        processes.append(subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        for port in ports:
+            _wait_for_port(port)
+        nodes = [f"127.0.0.1:{port}" for port in ports]
+        subprocess.run(
+            [cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            states = [
+                subprocess.run([cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True).stdout
+                for port in ports
+            ]
+            if all("cluster_state:ok" in state for state in states):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the Redis Cluster did not become ready")
+        yield f"redis+cluster://127.0.0.1:{ports[0]}"
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait_for_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    pytest.fail(f"redis-server on port {port} did not start")
+
+
 @pytest.fixture(params=["memory", "redis"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[object]:
     """Each store implementation, empty."""
@@ -107,6 +164,10 @@ async def fake_engine(tokenizer_dir: Path, template_name: str) -> AsyncIterator[
 
 
 @pytest.fixture
-async def proxy(fake_engine: FakeEngine, store) -> AsyncIterator[ProxyHarness]:
-    async with ProxyHarness.running(engine_urls=[fake_engine.url], store=store, fake=fake_engine) as harness:
+async def proxy(fake_engine: FakeEngine, store, template_name: str) -> AsyncIterator[ProxyHarness]:
+    # the proxy is given the template file the engine runs, as an operator would: local rendering is on
+    template = TEMPLATES_DIR / f"{template_name}.jinja" if TEMPLATES[template_name] is not None else None
+    async with ProxyHarness.running(
+        engine_urls=[fake_engine.url], store=store, fake=fake_engine, chat_template=str(template or "")
+    ) as harness:
         yield harness
