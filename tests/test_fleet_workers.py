@@ -10,12 +10,14 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from rollout_proxy.engines.fleet import Fleet, FleetSettings
 from rollout_proxy.engines.shared import SharedState, follow, settle_time
 from rollout_proxy.engines.vllm_http import VLLMEngine
+from rollout_proxy.errors import StoreUnavailable
 from rollout_proxy.proxy import keys
 from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.state.redis import RedisStore
@@ -233,3 +235,28 @@ async def test_an_engine_at_the_version_another_worker_is_resuming_to_is_not_sta
         assert [(m.state.value, m.version) for m in fleet.members.values()] == [("healthy", 7)] * 2
     finally:
         await fleet.close()
+
+
+class CancelAsStoreError(MemoryStore):
+    """A store whose read turns a cancel into its own error, as redis-py's timeouts can: the cancel is lost."""
+
+    async def get_fleet_state(self):  # type: ignore[no-untyped-def]
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise StoreUnavailable("the store read was interrupted") from None
+
+
+async def test_closing_a_fleet_whose_store_swallows_the_cancel_does_not_hang(fakes: FakeFleet) -> None:
+    """The follower stops even when the cancel comes out of the store call as a store error."""
+    store = CancelAsStoreError()
+    fleet = Fleet(
+        [VLLMEngine(url, bound_completions=False) for url in fakes.urls],
+        FleetSettings(probe_interval=60.0, follow_interval=0.01),
+        shared=store,
+    )
+    with mock.patch.object(CancelAsStoreError, "get_fleet_state", MemoryStore.get_fleet_state):
+        await fleet.start()  # the first read at start answers
+    await asyncio.sleep(0.1)  # the follower is now inside its (hanging) store read
+    await asyncio.wait_for(fleet.close(), timeout=10)
+    assert all(task.done() for task in fleet._tasks)

@@ -29,6 +29,7 @@ import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -147,7 +148,7 @@ class Fleet:
         tasks = list(self._tasks)  # first: the follower may add engines
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _bounded_wait(tasks)
         for member in self.members.values():
             await self._stop_prober(member)
         for member in self.members.values():
@@ -417,11 +418,10 @@ class Fleet:
             )
 
     async def _stop_prober(self, member: Member) -> None:
-        for task in (member.prober, member.probing):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        tasks = [task for task in (member.prober, member.probing) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await _bounded_wait(tasks)
         member.prober = member.probing = None
 
     async def _probe_forever(self, member: Member) -> None:
@@ -551,3 +551,19 @@ class Fleet:
             await member.client.close()
         log.info("engine_removed", engine=member.url)
         self.publish()
+
+
+#: How long closing waits for a cancelled background task: a cancel that a library turned into an
+#: error of its own (and a loop then swallowed) must not hang the shutdown.
+CLOSE_WAIT_S = 5.0
+
+
+async def _bounded_wait(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+    for task in pending:
+        log.warning("background_task_ignored_cancel", task=repr(task))
+    for task in tasks:  # retrieve outcomes so none is reported as "never retrieved"
+        if task.done() and not task.cancelled():
+            task.exception()

@@ -128,6 +128,9 @@ async def follow_forever(fleet: Fleet) -> None:
         try:
             await follow(fleet)
         except (ProxyError, ValueError) as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # a cancel that surfaced as the store call's error
+                raise asyncio.CancelledError from exc
             if not failing:
                 log.warning("fleet_state_unreadable", error=str(exc))
             failing = True
