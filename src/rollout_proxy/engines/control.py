@@ -29,12 +29,17 @@ from rollout_proxy.engines.base import PauseMode
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.health import EngineState, describe
 from rollout_proxy.engines.member import Member
-from rollout_proxy.errors import Conflict, StoreUnavailable
+from rollout_proxy.errors import Conflict, EngineUnavailable, StoreUnavailable
 
 log = structlog.get_logger(__name__)
 
 #: How long a pause waits for calls already past the gate to leave (they were admitted before it).
 DISPATCH_WAIT = 1.0
+
+
+#: A refused or reset control call is sent again this many times in all, this far apart.
+CONTROL_ATTEMPTS = 3
+CONTROL_RETRY_S = 0.5
 
 
 async def pause(fleet: Fleet, mode: PauseMode) -> dict[str, Any]:
@@ -82,7 +87,7 @@ async def resume(fleet: Fleet, version: int) -> dict[str, Any]:
                             member,
                             "update_weight_version",
                             within,
-                            member.client.update_weight_version(str(version), within=within),
+                            lambda member=member: member.client.update_weight_version(str(version), within=within),
                         )
                         for member in targets
                     )
@@ -97,7 +102,10 @@ async def resume(fleet: Fleet, version: int) -> dict[str, Any]:
             if version != previous:
                 member.epoch += 1  # calls frozen across this resume straddle two versions
         resumed = await asyncio.gather(
-            *(_step(fleet, member, "resume", within, member.client.resume(within=within)) for member in ready)
+            *(
+                _step(fleet, member, "resume", within, lambda member=member: member.client.resume(within=within))
+                for member in ready
+            )
         )
         for member, error in zip(ready, resumed, strict=True):
             errors[member] = error
@@ -142,10 +150,20 @@ def _result(member: Member, error: str | None = None) -> dict[str, Any]:
 
 
 async def _step(fleet: Fleet, member: Member, what: str, within: float, call: Any) -> str | None:
-    """Run one control call, bounded; on failure mark the engine down and say why."""
+    """Run one control call (``call()`` makes it), bounded; on failure mark the engine down and say why.
+
+    The calls are idempotent, so a refused or reset one is sent again (a vLLM under a pause has been
+    seen to reset a connection once), within the same bound."""
     try:
         async with asyncio.timeout(within + 1.0):
-            await call
+            for attempt in range(CONTROL_ATTEMPTS):
+                try:
+                    await call()
+                    break
+                except EngineUnavailable:
+                    if attempt == CONTROL_ATTEMPTS - 1:
+                        raise
+                    await asyncio.sleep(CONTROL_RETRY_S)
     except Exception as exc:  # whatever the engine did, the step failed for this engine alone
         reason = f"{what} failed: {describe(exc)}"
         fleet.mark_down(member, reason)
@@ -154,7 +172,7 @@ async def _step(fleet: Fleet, member: Member, what: str, within: float, call: An
 
 
 async def _pause_one(fleet: Fleet, member: Member, mode: PauseMode, within: float) -> dict[str, Any]:
-    error = await _step(fleet, member, f"pause ({mode})", within, member.client.pause(mode, within=within))
+    error = await _step(fleet, member, f"pause ({mode})", within, lambda: member.client.pause(mode, within=within))
     if error is None:
         fleet.set_state(member, EngineState.PAUSED)
     return _result(member, error)
