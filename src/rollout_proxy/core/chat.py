@@ -24,8 +24,10 @@ class ChatService:
         *,
         tools: list[dict[str, Any]] | None,
         stop: Sequence[str] = (),
+        hashes: Sequence[str] | None = None,
     ) -> TurnResult:
-        placement = await self._tree.locate(session, messages, api="chat")
+        """``hashes``: the messages' path hashes when the caller already has them (the session read's)."""
+        placement = await self._tree.locate(session, messages, api="chat", hashes=hashes)
         return await self._turns.generate(
             session, placement, api="chat", tools=tools if tools is not None else session.tools, stop=stop
         )
@@ -37,9 +39,10 @@ class ChatService:
         *,
         tools: list[dict[str, Any]] | None,
         stop: Sequence[str] = (),
+        hashes: Sequence[str] | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         """``complete``, streamed (``core.streaming``): the same node is recorded at the end."""
-        placement = await self._tree.locate(session, messages, api="chat")
+        placement = await self._tree.locate(session, messages, api="chat", hashes=hashes)
         events = TurnStreamer(self._turns).stream(
             session, placement, api="chat", tools=tools if tools is not None else session.tools, stop=stop
         )

@@ -98,11 +98,13 @@ class ResponseTree:
             raise NotFound(f"response {response_id!r} not found in this session", param=param)
         return path
 
-    async def locate(self, session: SessionRecord, messages: list[dict[str, Any]], *, api: str) -> Placement:
-        """Attach a whole conversation by content."""
+    async def locate(
+        self, session: SessionRecord, messages: list[dict[str, Any]], *, api: str, hashes: Sequence[str] | None = None
+    ) -> Placement:
+        """Attach a whole conversation by content (``hashes``: its path hashes, if the caller has them)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
-        hashes = path_hashes(messages)
+        hashes = path_hashes(messages) if hashes is None else list(hashes)
         matches = await self._store.match_paths(session.id, hashes)
         parent_id, covered, fork = choose_parent(matches, len(messages))
         if fork is not None:

@@ -56,6 +56,7 @@ def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | N
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     normalized: list[list[dict[str, Any]]] = []
+    hashed: list[tuple[str, ...]] = []
 
     def read_ahead(body: ChatRequest) -> ReadAhead:
         """The path-index entries the turn attaches by (read with its session: one round trip)."""
@@ -64,19 +65,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "top_logprobs is not supported; logprobs=true returns the sampled ones", param="top_logprobs"
             )
         normalized.append(normalize_messages(body.messages))
-        return ReadAhead(hashes=tuple(path_hashes(normalized[0])))
+        hashed.append(tuple(path_hashes(normalized[0])))  # computed once: the tree attaches by the same hashes
+        return ReadAhead(hashes=hashed[0])
 
     session, body = await plugin_request(request, ChatRequest, read_ahead=read_ahead)
-    messages = normalized[0]
+    messages, hashes = normalized[0], hashed[0]
     tools = normalize_tools(body.tools)
     if body.stream:
         usage = include_usage(body.model_extra)
-        events = request.app[keys.CHAT].stream(session, messages, tools=tools, stop=body.stop_list())
+        events = request.app[keys.CHAT].stream(session, messages, tools=tools, stop=body.stop_list(), hashes=hashes)
         return await serve_stream(
             request,
             events,
             lambda started: ChatChunks(started, model=body.model, usage=usage, logprobs=bool(body.logprobs)),
         )
-    result = await request.app[keys.CHAT].complete(session, messages, tools=tools, stop=body.stop_list())
+    result = await request.app[keys.CHAT].complete(session, messages, tools=tools, stop=body.stop_list(), hashes=hashes)
     structlog.contextvars.bind_contextvars(response_id=result.node.id)
     return json_response(completion_body(result, model=body.model, logprobs=body.logprobs))
