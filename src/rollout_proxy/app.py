@@ -15,7 +15,7 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from rollout_proxy.core.chat import ChatService
-from rollout_proxy.core.distill import Distillation, parse_teachers
+from rollout_proxy.core.distill import Distillation, parse_teacher_templates, parse_teachers
 from rollout_proxy.core.rendering import Renderers, RenderingConfig
 from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
@@ -130,6 +130,7 @@ def create_app(
     fleet_settings(settings)  # refuses a bad abort policy now, not at start
     rendering_config(settings)  # refuses a bad rendering setting now, not at start
     teacher_urls = parse_teachers(settings.teachers)  # refuses a bad teacher list now, not at start
+    teacher_templates = parse_teacher_templates(settings.teacher_templates, teacher_urls)
     parser = OutputParser.named(settings.tool_parser, settings.reasoning_parser)
     app = web.Application(
         middlewares=[telemetry_middleware, request_middleware], client_max_size=settings.max_body_bytes
@@ -187,7 +188,13 @@ def create_app(
             for name, urls in teacher_urls.items()
         }
         await asyncio.gather(*(teacher.start() for teacher in teachers.values()))
-        app[keys.DISTILLATION] = Distillation(store=app[keys.STORE], student=app[keys.ENGINES], teachers=teachers)
+        app[keys.DISTILLATION] = Distillation(
+            store=app[keys.STORE],
+            student=app[keys.ENGINES],
+            teachers=teachers,
+            templates=teacher_templates,
+            tokenizer=settings.tokenizer,
+        )
         yield
         await asyncio.gather(*(teacher.close() for teacher in teachers.values()))
 

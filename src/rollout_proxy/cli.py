@@ -45,6 +45,15 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         "for several (env ROLLOUT_PROXY_TEACHERS, ';'-separated)",
     )
     serve.add_argument(
+        "--teacher-template",
+        dest="teacher_templates",
+        action="append",
+        metavar="NAME=FILE",
+        help="the chat template a teacher's teacher_context messages are rendered with (locally, with the "
+        "student's tokenizer: --tokenizer or the engine's model root); default: the teacher engine's own, "
+        "through its /tokenize (env ROLLOUT_PROXY_TEACHER_TEMPLATES, ';'-separated)",
+    )
+    serve.add_argument(
         "--store",
         help="'memory' (in-process, lost on exit) or redis://HOST:PORT/DB (env ROLLOUT_PROXY_STORE; default memory)",
     )
@@ -300,6 +309,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["engines"] = tuple(args.engines)
     if args.teachers:
         overrides["teachers"] = ";".join(args.teachers)
+    if args.teacher_templates:
+        overrides["teacher_templates"] = ";".join(args.teacher_templates)
     settings = Settings.from_env(**overrides)
     configure_logging(settings.log_format, settings.log_level)
     generated_key = not settings.admin_key

@@ -34,6 +34,8 @@ class GenerationConfig:
     top_k: int = 0  # 0 = disabled, as in the seed's GenerationConfig
     seed: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    #: k > 0: the policy's top-k (ids, logprobs) at each sampled token is recorded (OPD ``topk_type: student``)
+    top_logprobs: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +45,7 @@ class GenerationConfig:
             "top_k": self.top_k,
             "seed": self.seed,
             "chat_template_kwargs": self.chat_template_kwargs,
+            "top_logprobs": self.top_logprobs,
         }
 
     @classmethod
@@ -124,6 +127,33 @@ def merge_spans(spans: Iterable[PolicySpan]) -> list[PolicySpan]:
     return merged
 
 
+@dataclass(frozen=True, slots=True)
+class TopLogprobs:
+    """The policy's top-k at each sampled token, best first: ``ids`` int32 and ``logprobs`` float32, (n, k)."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+
+    @property
+    def k(self) -> int:
+        return int(self.ids.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass(slots=True)
+class TeacherScores:
+    """A teacher pass over one trajectory (on-policy distillation), aligned with its ``total_token_ids``.
+
+    ``logprobs`` is NaN where the student did not train; ``topk`` has one row per trained token."""
+
+    teacher: str
+    logprobs: np.ndarray  # (T,) float32
+    topk: TopLogprobs | None
+    n_tokens_injected: int
+
+
 class NodeKind(str, enum.Enum):
     GENERATED = "generated"  # a model call: output tokens carry loss weight 1
     INJECTED = "injected"  # messages the policy did not generate: weight 0
@@ -159,6 +189,8 @@ class ResponseNode:
     routing: RoutingRows | None = None  # the rows themselves, when loaded
     #: which policy version sampled which of ``output_ids`` (generated nodes; empty for injected ones)
     policy_versions: tuple[PolicySpan, ...] = ()
+    #: the policy's top-k at each of ``output_ids`` when the session records it (``GenerationConfig.top_logprobs``)
+    output_topk: TopLogprobs | None = None
 
     def with_routing(self, rows: RoutingRows | None) -> ResponseNode:
         self.routing, self.routing_span = rows, None if rows is None else rows.span

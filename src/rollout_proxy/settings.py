@@ -17,6 +17,9 @@ DEFAULT_ENGINE = "http://127.0.0.1:8000"
 class Settings:
     engines: tuple[str, ...] = (DEFAULT_ENGINE,)
     teachers: str = ""  # on-policy distillation teachers: name=URL[,URL][;name=URL...], each an engine group
+    #: name=FILE[;name=FILE...]: the chat template a teacher's contexts are rendered with (locally, with the
+    #: student's tokenizer, which a teacher shares); a teacher without one renders through its engine's /tokenize
+    teacher_templates: str = ""
     store: str = "memory"  # "memory" or a redis:// URL
     host: str = "127.0.0.1"
     port: int = 8080

@@ -13,6 +13,7 @@ from rollout_proxy.core.teacher import (
     build_view,
     contexts_by_turn,
     read_prompt_logprobs,
+    teacher_fields,
     turn_boundaries,
 )
 from rollout_proxy.core.trajectory import assemble
@@ -166,8 +167,8 @@ def test_aligned_values_only_on_trained_tokens():
     chosen = np.arange(len(view.ids), dtype=np.float64) * -0.1
     top_ids = np.arange(len(view.ids) * 2, dtype=np.int32).reshape(-1, 2)
     scores = align("t", view, weights, chosen, top_ids, top_ids.astype(np.float32))
-    body = scores.to_json()["total_teacher_logprobs"]
+    body = teacher_fields(scores)["total_teacher_logprobs"]
     assert body[0] is None and body[1] is None and body[4] is None
     assert body[2] == pytest.approx(-0.4) and body[3] == pytest.approx(-0.5) and body[5] == pytest.approx(-0.8)
-    assert scores.topk_ids.tolist() == [[8, 9], [10, 11], [16, 17]]
+    assert scores.topk is not None and scores.topk.ids.tolist() == [[8, 9], [10, 11], [16, 17]]
     assert scores.n_tokens_injected == 3

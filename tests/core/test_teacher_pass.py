@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from rollout_proxy.app import create_app
 from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer, fake_logprob
+from rollout_proxy.settings import Settings
 from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.wire.trajectory import Trajectory
 from tests.conftest import TEMPLATES, TEMPLATES_DIR, free_port
@@ -256,3 +258,60 @@ async def test_a_hung_teacher_is_a_504_within_the_engine_timeout(fake_engine: Fa
         teacher.set_fault(None)
         assert status == 504, body
         assert "127.0.0.1" not in body["error"]["message"]
+
+
+async def test_a_teacher_pass_is_kept_with_the_session_for_get_trajectory(opd: ProxyHarness):
+    session_id, response_id = await two_turns(opd)
+    before = await opd.trajectory(response_id)
+    assert before["teacher"] is None and before["total_teacher_logprobs"] is None
+    status, body = await teacher_pass(opd, session_id, response_id=response_id, teacher="math", topk=3)
+    assert status == 200, body
+    after = await opd.trajectory(response_id)
+    for name in ("teacher", "total_teacher_logprobs", "teacher_topk"):
+        assert after[name] == body[name], name
+    # other responses of the session are not scored by it
+    status, page = await opd.request("GET", f"/v1/sessions/{session_id}/trajectory")
+    assert status == 200 and page["response_id"] == response_id and page["teacher"] == "math"
+
+
+TEACHER_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.role == 'user' %}[for the teacher] {% endif %}{{ message.content }}<|im_end|>\n"
+    "{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+async def test_a_teacher_template_renders_its_contexts(
+    fake_engine: FakeEngine, teacher: FakeEngine, template_name: str, tokenizer_dir: Path, tmp_path: Path
+):
+    """The teacher's own chat template (rendered here, with the shared tokenizer), not its engine's."""
+    template = tmp_path / "teacher.jinja"
+    template.write_text(TEACHER_TEMPLATE)
+    async with ProxyHarness.running(
+        engine_urls=[fake_engine.url],
+        store=MemoryStore(),
+        fake=fake_engine,
+        teachers=f"math={teacher.url}",  # type: ignore[attr-defined]
+        teacher_templates=f"math={template}",
+        tokenizer=str(tokenizer_dir),
+    ) as proxy:
+        session_id, response_id = await two_turns(proxy)
+        contexts = [{"qa_index": 1, "message": {"role": "user", "content": HINT}}]
+        status, body = await teacher_pass(
+            proxy, session_id, response_id=response_id, teacher="math", teacher_context=contexts
+        )
+        assert status == 200, body
+        student = (await proxy.trajectory(response_id))["total_token_ids"]
+        text = teacher.decode(teacher.completions[-1]["prompt"])
+        fragment = f"\n<|im_start|>user\n[for the teacher] {HINT}<|im_end|>"
+        assert text.count(fragment) == 1 and teacher.decode(student) == text.replace(fragment, "")
+        assert text[text.index(fragment) + len(fragment) :].startswith("\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [("physics=/nowhere.jinja", "not a teacher"), ("math=/nowhere/teacher.jinja", "not found"), ("math", "name=FILE")],
+)
+def test_a_bad_teacher_template_is_refused_at_start(spec: str, words: str):
+    with pytest.raises(ValueError, match=words):
+        create_app(Settings(admin_key="k", teachers="math=http://127.0.0.1:9", teacher_templates=spec))

@@ -205,3 +205,64 @@ async def test_close_closes_only_the_client_it_created(fake):
         await borrowing.close()
         assert not http.closed
         assert (await borrowing.info()).model == fake.model_name
+
+
+TOPK = SamplingParams(max_tokens=4, temperature=1.0, top_p=1.0, top_k=0, top_logprobs=2)
+
+
+async def test_top_logprobs_are_read_as_the_top_k_best_first(scripted, scripted_client):
+    """vLLM lists the sampled token first: outside the top k it is one key more, inside it is in its place."""
+    scripted.answer(
+        "/v1/completions",
+        200,
+        completion_body(
+            '{"text": "ab", "token_ids": [5, 6], "finish_reason": "stop", "prompt_token_ids": [1, 2],'
+            ' "logprobs": {"token_logprobs": [-3.0, -0.5], "tokens": ["token_id:5", "token_id:6"], "top_logprobs": ['
+            '{"token_id:5": -3.0, "token_id:9": -0.2, "token_id:8": -1.5},'
+            '{"token_id:6": -0.5, "token_id:4": -Infinity}]}}'
+        ),
+    )
+    completion = await scripted_client.complete(np.asarray([1, 2], dtype=np.int32), TOPK)
+    assert completion.output_topk is not None
+    assert completion.output_topk.ids.tolist() == [[9, 8], [6, 4]]
+    assert completion.output_topk.logprobs.tolist() == [[pytest.approx(-0.2), -1.5], [-0.5, LOGPROB_FLOOR]]
+
+
+@pytest.mark.parametrize(
+    "top",
+    [
+        "[]",  # none
+        '[{"token_id:5": -1.0}]',  # fewer than k
+        '[{"five": -1.0, "token_id:3": -2.0}]',  # not keyed by id (return_tokens_as_token_ids ignored)
+    ],
+)
+async def test_top_logprobs_that_cannot_be_read_are_an_engine_error(scripted, scripted_client, top):
+    scripted.answer(
+        "/v1/completions",
+        200,
+        completion_body(
+            '{"text": "a", "token_ids": [5], "finish_reason": "stop", "prompt_token_ids": [1, 2],'
+            ' "logprobs": {"token_logprobs": [-1.0], "top_logprobs": ' + top + "}}"
+        ),
+    )
+    with pytest.raises(EngineError):
+        await scripted_client.complete(np.asarray([1, 2], dtype=np.int32), TOPK)
+
+
+async def test_top_logprobs_from_the_fake_match_its_distribution(client, fake):
+    prompt = np.asarray(fake.encode("Hello there"), dtype=np.int32)
+    completion = await client.complete(
+        prompt, SamplingParams(max_tokens=5, temperature=1.0, top_p=1.0, top_k=0, top_logprobs=3)
+    )
+    sent = fake.completions[-1]
+    assert sent["logprobs"] == 3 and sent["return_tokens_as_token_ids"] is True
+    top = completion.output_topk
+    assert top is not None and top.ids.shape == (len(completion.output_ids), 3)
+    for index, (token, logprob) in enumerate(zip(completion.output_ids, completion.output_logprobs, strict=True)):
+        position = len(prompt) + index
+        assert top.logprobs[index].tolist() == pytest.approx([fake_logprob(position, int(t)) for t in top.ids[index]])
+        assert np.all(np.diff(top.logprobs[index]) <= 0)
+        if int(token) in top.ids[index]:  # the sampled token, when among them, with the logprob it was sampled with
+            assert top.logprobs[index][top.ids[index].tolist().index(int(token))] == pytest.approx(logprob)
+    plain = await client.complete(prompt, SamplingParams(max_tokens=5, temperature=1.0, top_p=1.0, top_k=0))
+    assert plain.output_topk is None and fake.completions[-1]["logprobs"] == 0

@@ -53,7 +53,9 @@ def engines(tokenizer_dir: Path) -> Iterator[tuple[FakeEngine, FakeEngine]]:
     loop.close()
 
 
-def write_job(tmp_path: Path, student: FakeEngine, teacher: FakeEngine, *, teacher_name: str = "math") -> Path:
+def write_job(
+    tmp_path: Path, student: FakeEngine, teacher: FakeEngine, *, teacher_name: str = "math", **opd: Any
+) -> Path:
     dataset = tmp_path / "train.jsonl"
     with dataset.open("w") as out:
         for index in range(2):
@@ -75,7 +77,7 @@ def write_job(tmp_path: Path, student: FakeEngine, teacher: FakeEngine, *, teach
             "teachers": {"math": {"engines": [teacher.url]}},  # type: ignore[attr-defined]
             "output_dir": str(tmp_path / "out"),
         },
-        "opd": {"task_reward_coef": TASK, "kl_reward_coef": KL, "topk": TOPK},
+        "opd": {"task_reward_coef": TASK, "kl_reward_coef": KL, "topk": TOPK, **opd},
     }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -134,6 +136,28 @@ async def test_opd_job_publishes_hand_computed_advantages_and_top_k(engines, tmp
             # the critic's view: the same hint, rendered with the student's template
             assert trajectory.critic is not None and trajectory.critic["n_tokens_injected"] == injected
             assert trajectory.critic["token_ids"] == list(view)
+
+
+async def test_topk_type_student_records_the_policys_own_top_k_at_sampling(engines, tmp_path):
+    student, teacher = engines
+    summary = await run_job(JobConfig.load(write_job(tmp_path, student, teacher, topk_type="student")), progress=False)
+    assert summary.groups_published == 2
+    assert {c["logprobs"] for c in student.completions} == {TOPK}  # every generation asked for the top k
+    feed = JsonlFeed(summary.feed.removeprefix("jsonl:"))
+    for entry in await feed.read(limit=10):
+        for trajectory in entry.group.trajectories:
+            top = trajectory.student_topk_arrays()
+            assert top is not None and trajectory.teacher_topk_arrays() is not None  # both distributions
+            top_ids, top_logprobs = top
+            trained = np.flatnonzero(trajectory.loss_weight() > 0)
+            assert top_ids.shape == (len(trained), TOPK)
+            for row, i in enumerate(trained):  # the student's weights, at the student's positions
+                assert top_logprobs[row].tolist() == pytest.approx([fake_logprob(int(i), int(t)) for t in top_ids[row]])
+
+
+def test_topk_type_student_needs_a_top_k():
+    with pytest.raises(ValueError, match="topk >= 2"):
+        OPDSection(topk=1, topk_type="student")
 
 
 async def test_an_unknown_teacher_fails_the_job_with_the_proxys_message(engines, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollout_proxy.records import NodeKind, ResponseNode
+from rollout_proxy.records import NodeKind, ResponseNode, TopLogprobs
 from rollout_proxy.state.codec import decode_node, encode_node
 
 
@@ -72,3 +72,16 @@ def test_routing_rows_are_a_separate_blob_and_the_header_keeps_their_span():
     full = decode_node(blob, routing)
     assert np.array_equal(full.routing.experts, node.routing.experts)
     assert np.array_equal(full.routing.valid, valid)
+
+
+def test_the_policys_top_k_rows_roundtrip_after_the_other_arrays():
+    rng = np.random.default_rng(1)
+    top = TopLogprobs(rng.integers(0, 50000, (12, 4), dtype=np.int32), -rng.random((12, 4), dtype=np.float32))
+    plain, with_top = make_node(37, 12), make_node(37, 12, output_topk=top)
+    blob = encode_node(with_top)[0]
+    assert len(blob) - len(encode_node(plain)[0]) <= 12 * 4 * 8 + 16  # packed: 8 bytes per (id, logprob) pair
+    back = decode_node(blob)
+    assert back.output_topk is not None and back.output_topk.k == 4
+    assert np.array_equal(back.output_topk.ids, top.ids) and np.array_equal(back.output_topk.logprobs, top.logprobs)
+    assert np.array_equal(back.output_logprobs, with_top.output_logprobs)
+    assert decode_node(encode_node(plain)[0]).output_topk is None

@@ -10,7 +10,15 @@ import pytest
 
 from rollout_proxy.errors import IdempotencyKeyReused, InvalidRequest, SessionFinished, SessionNotFound
 from rollout_proxy.ids import new_response_id, new_session_id
-from rollout_proxy.records import GenerationConfig, NodeKind, ResponseNode, SessionRecord, SessionStatus
+from rollout_proxy.records import (
+    GenerationConfig,
+    NodeKind,
+    ResponseNode,
+    SessionRecord,
+    SessionStatus,
+    TeacherScores,
+    TopLogprobs,
+)
 from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.state.store import Idempotency
 from tests.harness import store_snapshot
@@ -250,4 +258,35 @@ async def test_nothing_of_a_session_is_left_after_its_ttl_untouched(store):
     await put(store, record.id, item, idempotency=Idempotency("k", "f"))
     await store.finish_session(record.id, {"status": "success"})
     await asyncio.sleep(1.5)
+    assert record.id not in str(await store_snapshot(store))
+
+
+def teacher_scores(n: int, k: int | None) -> TeacherScores:
+    rng = np.random.default_rng(n)
+    logprobs = -rng.random(n, dtype=np.float32)
+    logprobs[::3] = np.nan  # untrained tokens
+    topk = None
+    if k is not None:
+        rows = int((~np.isnan(logprobs)).sum())
+        topk = TopLogprobs(rng.integers(0, 50000, (rows, k), dtype=np.int32), -rng.random((rows, k), dtype=np.float32))
+    return TeacherScores(teacher="math", logprobs=logprobs, topk=topk, n_tokens_injected=7)
+
+
+async def test_a_teacher_pass_is_kept_per_response_and_expires_with_its_session(store):
+    record = session_record(ttl=0.6)
+    await store.create_session(record)
+    item = node(record.id, None)
+    await put(store, record.id, item)
+    assert await store.get_teacher_scores(record.id, item.id) is None
+    first, second = teacher_scores(10, None), teacher_scores(12, 3)
+    assert await store.put_teacher_scores(record.id, item.id, first)
+    assert await store.put_teacher_scores(record.id, item.id, second)  # a later pass replaces it
+    kept = await store.get_teacher_scores(record.id, item.id)
+    assert kept is not None and kept.teacher == "math" and kept.n_tokens_injected == 7
+    assert np.array_equal(kept.logprobs, second.logprobs, equal_nan=True) and kept.logprobs.dtype == np.float32
+    assert kept.topk is not None and second.topk is not None
+    assert np.array_equal(kept.topk.ids, second.topk.ids) and np.array_equal(kept.topk.logprobs, second.topk.logprobs)
+    await asyncio.sleep(0.8)
+    assert await store.get_teacher_scores(record.id, item.id) is None
+    assert not await store.put_teacher_scores(record.id, item.id, first)  # the session is gone: nothing written
     assert record.id not in str(await store_snapshot(store))

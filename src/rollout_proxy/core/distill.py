@@ -1,8 +1,10 @@
 """Teachers (each an engine group of its own) and the passes over a recorded trajectory.
 
-``teacher_pass`` scores a trajectory with a named teacher (``core.teacher``); ``critic_view`` renders
-``critic_context`` into the critic's token ids. Both read the trajectory's path from the store and
-change no stored state: the runner puts the answer on the trajectory it grades and publishes.
+``teacher_pass`` scores a trajectory with a named teacher (``core.teacher``) and keeps the answer in
+the store with the session, so ``GET .../trajectory`` carries the teacher's fields from then on (a
+later pass of the same response replaces it); ``critic_view`` renders ``critic_context`` into the
+critic's token ids and stores nothing. The runner also puts both on the trajectory it grades and
+publishes.
 Before a teacher scores anything its tokenizer is compared with the student's on a canonical text
 (once per teacher): a student's token ids mean nothing to a teacher with another vocabulary.
 """
@@ -25,6 +27,7 @@ from rollout_proxy.errors import EngineTimeout, EngineUnavailable, InvalidReques
 from rollout_proxy.ids import session_of_response
 from rollout_proxy.records import ResponseNode, SessionRecord
 from rollout_proxy.state.store import StateStore
+from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavailable, read_chat_template, tokenizer_dir
 from rollout_proxy.tokenization.renderer import ChatRenderer
 
 log = structlog.get_logger(__name__)
@@ -44,14 +47,44 @@ def parse_teachers(spec: str) -> dict[str, tuple[str, ...]]:
     return teachers
 
 
-class Distillation:
-    """The proxy's teachers and the passes that use them."""
+def parse_teacher_templates(spec: str, teachers: Mapping[str, object]) -> dict[str, str]:
+    """``name=FILE[;name=FILE...]`` to {name: template text}: each a known teacher's, each file readable now."""
+    templates: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        name, _, path = (part.strip() for part in item.partition("="))
+        if not name or not path:
+            raise ValueError(f"a teacher template is name=FILE, not {item!r}")
+        if name not in teachers:
+            raise ValueError(f"a template for teacher {name!r}, which is not a teacher (--teacher {name}=URL)")
+        try:
+            templates[name] = read_chat_template(path)
+        except LocalTemplateUnavailable as exc:
+            raise ValueError(f"teacher {name!r}: {exc}") from None
+    return templates
 
-    def __init__(self, *, store: StateStore, student: Fleet, teachers: Mapping[str, Fleet]) -> None:
+
+class Distillation:
+    """The proxy's teachers and the passes that use them.
+
+    A teacher's contexts are rendered with its ``templates`` entry when it has one (locally, with the
+    student's tokenizer: ``tokenizer``, else the teacher engine's model root), else by its engine."""
+
+    def __init__(
+        self,
+        *,
+        store: StateStore,
+        student: Fleet,
+        teachers: Mapping[str, Fleet],
+        templates: Mapping[str, str] | None = None,
+        tokenizer: str = "",
+    ) -> None:
         self._store = store
         self._student = student
         self._teachers = dict(teachers)
+        self._templates = dict(templates or {})
+        self._tokenizer = tokenizer
         self._renderers: dict[str, ChatRenderer] = {}  # per engine URL: each learns its template's shape once
+        self._local: dict[str, asyncio.Task[ChatRenderer]] = {}  # per teacher with a template of its own
         self._checked: dict[str, asyncio.Task[None]] = {}
 
     @property
@@ -76,7 +109,10 @@ class Distillation:
         await self._check_tokenizer(teacher, fleet)
         engine = await self._route_teacher(fleet)
         trajectory = assemble(session_id, path)
-        view = await self._view(engine, session, path, trajectory.total_token_ids, contexts, "teacher_context")
+        renderer = await self._teacher_renderer(teacher, engine) if contexts else None
+        view = await self._view(
+            engine, session, path, trajectory.total_token_ids, contexts, "teacher_context", renderer=renderer
+        )
         within = fleet.settings.call_timeout  # the teacher's client leaves completions to its fleet's bound
         try:
             async with asyncio.timeout(within):
@@ -89,6 +125,8 @@ class Distillation:
             fleet.report_failure(engine, exc)
             raise
         fleet.report_success(engine)
+        if not await self._store.put_teacher_scores(session_id, response_id, scores):
+            log.info("teacher_pass_not_kept", session_id=session_id, reason="the session expired meanwhile")
         return scores
 
     async def critic_view(
@@ -117,10 +155,11 @@ class Distillation:
         ids: np.ndarray,
         contexts: Sequence[Mapping[str, Any]],
         param: str,
+        *,
+        renderer: ChatRenderer | None = None,
     ) -> View:
-        renderer = self._renderers.setdefault(engine.url, ChatRenderer(engine))
         return await render_view(
-            renderer,
+            renderer or self._renderers.setdefault(engine.url, ChatRenderer(engine)),
             path,
             ids,
             contexts,
@@ -128,6 +167,28 @@ class Distillation:
             chat_template_kwargs=session.generation.chat_template_kwargs,
             param=param,
         )
+
+    async def _teacher_renderer(self, teacher: str, engine: Engine) -> ChatRenderer | None:
+        """The teacher's own template, loaded once (None: its engine renders)."""
+        if teacher not in self._templates:
+            return None
+        task = self._local.get(teacher)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._local[teacher] = asyncio.create_task(self._load_template(teacher, engine))
+        return await asyncio.shield(task)
+
+    async def _load_template(self, teacher: str, engine: Engine) -> ChatRenderer:
+        root = None if self._tokenizer else (await engine.info()).root
+        directory = tokenizer_dir(self._tokenizer or root)
+        if directory is None:
+            raise InvalidRequest(
+                f"teacher {teacher!r} has a chat template of its own, but no tokenizer is readable here to render "
+                "it with (start the proxy with --tokenizer DIR: the student's, which a teacher shares)",
+                param="teacher",
+                code="teacher_template_unavailable",
+            )
+        local = await asyncio.to_thread(LocalTemplate.load, directory, self._templates[teacher])
+        return ChatRenderer(local)
 
     @staticmethod
     async def _route(fleet: Fleet, sticky: str | None = None) -> Engine:

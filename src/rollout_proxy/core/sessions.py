@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from rollout_proxy.core.rendering import Renderers
+from rollout_proxy.core.teacher import teacher_fields
 from rollout_proxy.core.trajectory import AssembledTrajectory, assemble
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.errors import (
@@ -112,10 +114,14 @@ class SessionService:
         if owner is None or (session_id is not None and owner != session_id):
             raise NotFound(f"response {response_id!r} not found", param="response_id")
         session = await self.get(owner)
-        path = await self._store.get_path(owner, response_id, routing=True)
+        path, scores = await asyncio.gather(
+            self._store.get_path(owner, response_id, routing=True),
+            self._store.get_teacher_scores(owner, response_id),
+        )
         if path is None:
             raise NotFound(f"response {response_id!r} not found", param="response_id")
-        return assemble(owner, path, extra=_result_extra(session, response_id))
+        trajectory = assemble(owner, path, extra=_result_extra(session, response_id))
+        return trajectory if scores is None else dataclasses.replace(trajectory, **teacher_fields(scores))
 
     async def prepare_finish(
         self,

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from rollout_proxy.errors import EngineError, InvalidRequest
-from rollout_proxy.records import NodeKind, ResponseNode
+from rollout_proxy.records import NodeKind, ResponseNode, TeacherScores, TopLogprobs
 from rollout_proxy.tokenization.renderer import ChatRenderer
 from rollout_proxy.wire.arrays import encode_array
 
@@ -65,22 +65,15 @@ class View:
         return len(self.ids) - len(self.positions)
 
 
-@dataclass(slots=True)
-class TeacherScores:
-    teacher: str
-    logprobs: np.ndarray  # (T,) float32, NaN where the student did not train
-    topk_ids: np.ndarray | None  # (trained tokens, k) int32
-    topk_logprobs: np.ndarray | None  # (trained tokens, k) float32
-    n_tokens_injected: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "teacher": self.teacher,
-            "total_teacher_logprobs": [None if math.isnan(v) else v for v in self.logprobs.astype(np.float64).tolist()],
-            "teacher_topk": None
-            if self.topk_ids is None or self.topk_logprobs is None
-            else {"ids": encode_array(self.topk_ids), "logprobs": encode_array(self.topk_logprobs)},
-        }
+def teacher_fields(scores: TeacherScores) -> dict[str, Any]:
+    """The trajectory's fields (as ``wire.Trajectory`` names them) for a teacher pass."""
+    return {
+        "teacher": scores.teacher,
+        "total_teacher_logprobs": [None if math.isnan(v) else v for v in scores.logprobs.astype(np.float64).tolist()],
+        "teacher_topk": None
+        if scores.topk is None
+        else {"ids": encode_array(scores.topk.ids), "logprobs": encode_array(scores.topk.logprobs)},
+    }
 
 
 def turn_boundaries(path: Sequence[ResponseNode], end_of_turn: int) -> list[Boundary]:
@@ -232,8 +225,7 @@ def align(
     return TeacherScores(
         teacher=teacher,
         logprobs=logprobs,
-        topk_ids=None if topk_ids is None else topk_ids[at],
-        topk_logprobs=None if topk_logprobs is None else topk_logprobs[at],
+        topk=None if topk_ids is None or topk_logprobs is None else TopLogprobs(topk_ids[at], topk_logprobs[at]),
         n_tokens_injected=view.n_tokens_injected,
     )
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from rollout_proxy.records import NodeKind, PolicySpan, ResponseNode, merge_spans
+from rollout_proxy.records import NodeKind, PolicySpan, ResponseNode, TopLogprobs, merge_spans
 from rollout_proxy.routing import assemble_routing
+from rollout_proxy.wire.arrays import encode_array
 from rollout_proxy.wire.routed_experts import encode_routed_experts
 
 
@@ -46,6 +47,7 @@ class AssembledTrajectory:
     total_teacher_logprobs: list[float | None] | None = None
     teacher_topk: dict[str, Any] | None = None
     critic: dict[str, Any] | None = None  # {"token_ids", "n_tokens_injected"}: the critic_context view
+    student_topk: TopLogprobs | None = None  # the policy's top-k per trained token, when its session recorded it
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +71,9 @@ class AssembledTrajectory:
             "total_teacher_logprobs": self.total_teacher_logprobs,
             "teacher_topk": self.teacher_topk,
             "critic": self.critic,
+            "student_topk": None
+            if self.student_topk is None
+            else {"ids": encode_array(self.student_topk.ids), "logprobs": encode_array(self.student_topk.logprobs)},
         }
 
 
@@ -116,4 +121,16 @@ def assemble(
         routing_disagreements=sum(node.meta.get("routing_disagreements", 0) for node in path),
         policy_versions=merge_spans(spans),
         trace_ids=[node.meta.get("trace_id") for node in generated],
+        student_topk=_student_topk(generated),
+    )
+
+
+def _student_topk(generated: Sequence[ResponseNode]) -> TopLogprobs | None:
+    """The rows of every generated turn, in order (the trained tokens'); None unless every turn has them."""
+    present = [node.output_topk for node in generated if node.output_topk is not None]
+    if not present or len(present) != len(generated) or len({row.k for row in present}) != 1:
+        return None
+    return TopLogprobs(
+        ids=np.concatenate([row.ids for row in present]).astype(np.int32, copy=False),
+        logprobs=np.concatenate([row.logprobs for row in present]).astype(np.float32, copy=False),
     )

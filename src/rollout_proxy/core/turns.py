@@ -172,6 +172,7 @@ class TurnRunner:
             seed=generation.seed,
             stop=tuple(stop),
             routed_experts_prompt_start=prompt_start(placement.parent) if engine.returns_routing else None,
+            top_logprobs=generation.top_logprobs,
         )
         return PreparedTurn(engine=engine, info=info, delta=delta, prompt=prompt, params=params)
 
@@ -249,6 +250,7 @@ class TurnRunner:
             fork=placement.fork,
             meta=node_meta,
             policy_versions=sampled.versions,
+            output_topk=completion.output_topk,
         ).with_routing(routing)
         hashes = [*placement.new_hashes, extend_path_hash(placement.end_hash, node.messages[-1])]
         moved_to = sampled.engine.url if sampled.engine.url != session.engine else None

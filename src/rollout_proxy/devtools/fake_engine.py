@@ -444,13 +444,14 @@ class FakeEngine:
                 param="cache_salt",
             )
         max_tokens = int(payload.get("max_tokens") or 16)
-        wanted = payload.get("prompt_logprobs")
-        if isinstance(wanted, int) and wanted > self.max_logprobs:
-            return _error(
-                400,
-                f"Requested prompt logprobs of {wanted}, which is greater than max allowed: {self.max_logprobs}",
-                param="prompt_logprobs",
-            )
+        for field_name, what in (("prompt_logprobs", "prompt logprobs"), ("logprobs", "sample logprobs")):
+            wanted = payload.get(field_name)
+            if isinstance(wanted, int) and wanted > self.max_logprobs:
+                return _error(
+                    400,
+                    f"Requested {what} of {wanted}, which is greater than max allowed: {self.max_logprobs}",
+                    param=field_name,
+                )
         if len(prompt) >= self.max_model_len:
             return _error(
                 400,
@@ -566,13 +567,33 @@ class FakeEngine:
         entries: list[dict[str, Any] | None] = [None]
         for position in range(1, len(prompt)):
             token = prompt[position]
-            candidates = {token} | {(token + 7919 * j) % self.vocab_size for j in range(1, k + 1)}
-            ranked = sorted(candidates, key=lambda t: (-fake_logprob(position, t, version), t))
+            ranked = self._ranked(position, token, k, version)
             entry = {str(token): self._logprob_entry(position, token, ranked.index(token) + 1, version)}
             for rank, other in enumerate(ranked[:k], start=1):
                 entry.setdefault(str(other), self._logprob_entry(position, other, rank, version))
             entries.append(entry)
         return entries
+
+    def _ranked(self, position: int, token: int, k: int, version: str) -> list[int]:
+        """``token`` and k deterministic alternatives at ``position``, best first (by ``fake_logprob``)."""
+        candidates = {token} | {(token + 7919 * j) % self.vocab_size for j in range(1, k + 1)}
+        return sorted(candidates, key=lambda t: (-fake_logprob(position, t, version), t))
+
+    def _top_logprobs(self, generation: Generation, k: int, as_ids: bool) -> list[dict[str, float]]:
+        """vLLM's ``logprobs: k`` per sampled token: the sampled token first, then the top k (its key once)."""
+        rows = []
+        for index, (token, logprob) in enumerate(zip(generation.tokens, generation.logprobs, strict=True)):
+            version = next(v for v, start, end in generation.versions if start <= index < end)
+            position = len(generation.prompt) + index
+
+            def key(t: int) -> str:
+                return f"token_id:{t}" if as_ids else self.decode([t])
+
+            row = {key(token): logprob}
+            for other in self._ranked(position, token, k, version)[:k]:
+                row.setdefault(key(other), fake_logprob(position, other, version))
+            rows.append(row)
+        return rows
 
     def _logprob_entry(self, position: int, token: int, rank: int, version: str) -> dict[str, Any]:
         return {"logprob": fake_logprob(position, token, version), "rank": rank, "decoded_token": self.decode([token])}
@@ -603,11 +624,12 @@ class FakeEngine:
         if payload.get("prompt_logprobs") is not None:
             choice["prompt_logprobs"] = self._prompt_logprobs(prompt, int(payload["prompt_logprobs"]), generation)
         if payload.get("logprobs") is not None:
+            as_ids = bool(payload.get("return_tokens_as_token_ids"))
             choice["logprobs"] = {
                 "text_offset": offsets,
                 "token_logprobs": logprobs,
-                "tokens": pieces,
-                "top_logprobs": [{piece: logprob} for piece, logprob in zip(pieces, logprobs, strict=True)],
+                "tokens": [f"token_id:{token}" for token in sampled] if as_ids else pieces,
+                "top_logprobs": self._top_logprobs(generation, int(payload["logprobs"]), as_ids),
             }
         return {
             "id": generation.request_id,

@@ -18,6 +18,8 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from rollout_proxy.records import TopLogprobs
+
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 
@@ -32,6 +34,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     routed_experts_prompt_start: int | None = None  # only for engines that return routing
     cache_salt: str | None = None  # the fleet's per-version salt: no KV computed under other weights is reused
+    top_logprobs: int = 0  # k > 0: the top-k at each sampled token too (vLLM ``logprobs: k``); not streamed
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,7 @@ class EngineCompletion:
     finish_reason: str  # stop, length, or abort (cut by a pause or an abort request: the tokens so far)
     nonfinite_logprobs: int = 0  # how many logprobs were NaN/inf and clamped
     routed_experts: str | None = None  # the engine's encoded routing, decoded by routing/
+    output_topk: TopLogprobs | None = None  # with ``SamplingParams.top_logprobs``
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,8 @@
   the tokens so far. After the resume the turn is *continued* (prompt + those tokens as the
   new prompt, ``max_tokens`` less what was sampled; both parts kept, each with its version)
   or *regenerated* (from the prompt; the partial tokens dropped), per ``abort_policy``. MoE
-  engines always regenerate: a continued turn's routing rows would mix two forward passes.
+  engines always regenerate: a continued turn's routing rows would mix two forward passes
+  (and so do sessions recording the policy's top-k: only whole calls are kept).
 - **Versions.** A call's tokens carry the version of its engine when it was sent. A call during
   which that engine's weights changed (a keep-mode pause resumed under it) cannot say where the
   new weights took over (vLLM's completions do not tell), so it is regenerated too.
@@ -171,7 +172,9 @@ async def sample(
                 retry_after=5.0,
             )
         dense = completion.routed_experts is None and member.client.returns_routing is False
-        policy = "continue" if settings.abort_policy == "continue" and dense and not attempt.straddled else "regenerate"
+        # top-k rows are not kept across parts either: such a turn is regenerated, as a MoE one is
+        joinable = dense and not params.top_logprobs and not attempt.straddled
+        policy = "continue" if settings.abort_policy == "continue" and joinable else "regenerate"
         if policy == "continue":
             kept.add(completion, attempt.version)
         else:

@@ -43,6 +43,7 @@ from rollout_proxy.errors import (
     ProxyError,
     TemplateRenderError,
 )
+from rollout_proxy.records import TopLogprobs
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +93,39 @@ def _sampled_logprobs(choice: dict[str, Any], n_tokens: int) -> tuple[np.ndarray
     if nonfinite:
         array = np.nan_to_num(array, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR, posinf=0.0)
     return array, nonfinite
+
+
+def _top_logprobs(choice: dict[str, Any], output_ids: np.ndarray, k: int) -> TopLogprobs:
+    """vLLM's ``logprobs: k`` with ``return_tokens_as_token_ids``: per token a dict ``"token_id:N" -> logprob``
+    listing the sampled token first, then the top k (one key fewer when the sampled token is among them).
+    Read back as the top k, best first (ties in vLLM's order), non-finite values clamped as sampled ones are."""
+    logprobs = choice.get("logprobs")
+    entries = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(entries, list) or len(entries) != len(output_ids):
+        raise EngineError(f"the engine returned no top-{k} logprobs for every sampled token")
+    ids = np.empty((len(entries), k), dtype=np.int32)
+    values = np.empty((len(entries), k), dtype=np.float32)
+    for position, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise EngineError(f"the engine's top logprobs at token {position} are not a mapping")
+        try:
+            ranked = [(int(str(key).removeprefix("token_id:")), _clamped(value)) for key, value in entry.items()]
+        except (TypeError, ValueError) as exc:
+            raise EngineError(f"the engine's top logprobs at token {position} are not keyed by token id") from exc
+        if len(ranked) == k + 1:
+            ranked = ranked[1:]  # the sampled token, outside the top k
+        else:
+            ranked.sort(key=lambda item: -item[1])  # the sampled one in its place (stable: ties keep vLLM's order)
+        if len(ranked) != k:
+            raise EngineError(f"the engine returned {len(ranked)} top logprobs at token {position}, not {k}")
+        ids[position] = [token for token, _ in ranked]
+        values[position] = [value for _, value in ranked]
+    return TopLogprobs(ids=ids, logprobs=values)
+
+
+def _clamped(value: Any) -> float:
+    number = LOGPROB_FLOOR if value is None else float(value)
+    return number if math.isfinite(number) else LOGPROB_FLOOR
 
 
 class EngineRejected(EngineError):
@@ -493,9 +527,12 @@ class VLLMEngine:
             payload["routed_experts_prompt_start"] = params.routed_experts_prompt_start
         if params.cache_salt is not None:
             payload["cache_salt"] = params.cache_salt
+        if params.top_logprobs:
+            payload["logprobs"] = params.top_logprobs
+            payload["return_tokens_as_token_ids"] = True
         if sink is not None:
             await sink.begin(prompt_ids)
-            if self.returns_routing is False:
+            if self.returns_routing is False and not params.top_logprobs:
                 return await self._stream(payload, sink, on_sent=on_sent)
         return await self._complete_once(payload, on_sent=on_sent)
 
@@ -594,6 +631,11 @@ class VLLMEngine:
         if routed_experts is not None or finish_reason != "abort":  # an aborted answer may come without its routing
             self.returns_routing = routed_experts is not None
         reported = choice.get("prompt_token_ids")
+        k = payload["logprobs"]
+        try:
+            topk = _top_logprobs(choice, output_ids, k) if k else None
+        except EngineError as exc:
+            raise self._failed(exc, "/v1/completions") from None
         return EngineCompletion(
             prompt_ids=None if reported is None else np.asarray(reported, dtype=np.int32),
             output_ids=output_ids,
@@ -602,4 +644,5 @@ class VLLMEngine:
             finish_reason=finish_reason,
             nonfinite_logprobs=nonfinite,
             routed_experts=routed_experts,
+            output_topk=topk,
         )

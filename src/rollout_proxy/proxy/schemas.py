@@ -83,6 +83,9 @@ class GenerationIn(BaseModel):
     top_k: int = Field(0, ge=-1)
     seed: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    #: k > 0: record the policy's top-k at every sampled token (vLLM ``logprobs: k``; its ``--max-logprobs``
+    #: must allow k). Turns are then not streamed from the engine, and an aborted one is regenerated.
+    top_logprobs: int = Field(0, ge=0, le=128)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -103,6 +106,7 @@ class GenerationIn(BaseModel):
             top_k=max(self.top_k, 0),
             seed=self.seed,
             chat_template_kwargs=kwargs or None,
+            top_logprobs=self.top_logprobs,
         )
 
 

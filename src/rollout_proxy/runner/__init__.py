@@ -75,6 +75,9 @@ async def run_job(
                 feed=feed_url,
                 feed_stream=job.proxy.feed_stream,
                 teachers=";".join(f"{name}={','.join(t.engines)}" for name, t in job.proxy.teachers.items()),
+                teacher_templates=";".join(
+                    f"{name}={t.chat_template}" for name, t in job.proxy.teachers.items() if t.chat_template
+                ),
             )
             embedded = BackgroundServer(lambda: create_app(settings))
             proxy_url = await asyncio.to_thread(embedded.start)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rollout_proxy.sdk.types import ChatCompletionSample, PluginContext
 
@@ -81,6 +81,8 @@ class TeacherSpec(Strict):
     """An on-policy distillation teacher: a vLLM engine group of its own, sharing the student's tokenizer."""
 
     engines: list[str] = Field(min_length=1)
+    #: the chat template file the teacher's contexts are rendered with (default: its engine's own)
+    chat_template: str | None = None
 
 
 class ProxySection(Strict):
@@ -142,7 +144,20 @@ class OPDSection(Strict):
     task_reward_coef: float = Field(1.0, ge=0.0)
     kl_reward_coef: float = Field(1.0, ge=0.0)
     topk: int = Field(0, ge=0, le=128, description=">= 2: the teacher's top-k per trained token is recorded too")
-    topk_type: Literal["default", "teacher"] = "default"  # "student" (the student's own top-k): not supported yet
+    #: where the top-k token set comes from (the seed's): "student" also records the policy's own top-k at
+    #: sampling time (``student_topk`` on each trajectory; the engines' ``--max-logprobs`` must allow ``topk``)
+    topk_type: Literal["default", "student", "teacher"] = "default"
+
+    @model_validator(mode="after")
+    def _student_needs_topk(self) -> OPDSection:
+        if self.topk_type == "student" and self.topk < 2:
+            raise ValueError("topk_type 'student' records the student's top-k: it needs topk >= 2")
+        return self
+
+    @property
+    def student_topk(self) -> int:
+        """k when the policy's top-k is recorded at sampling, else 0."""
+        return self.topk if self.topk_type == "student" else 0
 
 
 class JobConfig(Strict):

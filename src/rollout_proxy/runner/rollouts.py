@@ -39,10 +39,13 @@ class Rollouts:
         on_failed_attempt: Callable[[], None] = _no_op,
         executor: PluginExecutor | None = None,
         topk: int = 0,
+        student_topk: int = 0,
     ) -> None:
-        """``topk``: the teacher's top-k recorded per trained token by a teacher pass (``runner.distill``)."""
+        """``topk``: the teacher's top-k recorded per trained token by a teacher pass (``runner.distill``);
+        ``student_topk``: the policy's own top-k recorded at sampling (OPD ``topk_type: student``)."""
         runtime = plugin.spec.runtime
         self._topk = topk
+        self._student_topk = student_topk
         self.plugin = plugin
         self._admin = admin
         self._executor = executor or InProcessExecutor()
@@ -83,6 +86,11 @@ class Rollouts:
             n_sample=n_sample if self.is_group else None,
             context=context.model_dump(),
             concurrency=self._concurrency,
+            **(
+                {"generation": {**sample.generation(), "top_logprobs": self._student_topk}}
+                if self._student_topk
+                else {}
+            ),
         )
         async with proxy:  # closes the clients the plugin made
             arguments = rollout_arguments(self.plugin, context, proxy, sample, n_sample)

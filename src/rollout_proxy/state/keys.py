@@ -56,6 +56,11 @@ def idempotency_key(session_id: str) -> str:
     return f"{PREFIX}:{{{session_id}}}:idempotency"
 
 
+def teacher_key(session_id: str) -> str:
+    """Hash: response id -> packed teacher pass (``codec.encode_scores``) of the trajectory ending there."""
+    return f"{PREFIX}:{{{session_id}}}:teacher"
+
+
 def session_keys(session_id: str) -> list[str]:
     """Every key of a session, in the order the node-writing script takes them."""
     return [

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from rollout_proxy.errors import SessionFinished, SessionNotFound
-from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus
+from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus, TeacherScores
 from rollout_proxy.state import listing
 from rollout_proxy.state.listing import SessionPage, SessionSummary, Where
 from rollout_proxy.state.store import Idempotency, ReadAhead, json_bytes
@@ -38,6 +38,7 @@ class _SessionState:
     latest: dict[str, str] = field(default_factory=dict)
     idempotency: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (fingerprint, response id)
     summary: SessionSummary | None = None  # written at create and at finish (the listing's index)
+    teacher: dict[str, TeacherScores] = field(default_factory=dict)  # response id -> its teacher pass
 
 
 @contextlib.asynccontextmanager
@@ -149,6 +150,17 @@ class MemoryStore:
             return False
         state.session = dataclasses.replace(state.session, engine=engine)
         return True
+
+    async def put_teacher_scores(self, session_id: str, response_id: str, scores: TeacherScores) -> bool:
+        state = self._state(session_id)
+        if state is None:
+            return False
+        state.teacher[response_id] = scores
+        return True
+
+    async def get_teacher_scores(self, session_id: str, response_id: str) -> TeacherScores | None:
+        state = self._state(session_id)
+        return None if state is None else state.teacher.get(response_id)
 
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
         state = self._state(session_id)

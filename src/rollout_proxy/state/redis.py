@@ -46,9 +46,9 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError, WatchError
 
 from rollout_proxy.errors import Conflict, SessionFinished, SessionNotFound
-from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus
+from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus, TeacherScores
 from rollout_proxy.state import keys, listing
-from rollout_proxy.state.codec import decode_node, encode_node
+from rollout_proxy.state.codec import decode_node, decode_scores, encode_node, encode_scores
 from rollout_proxy.state.connection import ConnectionGate, RedisOptions, connect_redis, translate_errors
 from rollout_proxy.state.listing import SessionPage, SessionSummary, Where
 from rollout_proxy.state.store import REQUEST_LEASE_S, Idempotency, ReadAhead, RequestBound, json_bytes
@@ -75,6 +75,15 @@ _SET_ENGINE = """
 local ttl = redis.call("PTTL", KEYS[1])
 if ttl < 0 then return 0 end
 redis.call("SET", KEYS[2], ARGV[1], "PX", ttl)
+return 1
+"""
+
+_PUT_TEACHER = """
+-- KEYS: session, teacher; ARGV: response id, packed teacher pass. Kept as long as the session.
+local ttl = redis.call("PTTL", KEYS[1])
+if ttl < 0 then return 0 end
+redis.call("HSET", KEYS[2], ARGV[1], ARGV[2])
+redis.call("PEXPIRE", KEYS[2], ttl)
 return 1
 """
 
@@ -305,6 +314,7 @@ class RedisStore:
         self._get_path = client.register_script(_GET_PATH)
         self._put_node = client.register_script(_PUT_NODE)
         self._set_engine = client.register_script(_SET_ENGINE)
+        self._put_teacher = client.register_script(_PUT_TEACHER)
         self._index_open = client.register_script(_INDEX_OPEN)
         self._index_finish = client.register_script(_INDEX_FINISH)
         self._index_page = client.register_script(_INDEX_PAGE)
@@ -524,6 +534,16 @@ class RedisStore:
         self._ahead.set(None)
         keys_ = [keys.session_key(session_id), keys.engine_key(session_id)]
         return bool(await self._set_engine(keys=keys_, args=[engine]))
+
+    @_store_call
+    async def put_teacher_scores(self, session_id: str, response_id: str, scores: TeacherScores) -> bool:
+        keys_ = [keys.session_key(session_id), keys.teacher_key(session_id)]
+        return bool(await self._put_teacher(keys=keys_, args=[response_id, encode_scores(scores)]))
+
+    @_store_call
+    async def get_teacher_scores(self, session_id: str, response_id: str) -> TeacherScores | None:
+        blob = await self._redis.hget(keys.teacher_key(session_id), response_id)
+        return None if blob is None else decode_scores(_bytes(blob))
 
     @_store_call
     async def finish_session(self, session_id: str, result: dict) -> SessionRecord | None:

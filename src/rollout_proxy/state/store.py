@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import orjson
 
 from rollout_proxy.errors import IdempotencyKeyReused, InvalidRequest
-from rollout_proxy.records import ResponseNode, SessionRecord
+from rollout_proxy.records import ResponseNode, SessionRecord, TeacherScores
 from rollout_proxy.state.listing import SessionPage, Where
 
 
@@ -172,6 +172,15 @@ class StateStore(Protocol):
         while the context is; waits for a free one. A Redis store shares them across workers and proxies; a
         slot whose holder died is freed after ``lease`` seconds. A slot the task's session read already took
         (``ReadAhead.bound``) is used instead, and stays held until the task's node write or its end."""
+        ...
+
+    async def put_teacher_scores(self, session_id: str, response_id: str, scores: TeacherScores) -> bool:
+        """Keep a teacher pass of the trajectory ending at ``response_id`` (a later pass replaces it), for as
+        long as the session lives, in one round trip; False if the session is gone."""
+        ...
+
+    async def get_teacher_scores(self, session_id: str, response_id: str) -> TeacherScores | None:
+        """The teacher pass kept for ``response_id``, if any, in one round trip."""
         ...
 
     async def get_fleet_state(self) -> dict[str, Any] | None:

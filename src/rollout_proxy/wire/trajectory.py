@@ -57,6 +57,9 @@ class Trajectory(BaseModel):
     #: the teacher's top-k per trained token: ``{"ids", "logprobs"}``, each a ``{dtype, shape, data}`` array
     #: of shape (trained tokens, k) (int32, float32), in the order of the trained tokens
     teacher_topk: dict[str, Any] | None = None
+    #: the policy's own top-k at sampling time per trained token (a session with ``top_logprobs``, OPD
+    #: ``topk_type: student``): ``{"ids", "logprobs"}`` as ``teacher_topk``, rows in the same order
+    student_topk: dict[str, Any] | None = None
     #: the critic's view (``critic_context`` inserted): ``{"token_ids", "n_tokens_injected"}``
     critic: dict[str, Any] | None = None
 
@@ -85,6 +88,15 @@ class Trajectory(BaseModel):
         return (
             decode_array(self.teacher_topk["ids"], param="teacher_topk.ids"),
             decode_array(self.teacher_topk["logprobs"], param="teacher_topk.logprobs"),
+        )
+
+    def student_topk_arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids int32, logprobs float32), each (trained tokens, k); None when the session recorded none."""
+        if self.student_topk is None:
+            return None
+        return (
+            decode_array(self.student_topk["ids"], param="student_topk.ids"),
+            decode_array(self.student_topk["logprobs"], param="student_topk.logprobs"),
         )
 
     @property

@@ -20,7 +20,8 @@ from rollout_proxy.tokenization.messages import path_hashes
 from rollout_proxy.wire.messages import normalize_messages, normalize_tools
 
 
-def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | None) -> dict[str, Any]:
+def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | None, top: int = 0) -> dict[str, Any]:
+    """``top``: how many of the session's recorded top-k rows to show per token (OpenAI's ``top_logprobs``)."""
     node, view = result.node, result.view
     message: dict[str, Any] = {"role": "assistant", "content": view.content}
     if view.tool_calls:
@@ -36,10 +37,21 @@ def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | N
         "token_ids": node.output_ids,
     }
     if logprobs:
+        topk = node.output_topk  # the session's recorded top-k (``top_logprobs`` at create)
+        rows: list[list[dict[str, Any]]] = (
+            [[] for _ in range(len(node.output_ids))]
+            if topk is None or not top
+            else [
+                [{"token": f"token_id:{t}", "logprob": v, "bytes": None} for t, v in zip(ids, values, strict=True)]
+                for ids, values in zip(topk.ids[:, :top].tolist(), topk.logprobs[:, :top].tolist(), strict=True)
+            ]
+        )
         choice["logprobs"] = {
             "content": [
-                {"token": f"token_id:{token}", "logprob": float(logprob), "bytes": None, "top_logprobs": []}
-                for token, logprob in zip(node.output_ids.tolist(), node.output_logprobs.tolist(), strict=True)
+                {"token": f"token_id:{token}", "logprob": float(logprob), "bytes": None, "top_logprobs": row}
+                for token, logprob, row in zip(
+                    node.output_ids.tolist(), node.output_logprobs.tolist(), rows, strict=True
+                )
             ]
         }
     return {
@@ -60,15 +72,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     def read_ahead(body: ChatRequest) -> ReadAhead:
         """The path-index entries the turn attaches by (read with its session: one round trip)."""
-        if body.top_logprobs:
-            raise InvalidRequest(
-                "top_logprobs is not supported; logprobs=true returns the sampled ones", param="top_logprobs"
-            )
         normalized.append(normalize_messages(body.messages))
         hashed.append(tuple(path_hashes(normalized[0])))  # computed once: the tree attaches by the same hashes
         return ReadAhead(hashes=hashed[0])
 
     session, body = await plugin_request(request, ChatRequest, read_ahead=read_ahead)
+    recorded = session.generation.top_logprobs
+    if body.top_logprobs and (body.top_logprobs > recorded or body.stream):
+        raise InvalidRequest(
+            f"top_logprobs {body.top_logprobs} needs a session that records at least that many (it records "
+            f"{recorded}: set generation.top_logprobs when the session is created), and no stream; "
+            "logprobs=true alone returns the sampled ones",
+            param="top_logprobs",
+        )
     messages, hashes = normalized[0], hashed[0]
     tools = normalize_tools(body.tools)
     if body.stream:
@@ -81,4 +97,4 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
     result = await request.app[keys.CHAT].complete(session, messages, tools=tools, stop=body.stop_list(), hashes=hashes)
     structlog.contextvars.bind_contextvars(response_id=result.node.id)
-    return json_response(completion_body(result, model=body.model, logprobs=body.logprobs))
+    return json_response(completion_body(result, model=body.model, logprobs=body.logprobs, top=body.top_logprobs or 0))

@@ -1,7 +1,7 @@
 """On-policy distillation passes over a recorded trajectory (admin key): the teacher's logprobs, the critic's view.
 
-The core is ``core.distill``; neither route changes stored state (the runner carries the answer
-onto the trajectory it grades and publishes).
+The core is ``core.distill``. A teacher pass is kept with the session (``GET .../trajectory`` then
+carries its fields); the critic's view is only answered.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout_proxy.core.teacher import teacher_fields
 from rollout_proxy.proxy import keys, validation
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response, read_json_object
@@ -59,7 +60,7 @@ async def teacher_pass(request: web.Request) -> web.Response:
         topk=body.topk,
     )
     return json_response(
-        {"response_id": body.response_id, **scores.to_json(), "n_tokens_injected": scores.n_tokens_injected}
+        {"response_id": body.response_id, **teacher_fields(scores), "n_tokens_injected": scores.n_tokens_injected}
     )
 
 
