@@ -1,0 +1,36 @@
+"""``bench/storage_footprint.py`` run tiny: it writes through both stores and reports consistent numbers.
+
+Its own process, as the README runs it, on a private redis-server it starts itself.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_tiny_run_reports_both_stores_and_the_what_ifs(tmp_path: Path) -> None:
+    command = [sys.executable, "bench/storage_footprint.py", "--tokens", "6000", "--turns", "3", "--out", str(tmp_path)]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "goal: Redis bytes <= 1.2x raw" in run.stdout
+    report = json.loads((tmp_path / "storage_footprint.json").read_text())
+    stores = [result["store"] for result in report["results"]]
+    assert stores == ["redis", "redis text-zlib", "redis no-text", "redis blob-zlib", "redis lean", "memory"]
+    redis = report["results"][0]
+    assert redis["stored_tokens"] >= 6000
+    assert redis["raw_bytes"] == 4 * redis["stored_tokens"] + 4 * redis["generated_tokens"]
+    assert redis["blob"]["arrays"] == redis["raw_bytes"]  # the codec stores exactly the raw arrays
+    assert redis["blob"]["written"] > redis["raw_bytes"]
+    assert redis["bytes"] > redis["raw_bytes"]  # Redis holds at least the arrays
+    assert len(redis["per_session_after_turns"]) == 3 + 1
+    assert redis["per_session_after_turns"] == sorted(redis["per_session_after_turns"])
+    assert {"nodes", "parents", "paths", "session", "latest"} <= set(redis["keys"])
+    assert redis["keys"]["nodes"]["keys"] == redis["sessions"]
+    memory = report["results"][-1]
+    assert memory["stored_tokens"] == redis["stored_tokens"]
+    assert memory["bytes"] > memory["raw_bytes"]
