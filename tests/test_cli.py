@@ -57,3 +57,19 @@ def test_unknown_store_is_refused(capsys, monkeypatch):
         main(["serve", "--store", "mongodb://x", "--port", "0", "--log-format", "json"])
     assert raised.value.code == 2
     assert "unknown store" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("choice", "loop_module"), [("uvloop", "uvloop"), ("auto", "uvloop"), ("asyncio", "asyncio")])
+def test_serve_runs_on_the_event_loop_asked_for(choice: str, loop_module: str):
+    """``--event-loop``: uvloop (the default when installed: less CPU per turn) or the standard library's."""
+    import asyncio
+
+    from rollout_proxy.cli import _run_loop
+
+    seen: list[str] = []
+
+    async def serve() -> None:
+        seen.append(type(asyncio.get_running_loop()).__module__.split(".")[0])
+
+    _run_loop(serve(), choice)
+    assert seen == [loop_module]

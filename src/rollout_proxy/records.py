@@ -191,6 +191,9 @@ class ResponseNode:
     policy_versions: tuple[PolicySpan, ...] = ()
     #: the policy's top-k at each of ``output_ids`` when the session records it (``GenerationConfig.top_logprobs``)
     output_topk: TopLogprobs | None = None
+    #: the token ids of the whole root-to-here path, kept on the latest node of a conversation so the next
+    #: turn's prompt is not concatenated from every node again (``core.turns.path_tokens``); not stored
+    path_ids: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def with_routing(self, rows: RoutingRows | None) -> ResponseNode:
         self.routing, self.routing_span = rows, None if rows is None else rows.span

@@ -71,6 +71,7 @@ class Settings:
     # proxy with the model's tokenizer and chat template once they match the engine's /tokenize on a
     # canonical set, "engine" always asks the engine's /tokenize.
     rendering: str = "auto"
+    event_loop: str = "auto"  # serve's loop: auto (uvloop when installed), uvloop or asyncio
     tokenizer: str = ""  # directory with the model's tokenizer; empty: the engine's model root, if readable here
     chat_template: str = ""  # the Jinja file the engines were started with (--chat-template); empty: the tokenizer's
     chat_template_content_format: str = "auto"  # as vLLM's flag of that name: auto, string or openai

@@ -79,3 +79,25 @@ async def test_a_plugin_reading_its_session_does_not_see_the_engine_url(proxy):
     assert status == 200 and mine["id"] == session.session_id and "engine" not in mine
     status, admin_view = await proxy.request("GET", f"/v1/sessions/{session.session_id}")
     assert status == 200 and admin_view["engine"] == proxy.fake.url
+
+
+def test_a_remembered_token_still_expires_and_a_forged_one_is_never_remembered():
+    """Session tokens are verified once and remembered, but never past their ``exp``."""
+    import time
+
+    from rollout_proxy.errors import AuthenticationFailed
+    from rollout_proxy.proxy.auth import SessionTokens
+
+    now = [time.time()]
+    tokens = SessionTokens(b"k" * 32, clock=lambda: now[0])
+    token = tokens.issue("sess_a", expires_at=now[0] + 60)
+    assert tokens.verify(token).session_id == "sess_a"  # decoded
+    assert tokens.verify(token).session_id == "sess_a"  # remembered
+    now[0] += 61
+    with pytest.raises(AuthenticationFailed, match="expired"):
+        tokens.verify(token)
+    other = SessionTokens(b"x" * 32)
+    with pytest.raises(AuthenticationFailed, match="invalid"):
+        other.verify(token)
+    with pytest.raises(AuthenticationFailed, match="invalid"):
+        other.verify(token)  # a refusal is not remembered as a pass

@@ -55,24 +55,42 @@ class Placement:
         return self.parent[-1].path_hash if self.parent else EMPTY_PATH_HASH
 
 
-def choose_parent(matches: Sequence[str | None], n_messages: int) -> tuple[str | None, int, dict[str, Any] | None]:
+#: How many of a conversation's last path hashes a turn looks up first. A turn usually resends the
+#: history it was given plus a few messages, so the deepest whole-node match is among the last few:
+#: the rolling hashes make a match there vouch for every message before it, and the lookup does not
+#: grow with the history. Only when none of them ends a node (a new conversation, or history rewritten
+#: further back) is the whole list looked up.
+MATCH_WINDOW = 8
+
+
+def match_window(hashes: Sequence[str]) -> tuple[str, ...]:
+    """The hashes a turn looks up first (``MATCH_WINDOW``)."""
+    return tuple(hashes[-MATCH_WINDOW:])
+
+
+def choose_parent(
+    matches: Sequence[str | None], n_messages: int, *, offset: int = 0
+) -> tuple[str | None, int, dict[str, Any] | None]:
     """(parent id, how many messages it covers, fork provenance or None).
 
-    ``matches[i]`` is the path-index entry for the first i+1 messages: ``"id"`` where
+    ``matches[i]`` is the path-index entry for the first ``offset``+i+1 messages: ``"id"`` where
     a node's path ends, ``"id#k"`` inside a node's messages. Only the deepest entry
     inside a node decides: the request forks there if it goes on past it with other
     messages, and is a sibling of that node's output if it simply ends there (a group's
     samples all send the same prompt).
     """
     parent_id, covered = None, 0
-    for index, value in enumerate(matches):
+    for index in range(len(matches) - 1, -1, -1):  # the deepest whole-node entry
+        value = matches[index]
         if value is not None and "#" not in value:
-            parent_id, covered = value, index + 1
-    for index in range(len(matches) - 1, covered - 1, -1):
+            parent_id, covered = value, offset + index + 1
+            break
+    for index in range(len(matches) - 1, covered - offset - 1, -1):
         value = matches[index]
         if value is not None and "#" in value:
-            if index + 1 < n_messages:
-                return parent_id, covered, {"diverged_from": value.split("#", 1)[0], "at_message": index + 1}
+            if offset + index + 1 < n_messages:
+                at = offset + index + 1
+                return parent_id, covered, {"diverged_from": value.split("#", 1)[0], "at_message": at}
             break
     return parent_id, covered, None
 
@@ -105,8 +123,11 @@ class ResponseTree:
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         hashes = path_hashes(messages) if hashes is None else list(hashes)
-        matches = await self._store.match_paths(session.id, hashes)
-        parent_id, covered, fork = choose_parent(matches, len(messages))
+        offset = len(hashes) - len(window := match_window(hashes))
+        matches = await self._store.match_paths(session.id, window)  # a match there vouches for all before it
+        if offset and not any(value is not None and "#" not in value for value in matches):
+            matches, offset = await self._store.match_paths(session.id, hashes), 0  # no node ends in the window
+        parent_id, covered, fork = choose_parent(matches, len(messages), offset=offset)
         if fork is not None:
             self._metrics.inc("forks_total", api=api)
             log.info("history_rewritten", parent_id=parent_id, **fork)

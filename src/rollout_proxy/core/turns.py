@@ -73,9 +73,14 @@ class PreparedTurn:
 
 
 def path_tokens(path: Sequence[ResponseNode]) -> np.ndarray:
-    """The exact token ids of a root-to-leaf path."""
-    parts = [array for node in path for array in (node.prompt_ids, node.output_ids)]
-    return np.concatenate(parts).astype(np.int32, copy=False) if parts else np.zeros(0, dtype=np.int32)
+    """The exact token ids of a root-to-leaf path (the leaf's ``path_ids`` when it has them)."""
+    if not path:
+        return np.zeros(0, dtype=np.int32)
+    leaf = path[-1]
+    if leaf.path_ids is None:
+        parts = [array for node in path for array in (node.prompt_ids, node.output_ids)]
+        leaf.path_ids = np.concatenate(parts).astype(np.int32, copy=False)
+    return leaf.path_ids
 
 
 class TurnRunner:
@@ -255,6 +260,9 @@ class TurnRunner:
         hashes = [*placement.new_hashes, extend_path_hash(placement.end_hash, node.messages[-1])]
         moved_to = sampled.engine.url if sampled.engine.url != session.engine else None
         await self._save(session, node, hashes, engine=moved_to)  # the node and the move: one round trip
+        node.path_ids = np.concatenate([turn.prompt, output_ids]).astype(np.int32, copy=False)
+        if placement.parent:  # the conversation moved on: only its latest node keeps its path's ids
+            placement.parent[-1].path_ids = None
         self._follow(session, sampled.engine)
         self._metrics.inc("turns_total", api=api)
         self._metrics.inc("generated_tokens_total", len(output_ids))
@@ -303,6 +311,8 @@ class TurnRunner:
             model=info.model,
         )
         node = await self._save(session, node, placement.new_hashes, idempotency=idempotency)
+        if placement.parent:  # only a conversation's latest generated node keeps its path's ids
+            placement.parent[-1].path_ids = None
         self._metrics.inc("injected_nodes_total")
         return node
 

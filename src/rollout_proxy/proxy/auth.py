@@ -13,6 +13,9 @@ read (``state.store.ReadAhead.bound``). The claim is a hint, never authority: th
 from __future__ import annotations
 
 import hmac
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jwt
@@ -40,9 +43,16 @@ class Caller:
             raise NotFound(f"session {session_id!r} not found", param="session_id")
 
 
+#: Verified tokens remembered (a session's plugin sends the same token on every turn): HMAC and JSON
+#: decoding once per token instead of once per request. Bounded; the oldest are forgotten first.
+VERIFIED_TOKENS = 65_536
+
+
 class SessionTokens:
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, *, clock: Callable[[], float] = time.time) -> None:
         self._secret = secret
+        self._clock = clock
+        self._verified: OrderedDict[str, tuple[Caller, int]] = OrderedDict()  # token -> (caller, exp)
 
     def issue(self, session_id: str, expires_at: float, *, bound: RequestBound | None = None) -> str:
         claims: dict[str, object] = {"sub": session_id, "aud": AUDIENCE, "exp": int(expires_at)}
@@ -52,6 +62,21 @@ class SessionTokens:
 
     def verify(self, token: str) -> Caller:
         """The plugin the token names: its session, and its request bound if the token carries one."""
+        known = self._verified.get(token)
+        if known is not None:
+            caller, expires = known
+            if self._clock() < expires:  # as PyJWT checks ``exp`` (no leeway)
+                self._verified.move_to_end(token)
+                return caller
+            del self._verified[token]
+            raise AuthenticationFailed("session token expired")
+        caller, expires = self._decode(token)
+        self._verified[token] = (caller, expires)
+        if len(self._verified) > VERIFIED_TOKENS:
+            self._verified.popitem(last=False)
+        return caller
+
+    def _decode(self, token: str) -> tuple[Caller, int]:
         try:
             claims = jwt.decode(
                 token, self._secret, algorithms=["HS256"], audience=AUDIENCE, options={"require": REQUIRED_CLAIMS}
@@ -63,7 +88,8 @@ class SessionTokens:
         session_id = claims.get("sub")
         if not isinstance(session_id, str):
             raise AuthenticationFailed("invalid session token")
-        return Caller(admin=False, session_id=session_id, bound=_bound(claims.get(BOUND_CLAIM)))
+        caller = Caller(admin=False, session_id=session_id, bound=_bound(claims.get(BOUND_CLAIM)))
+        return caller, int(claims["exp"])
 
 
 def _bound(claim: object) -> RequestBound | None:

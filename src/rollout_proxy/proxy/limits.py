@@ -20,7 +20,7 @@ Why these numbers:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -47,22 +47,40 @@ def format_param(loc: Loc) -> str | None:
     return param or None
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object within the bounds above (400 naming the place otherwise)."""
+def parse_json_object(
+    body: bytes, *, messages_to_check: Callable[[Any], Sequence[int] | None] | None = None
+) -> dict[str, Any]:
+    """The body as a JSON object within the bounds above (400 naming the place otherwise).
+
+    ``messages_to_check`` names, given the body's ``messages``, the ones not checked before
+    (``known_messages``; None: all): only those are walked."""
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    check_json_limits(payload)
+    to_check = None if messages_to_check is None else messages_to_check(payload.get("messages"))
+    check_json_limits(payload, messages_to_check=to_check)
     return payload
 
 
-def check_json_limits(payload: Any) -> None:
-    """Depth and string lengths (object keys too) over the whole value; 400 naming where."""
+def check_json_limits(payload: Any, *, messages_to_check: Sequence[int] | None = None) -> None:
+    """Depth and string lengths (object keys too) over the whole value; of ``messages``, only those at
+    ``messages_to_check`` when given (the others were checked whole before, at this same depth). 400
+    naming where."""
     try:
-        _walk(payload, 1)
+        messages = payload.get("messages") if messages_to_check is not None and type(payload) is dict else None
+        if type(messages) is not list or messages_to_check is None:
+            _walk(payload, 1)
+            return
+        _walk({key: value for key, value in payload.items() if key != "messages"}, 1)
+        try:
+            for index in messages_to_check:
+                _check(index, messages[index], 2)
+        except _Refused as refused:
+            refused.loc.append("messages")
+            raise
     except _Refused as refused:
         raise InvalidRequest(refused.message, param=format_param(refused.loc[::-1])) from None
 
@@ -90,15 +108,20 @@ def _walk(value: Any, depth: int) -> None:
     else:
         items = enumerate(value)
     for key, item in items:
-        kind = type(item)
-        if kind is str:
-            if len(item) > MAX_STRING_CHARS:
-                raise _Refused(f"a string longer than {MAX_STRING_CHARS} characters", [key])
-        elif kind is dict or kind is list:
-            try:
-                _walk(item, depth + 1)
-            except _Refused as refused:
-                refused.loc.append(key)
-                raise
-        if type(key) is str and len(key) > MAX_STRING_CHARS:
-            raise _Refused(f"an object key longer than {MAX_STRING_CHARS} characters")
+        _check(key, item, depth)
+
+
+def _check(key: str | int, item: Any, depth: int) -> None:
+    """One entry of a container at ``depth``."""
+    kind = type(item)
+    if kind is str:
+        if len(item) > MAX_STRING_CHARS:
+            raise _Refused(f"a string longer than {MAX_STRING_CHARS} characters", [key])
+    elif kind is dict or kind is list:
+        try:
+            _walk(item, depth + 1)
+        except _Refused as refused:
+            refused.loc.append(key)
+            raise
+    if type(key) is str and len(key) > MAX_STRING_CHARS:
+        raise _Refused(f"an object key longer than {MAX_STRING_CHARS} characters")

@@ -14,7 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from pydantic_core import PydanticCustomError
 
 from rollout_proxy.proxy.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOL_CALLS, MAX_TOOLS
-from rollout_proxy.proxy.validation import field_error, sent_as, tag
+from rollout_proxy.proxy.validation import field_error, sent_as, sent_as_items, tag
 from rollout_proxy.wire.messages import describe, is_text_part
 
 OPEN = ConfigDict(extra="allow", strict=True)
@@ -157,7 +157,5 @@ Tool = Annotated[
 ]
 
 #: Fields that keep the JSON as sent (the wire normalizers read it) once it has these shapes.
-Messages = Annotated[
-    list[JsonObject], sent_as(Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)])
-]
+Messages = Annotated[list[JsonObject], sent_as_items(ChatMessage, min_length=1, max_length=MAX_MESSAGES)]
 Tools = Annotated[list[JsonObject], sent_as(Annotated[list[Tool], Field(max_length=MAX_TOOLS)])]

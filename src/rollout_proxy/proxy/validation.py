@@ -11,9 +11,18 @@ Three small conventions keep ``param`` exact (``messages[2].tool_calls[0].functi
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, Tag, TypeAdapter, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import (
+    BaseModel,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from rollout_proxy.errors import InvalidRequest
@@ -45,6 +54,34 @@ def sent_as(shape: Any) -> WrapValidator:
     return WrapValidator(check, json_schema_input_type=shape)  # what the API documents
 
 
+#: validation context: the indices of a list's items to check (the others were checked before:
+#: ``known_messages``); absent, every item is
+CHECK_ITEMS = "check_items"
+
+
+def sent_as_items(item: Any, *, min_length: int, max_length: int) -> WrapValidator:
+    """``sent_as`` a list of ``item``, checking only the items the validation context names (``CHECK_ITEMS``);
+    a list with a bad item is checked whole again, so its error is located as ever."""
+    shape = Annotated[list[item], Field(min_length=min_length, max_length=max_length)]
+    whole: TypeAdapter[Any] = TypeAdapter(shape)
+    one: TypeAdapter[Any] = TypeAdapter(item)
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+        indices = (info.context or {}).get(CHECK_ITEMS)
+        if indices is None or type(value) is not list or not min_length <= len(value) <= max_length:
+            whole.validate_python(value)
+            return handler(value)
+        try:
+            for index in indices:
+                one.validate_python(value[index])
+        except ValidationError:
+            whole.validate_python(value)  # raises this error, at its place in the list
+            raise
+        return value  # every item has the shape (checked now or before): kept as sent, not copied again
+
+    return WrapValidator(check, json_schema_input_type=shape)
+
+
 def error_param(error: ErrorDetails) -> str | None:
     loc = [part for part in error["loc"] if not (isinstance(part, str) and part.startswith(_TAG_PREFIX))]
     field = (error.get("ctx") or {}).get("field")
@@ -53,10 +90,10 @@ def error_param(error: ErrorDetails) -> str | None:
     return format_param(loc)
 
 
-def validate(model: type[M], payload: dict[str, Any]) -> M:
+def validate(model: type[M], payload: dict[str, Any], *, context: dict[str, Any] | None = None) -> M:
     """Validate with pydantic; the first error becomes a 400 naming its field."""
     try:
-        return model.model_validate(payload)
+        return model.model_validate(payload, context=context)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         param = error_param(first)

@@ -39,8 +39,12 @@ def canonical_key(message: dict[str, Any]) -> bytes:
 
 
 def extend_path_hash(parent_hash: str, message: dict[str, Any]) -> str:
-    digest = hashlib.blake2b(parent_hash.encode() + b"\x00" + canonical_key(message), digest_size=16)
-    return digest.hexdigest()
+    return extend_path_hash_by_key(parent_hash, canonical_key(message))
+
+
+def extend_path_hash_by_key(parent_hash: str, key: bytes) -> str:
+    """``extend_path_hash`` for a message whose ``canonical_key`` is already known."""
+    return hashlib.blake2b(parent_hash.encode() + b"\x00" + key, digest_size=16).hexdigest()
 
 
 def path_hashes(messages: Iterable[dict[str, Any]], start: str = EMPTY_PATH_HASH) -> list[str]:

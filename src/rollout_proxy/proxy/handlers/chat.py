@@ -7,17 +7,18 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from rollout_proxy.core.tree import match_window
 from rollout_proxy.core.turns import TurnResult
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.chat_stream import ChatChunks, include_usage
 from rollout_proxy.proxy.handlers.common import plugin_request
 from rollout_proxy.proxy.http import json_response
+from rollout_proxy.proxy.known_messages import MessageIntake
 from rollout_proxy.proxy.schemas import ChatRequest
 from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
-from rollout_proxy.tokenization.messages import path_hashes
-from rollout_proxy.wire.messages import normalize_messages, normalize_tools
+from rollout_proxy.wire.messages import normalize_tools
 
 
 def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | None, top: int = 0) -> dict[str, Any]:
@@ -69,14 +70,16 @@ def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | N
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     normalized: list[list[dict[str, Any]]] = []
     hashed: list[tuple[str, ...]] = []
+    intake = MessageIntake(request.app[keys.KNOWN_MESSAGES])  # the history's messages are checked once
 
     def read_ahead(body: ChatRequest) -> ReadAhead:
         """The path-index entries the turn attaches by (read with its session: one round trip)."""
-        normalized.append(normalize_messages(body.messages))
-        hashed.append(tuple(path_hashes(normalized[0])))  # computed once: the tree attaches by the same hashes
-        return ReadAhead(hashes=hashed[0])
+        messages, hashes = intake.normalize_and_hash(body.messages)
+        normalized.append(messages)
+        hashed.append(hashes)  # computed once: the tree attaches by the same hashes
+        return ReadAhead(hashes=match_window(hashes))  # what the tree looks up first
 
-    session, body = await plugin_request(request, ChatRequest, read_ahead=read_ahead)
+    session, body = await plugin_request(request, ChatRequest, read_ahead=read_ahead, intake=intake)
     recorded = session.generation.top_logprobs
     if body.top_logprobs and (body.top_logprobs > recorded or body.stream):
         raise InvalidRequest(

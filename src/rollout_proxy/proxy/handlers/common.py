@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 from aiohttp import web
@@ -11,9 +11,11 @@ from aiohttp import web
 from rollout_proxy.errors import AuthenticationFailed
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import Caller, authenticate
-from rollout_proxy.proxy.http import read_json_object
+from rollout_proxy.proxy.http import read_body, read_json_object
+from rollout_proxy.proxy.known_messages import MessageIntake
+from rollout_proxy.proxy.limits import parse_json_object
 from rollout_proxy.proxy.schemas import refuse_pinned
-from rollout_proxy.proxy.validation import M, validate
+from rollout_proxy.proxy.validation import CHECK_ITEMS, M, validate
 from rollout_proxy.records import SessionRecord
 from rollout_proxy.state.store import ReadAhead
 
@@ -37,28 +39,45 @@ async def plugin_session(request: web.Request, *, read_ahead: ReadAhead | None =
 
 
 async def plugin_request(
-    request: web.Request, model: type[M], *, read_ahead: Callable[[M], ReadAhead | None] | None = None
+    request: web.Request,
+    model: type[M],
+    *,
+    read_ahead: Callable[[M], ReadAhead | None] | None = None,
+    intake: MessageIntake | None = None,
 ) -> tuple[SessionRecord, M]:
     """A plugin's generation request: its open session, and the body without pinned settings.
 
     With ``read_ahead``, the body is checked first and the session read with what the turn reads next
     and, when the token names the session's request bound, the bound's slot taken (one store round trip
-    for all: ``state.store.ReadAhead``)."""
+    for all: ``state.store.ReadAhead``). With ``intake``, the body's messages already known to the app
+    are not checked again (``proxy.known_messages``)."""
     if read_ahead is None:
         session = await plugin_session(request)
-        return session, await _plugin_body(request, model)
+        return session, await _plugin_body(request, model, intake, session.id)
     found = request_caller(request)
     if found.session_id is None:
         raise AuthenticationFailed("this endpoint needs a session token, not the admin key")
-    body = await _plugin_body(request, model)
+    body = await _plugin_body(request, model, intake, found.session_id)
     ahead = read_ahead(body)
     if found.bound is not None:
         ahead = dataclasses.replace(ahead or ReadAhead(), bound=found.bound)
     return await request.app[keys.SESSIONS].get_open(found.session_id, read_ahead=ahead), body
 
 
-async def _plugin_body(request: web.Request, model: type[M]) -> M:
+async def _plugin_body(
+    request: web.Request, model: type[M], intake: MessageIntake | None = None, session_id: str | None = None
+) -> M:
     """The request's body as ``model``, without the settings the session pins."""
-    payload = await read_json_object(request)
+    if intake is None:
+        payload = await read_json_object(request)
+        refuse_pinned(payload)
+        return validate(model, payload)
+    to_check: list[Sequence[int] | None] = [None]
+
+    def look_up(messages: object) -> Sequence[int] | None:
+        to_check[0] = intake.look_up(messages, session_id=session_id)
+        return to_check[0]
+
+    payload = parse_json_object(await read_body(request), messages_to_check=look_up)
     refuse_pinned(payload)
-    return validate(model, payload)
+    return validate(model, payload, context=None if to_check[0] is None else {CHECK_ITEMS: to_check[0]})

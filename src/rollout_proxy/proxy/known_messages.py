@@ -1,0 +1,196 @@
+"""Messages already checked: a conversation resends its whole history on every Chat Completions turn.
+
+Checking a message (the JSON limits, its exact shape, its normal form and the key it is hashed
+by) costs the same on every turn that resends it, so turn 100 of an agent would cost 100 times
+turn 1's checks. Two memories spare that, both bounded (least recently used out first):
+
+- per session, the last conversation it sent, with its normal forms and path hashes: a turn that
+  resends that history (its JSON byte for byte, as orjson writes it: one C call and one compare, so
+  ``1`` and ``1.0`` and ``true`` never pass for each other) reuses all of it and works only on what
+  it adds;
+- per message, by its JSON as sent (orjson bytes), the normal form and canonical key of every
+  message that passed: a message seen before in any session (a group's shared prompt, a history
+  rewritten past its start, another worker's earlier turns) is not checked again.
+
+Each check is about one message alone (its shape, its strings, its depth at ``messages[i]``), so a
+message that passed once passes anywhere in a list. A miss is only slower.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, extend_path_hash_by_key
+from rollout_proxy.wire.messages import normalize_message
+
+MAX_ENTRIES = 100_000
+MAX_BYTES = 64 * 1024 * 1024
+MAX_SESSIONS = 8_192
+
+
+@dataclass(frozen=True, slots=True)
+class Known:
+    normalized: dict[str, Any]  # shared by every request that sends this message: never changed in place
+    key: bytes  # ``canonical_key(normalized)``: what the path hash chains
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """What a session sent last, checked: the messages as parsed, their normal forms and path hashes."""
+
+    encoded: bytes  # the messages as orjson writes them
+    count: int
+    known: list[Known]
+    hashes: list[str]
+
+    @property
+    def size(self) -> int:
+        """About what this keeps alive: the JSON and the normal forms."""
+        return 2 * len(self.encoded) + 100 * self.count
+
+
+class KnownMessages:
+    """The app's memory of checked messages (one per process: each worker has its own)."""
+
+    def __init__(
+        self, *, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES, max_sessions: int = MAX_SESSIONS
+    ) -> None:
+        self._entries: OrderedDict[bytes, Known] = OrderedDict()
+        self._max_entries, self._max_bytes = max_entries, max_bytes
+        self._bytes = 0
+        self._conversations: OrderedDict[str, Conversation] = OrderedDict()
+        self._max_sessions = max_sessions
+        self._conversation_bytes = 0
+        # (parent path hash, key) -> path hash: the same string objects come back every turn, so a lookup
+        # costs two cached hashes; bounded like the entries (the oldest first out)
+        self._chain: dict[tuple[str, bytes], str] = {}
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, raw: bytes) -> Known | None:
+        known = self._entries.get(raw)
+        if known is not None:
+            self._entries.move_to_end(raw)
+        return known
+
+    def put(self, raw: bytes, known: Known) -> None:
+        size = 2 * len(raw) + len(known.key) + 200  # its JSON twice (as sent, the normal form) and its key
+        if size > self._max_bytes or raw in self._entries:
+            return
+        self._entries[raw] = known
+        self._bytes += size
+        while len(self._entries) > self._max_entries or self._bytes > self._max_bytes:
+            old_raw, old = self._entries.popitem(last=False)
+            self._bytes -= 2 * len(old_raw) + len(old.key) + 200
+
+    def path_hash(self, parent: str, key: bytes) -> str:
+        """``extend_path_hash_by_key``, remembered."""
+        found = self._chain.get((parent, key))
+        if found is None:
+            found = self._chain[(parent, key)] = extend_path_hash_by_key(parent, key)
+            if len(self._chain) > self._max_entries:
+                del self._chain[next(iter(self._chain))]
+        return found
+
+    def last(self, session_id: str) -> Conversation | None:
+        return self._conversations.get(session_id)
+
+    def remember(self, session_id: str, conversation: Conversation) -> None:
+        old = self._conversations.pop(session_id, None)
+        if old is not None:
+            self._conversation_bytes -= old.size
+        if conversation.size > self._max_bytes:
+            return
+        self._conversations[session_id] = conversation
+        self._conversation_bytes += conversation.size
+        while len(self._conversations) > self._max_sessions or self._conversation_bytes > self._max_bytes:
+            _, dropped = self._conversations.popitem(last=False)
+            self._conversation_bytes -= dropped.size
+
+
+class MessageIntake:
+    """One request's messages against the app's ``KnownMessages``: which need checking, then the normal
+    forms and path hashes of all of them (only the new ones computed, and remembered once they passed)."""
+
+    def __init__(self, known: KnownMessages) -> None:
+        self._known = known
+        self._session_id: str | None = None
+        self._encoded: bytes | None = None
+        self._reused = 0  # leading messages equal to the session's last conversation's
+        self._last: Conversation | None = None
+        self._raw: list[bytes | None] = []
+        self._found: list[Known | None] = []
+
+    def look_up(self, messages: Any, *, session_id: str | None = None) -> tuple[int, ...] | None:
+        """The indices of ``messages`` still to check (the limits walk and the shape check skip the others);
+        None when ``messages`` is not a list (checked as ever)."""
+        if type(messages) is not list:
+            return None
+        self._session_id, self._encoded = session_id, _raw(messages)
+        last = self._last = None if session_id is None else self._known.last(session_id)
+        reused = 0 if last is None or self._encoded is None else _resent(self._encoded, len(messages), last)
+        self._reused = reused
+        get = self._known.get
+        skipped: list[bytes | None] = [None] * reused
+        self._raw = skipped + [_raw(message) for message in messages[reused:]]
+        self._found = list(last.known[:reused]) if last is not None else []
+        self._found += [None if raw is None else get(raw) for raw in self._raw[reused:]]
+        unknown = tuple(index for index in range(reused, len(messages)) if self._found[index] is None)
+        self._known.hits += len(messages) - len(unknown)
+        self._known.misses += len(unknown)
+        return unknown
+
+    def normalize_and_hash(self, messages: list[Any]) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
+        """The normal form of each message and the rolling path hashes (as ``path_hashes``), ``messages``
+        being the list ``look_up`` was given, checked since (``WireFormatError`` for a bad one)."""
+        if len(self._found) != len(messages):  # not looked up: everything is new
+            self._found, self._raw, self._reused, self._last = [None] * len(messages), [None] * len(messages), 0, None
+        reused, last = self._reused, self._last
+        found_all: list[Known] = [] if last is None else last.known[:reused]
+        new: list[tuple[bytes, Known]] = []
+        for index in range(reused, len(messages)):
+            found = self._found[index]
+            if found is None:
+                form = normalize_message(messages[index], param=f"messages[{index}]")
+                found = Known(form, canonical_key(form))
+                raw = self._raw[index]
+                if raw is not None:
+                    new.append((raw, found))
+            found_all.append(found)
+        hashes = [] if last is None else last.hashes[:reused]
+        current = hashes[-1] if hashes else EMPTY_PATH_HASH
+        chain = self._known.path_hash
+        for found in found_all[reused:]:
+            current = chain(current, found.key)
+            hashes.append(current)
+        for raw, found in new:  # every message passed: remember the new ones
+            self._known.put(raw, found)
+        if self._session_id is not None and self._encoded is not None:
+            self._known.remember(self._session_id, Conversation(self._encoded, len(messages), found_all, hashes))
+        return [found.normalized for found in found_all], tuple(hashes)
+
+
+def _resent(encoded: bytes, count: int, last: Conversation) -> int:
+    """``last.count`` when the messages ``encoded`` begin with exactly ``last``'s (byte for byte), else 0."""
+    if not last.count or count < last.count:
+        return 0
+    before = last.encoded[:-1]  # without its closing bracket
+    follows = encoded[len(before) : len(before) + 1]
+    if encoded.startswith(before) and follows == (b"]" if count == last.count else b","):
+        return last.count
+    return 0
+
+
+def _raw(message: Any) -> bytes | None:
+    if type(message) not in (dict, list):
+        return None
+    try:
+        return orjson.dumps(message)
+    except (orjson.JSONEncodeError, TypeError):  # e.g. an integer past 64 bits: checked the slow way
+        return None
