@@ -34,6 +34,7 @@ import functools
 import random
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -163,14 +164,16 @@ return 1
 
 _READ_TURN = """
 -- KEYS: session, engine, paths, parents, nodes
--- ARGV: leaf id ("" = the deepest whole-node match of the hashes), depth limit, path hashes...
+-- ARGV: leaf id ("" = the deepest whole-node match of the hashes), depth limit,
+--       a node whose path the caller holds ("" = none), path hashes...
 -- Returns {} for no session, else: record, engine, n, n index entries, the leaf walked ("" = none),
--- then its root-to-leaf node blobs (none when the leaf is not in the session).
+-- "1" when the walk stopped at the held node (else ""), then the node blobs of the path from the
+-- root (or from below the held node) to the leaf (none when the leaf is not in the session).
 local session = redis.call("GET", KEYS[1])
 if not session then return {} end
-local out = {session, redis.call("GET", KEYS[2]), #ARGV - 2}
+local out = {session, redis.call("GET", KEYS[2]), #ARGV - 3}
 local leaf = ARGV[1]
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local value = redis.call("HGET", KEYS[3], ARGV[i])
   out[#out + 1] = value
   if value and ARGV[1] == "" and not string.find(value, "#", 1, true) then leaf = value end
@@ -179,13 +182,17 @@ out[#out + 1] = leaf
 local ids = {}
 local current = leaf
 local limit = tonumber(ARGV[2])
+local held = ARGV[3]
+local stopped = ""
 while current ~= "" do
+  if current == held then stopped = "1" break end
   if #ids >= limit then return redis.error_reply("path deeper than " .. limit) end
   ids[#ids + 1] = current
   local parent = redis.call("HGET", KEYS[4], current)
-  if not parent then return out end
+  if not parent then out[#out + 1] = "" return out end
   current = parent
 end
+out[#out + 1] = stopped
 for i = #ids, 1, -1 do out[#out + 1] = redis.call("HGET", KEYS[5], ids[i]) end
 return out
 """
@@ -255,6 +262,49 @@ class _Ahead:
     path: list[ResponseNode] | None
 
 
+class HeldPaths:
+    """Per session, one root-to-leaf path of decoded nodes (the latest one this worker saw), bounded by
+    sessions and by the token bytes they hold; the least recently used go first."""
+
+    def __init__(self, *, max_sessions: int = 4096, max_tokens: int = 16 * 1024 * 1024) -> None:
+        self._paths: OrderedDict[str, tuple[list[ResponseNode], int]] = OrderedDict()
+        self._max_sessions, self._max_tokens = max_sessions, max_tokens
+        self._tokens = 0
+
+    def get(self, session_id: str) -> list[ResponseNode] | None:
+        held = self._paths.get(session_id)
+        if held is None:
+            return None
+        self._paths.move_to_end(session_id)
+        return held[0]
+
+    def hold(self, session_id: str, path: list[ResponseNode], *, below: int = 0) -> None:
+        """``path`` as the session's; ``below``: how many of its last nodes are new to the path held now."""
+        old = self._paths.pop(session_id, None)
+        if old is not None:
+            self._tokens -= old[1]
+        added = path[-below:] if below and old is not None else path
+        size = (old[1] if added is not path and old is not None else 0) + sum(
+            len(node.prompt_ids) + len(node.output_ids) for node in added
+        )
+        if size > self._max_tokens:
+            return
+        self._paths[session_id] = (path, size)
+        self._tokens += size
+        while len(self._paths) > self._max_sessions or self._tokens > self._max_tokens:
+            _, (_, dropped) = self._paths.popitem(last=False)
+            self._tokens -= dropped
+
+    def extend(self, session_id: str, node: ResponseNode) -> None:
+        """``node`` was written under the held path's leaf: it is the leaf now."""
+        if node.parent_id is None:
+            self.hold(session_id, [node])
+            return
+        held = self._paths.get(session_id)
+        if held is not None and held[0][-1].id == node.parent_id:
+            self.hold(session_id, [*held[0], node], below=1)
+
+
 @dataclass(slots=True)
 class _Slot:
     """A request slot a session read took for its task (``ReadAhead.bound``): the task's ``request_slot``
@@ -308,6 +358,9 @@ class RedisStore:
         # per task (one request): the request slot its session read took, until its node write or its end
         self._slot: ContextVar[_Slot | None] = ContextVar(f"rp_request_slot_{id(self)}", default=None)
         self._giving_back: set[asyncio.Task[None]] = set()  # slots of tasks that ended without a node write
+        # per session, the path of its latest node as this worker last read or wrote it (nodes never change):
+        # a turn's read then brings only what other workers added below it
+        self._paths = HeldPaths()
         self._read_turn = client.register_script(_READ_TURN)
         self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
@@ -415,7 +468,8 @@ class RedisStore:
             keys.parents_key(session_id),
             keys.nodes_key(session_id),
         ]
-        turn_args: list[str | int] = [ahead.response_id or "", MAX_DEPTH, *ahead.hashes]
+        held = self._paths.get(session_id)
+        turn_args: list[str | int] = [ahead.response_id or "", MAX_DEPTH, held[-1].id if held else "", *ahead.hashes]
         slot = self._slot_to_take(ahead.bound)
         if slot is None or ahead.bound is None:
             rows = await self._read_turn(keys=turn_keys, args=turn_args)
@@ -425,8 +479,16 @@ class RedisStore:
             return None, None
         n = int(rows[2])
         matches = [None if value is None else _text(value) for value in rows[3 : 3 + n]]
-        leaf, blobs = _text(rows[3 + n]), rows[4 + n :]
-        path = [decode_node(_bytes(blob)) for blob in blobs] if blobs else None
+        leaf, stopped, blobs = _text(rows[3 + n]), rows[4 + n], rows[5 + n :]
+        below = [decode_node(_bytes(blob)) for blob in blobs]
+        path: list[ResponseNode] | None = None
+        if stopped and held:  # the walk met the path this worker holds: only the nodes below it came
+            path = [*held, *below]
+            if below:
+                self._paths.hold(session_id, path, below=len(below))
+        elif below:
+            path = below
+            self._paths.hold(session_id, path)
         self._ahead.set(_Ahead(session_id, ahead.hashes, matches, leaf, path))
         return rows[0], rows[1]
 
@@ -635,6 +697,8 @@ class RedisStore:
             if "FINISHED" in str(exc):
                 raise SessionFinished(f"session {session_id!r} is already finished", param="session_id") from None
             raise
+        if written == 1:
+            self._paths.extend(session_id, node)
         if idempotency is None or written == 1:
             return node.id
         fingerprint, response_id = _text(written).split(" ", 1)
