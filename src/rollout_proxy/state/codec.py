@@ -43,6 +43,28 @@ _SCALARS = (
 )
 
 
+def _header(blob: bytes, magic: bytes, what: str) -> tuple[dict[str, Any], int]:
+    """A blob's JSON header, and where its arrays start."""
+    if blob[:4] != magic:
+        raise ValueError(f"not a stored {what}")
+    (size,) = _LENGTH.unpack_from(blob, 4)
+    start = 4 + _LENGTH.size
+    return orjson.loads(blob[start : start + size]), start + size
+
+
+def _topk_chunks(topk: TopLogprobs) -> list[bytes]:
+    return [
+        np.ascontiguousarray(topk.ids, dtype="<i4").tobytes(),
+        np.ascontiguousarray(topk.logprobs, dtype="<f4").tobytes(),
+    ]
+
+
+def _read_topk(blob: bytes, offset: int, rows: int, k: int) -> TopLogprobs:
+    ids = np.frombuffer(blob, dtype="<i4", count=rows * k, offset=offset).astype(np.int32, copy=False)
+    values = np.frombuffer(blob, dtype="<f4", count=rows * k, offset=offset + 4 * rows * k)
+    return TopLogprobs(ids=ids.reshape(rows, k), logprobs=values.astype(np.float32, copy=False).reshape(rows, k))
+
+
 def encode_node(node: ResponseNode) -> tuple[bytes, bytes | None]:
     """(the node blob, its routing blob or None)."""
     header: dict[str, Any] = {name: getattr(node, name) for name in _SCALARS}
@@ -60,20 +82,14 @@ def encode_node(node: ResponseNode) -> tuple[bytes, bytes | None]:
         header["versions"] = [[span.version, span.start, span.end] for span in node.policy_versions]
     if node.output_topk is not None:
         header["topk"] = node.output_topk.k
-        chunks.append(np.ascontiguousarray(node.output_topk.ids, dtype="<i4").tobytes())
-        chunks.append(np.ascontiguousarray(node.output_topk.logprobs, dtype="<f4").tobytes())
+        chunks += _topk_chunks(node.output_topk)
     encoded = orjson.dumps(header)
     routing = None if node.routing is None else node.routing.to_bytes()
     return b"".join([MAGIC, _LENGTH.pack(len(encoded)), encoded, *chunks]), routing
 
 
 def decode_node(blob: bytes, routing: bytes | None = None) -> ResponseNode:
-    if blob[:4] != MAGIC:
-        raise ValueError("not a stored response node")
-    (size,) = _LENGTH.unpack_from(blob, 4)
-    start = 4 + _LENGTH.size
-    header = orjson.loads(blob[start : start + size])
-    offset = start + size
+    header, offset = _header(blob, MAGIC, "response node")
     arrays: dict[str, Any] = {}  # ResponseNode fields by name, passed as keywords
     for (name, dtype), length in zip(ARRAYS.items(), header.pop("lengths"), strict=True):
         arrays[name] = np.frombuffer(blob, dtype=dtype, count=length, offset=offset).astype(dtype[1:], copy=False)
@@ -84,13 +100,7 @@ def decode_node(blob: bytes, routing: bytes | None = None) -> ResponseNode:
     kind = NodeKind(header.pop("kind"))
     versions = tuple(PolicySpan(*triple) for triple in header.pop("versions", ()))
     k = header.pop("topk", 0)
-    topk = None
-    if k:
-        n = len(arrays["output_ids"])
-        ids = np.frombuffer(blob, dtype="<i4", count=n * k, offset=offset).astype(np.int32, copy=False)
-        offset += n * k * 4
-        values = np.frombuffer(blob, dtype="<f4", count=n * k, offset=offset).astype(np.float32, copy=False)
-        topk = TopLogprobs(ids=ids.reshape(n, k), logprobs=values.reshape(n, k))
+    topk = _read_topk(blob, offset, len(arrays["output_ids"]), k) if k else None
     return ResponseNode(
         kind=kind, routing_span=span, routing=rows, policy_versions=versions, output_topk=topk, **header, **arrays
     )
@@ -109,29 +119,16 @@ def encode_scores(scores: TeacherScores) -> bytes:
     chunks = [np.ascontiguousarray(scores.logprobs, dtype="<f4").tobytes()]
     if scores.topk is not None:
         header["topk"] = [len(scores.topk), scores.topk.k]
-        chunks.append(np.ascontiguousarray(scores.topk.ids, dtype="<i4").tobytes())
-        chunks.append(np.ascontiguousarray(scores.topk.logprobs, dtype="<f4").tobytes())
+        chunks += _topk_chunks(scores.topk)
     encoded = orjson.dumps(header)
     return b"".join([SCORES_MAGIC, _LENGTH.pack(len(encoded)), encoded, *chunks])
 
 
 def decode_scores(blob: bytes) -> TeacherScores:
-    if blob[:4] != SCORES_MAGIC:
-        raise ValueError("not a stored teacher pass")
-    (size,) = _LENGTH.unpack_from(blob, 4)
-    start = 4 + _LENGTH.size
-    header = orjson.loads(blob[start : start + size])
-    offset = start + size
+    header, offset = _header(blob, SCORES_MAGIC, "teacher pass")
     n = header["n"]
     logprobs = np.frombuffer(blob, dtype="<f4", count=n, offset=offset).astype(np.float32, copy=False)
-    offset += 4 * n
-    topk = None
-    if "topk" in header:
-        rows, k = header["topk"]
-        ids = np.frombuffer(blob, dtype="<i4", count=rows * k, offset=offset).astype(np.int32, copy=False)
-        offset += 4 * rows * k
-        values = np.frombuffer(blob, dtype="<f4", count=rows * k, offset=offset).astype(np.float32, copy=False)
-        topk = TopLogprobs(ids=ids.reshape(rows, k), logprobs=values.reshape(rows, k))
+    topk = _read_topk(blob, offset + 4 * n, *header["topk"]) if "topk" in header else None
     return TeacherScores(
         teacher=header["teacher"], logprobs=logprobs, topk=topk, n_tokens_injected=header["n_tokens_injected"]
     )

@@ -83,22 +83,18 @@ class Trajectory(BaseModel):
 
     def teacher_topk_arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(ids int32, logprobs float32), each (trained tokens, k); None without top-k."""
-        if self.teacher_topk is None:
-            return None
-        return (
-            decode_array(self.teacher_topk["ids"], param="teacher_topk.ids"),
-            decode_array(self.teacher_topk["logprobs"], param="teacher_topk.logprobs"),
-        )
+        return _topk_arrays(self.teacher_topk, "teacher_topk")
 
     def student_topk_arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(ids int32, logprobs float32), each (trained tokens, k); None when the session recorded none."""
-        if self.student_topk is None:
-            return None
-        return (
-            decode_array(self.student_topk["ids"], param="student_topk.ids"),
-            decode_array(self.student_topk["logprobs"], param="student_topk.logprobs"),
-        )
+        return _topk_arrays(self.student_topk, "student_topk")
 
     @property
     def assistant_turns(self) -> int:
         return sum(1 for message in self.messages if message.get("role") == "assistant")
+
+
+def _topk_arrays(field: dict[str, Any] | None, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    if field is None:
+        return None
+    return decode_array(field["ids"], param=f"{name}.ids"), decode_array(field["logprobs"], param=f"{name}.logprobs")
