@@ -12,8 +12,8 @@ Before a teacher scores anything its tokenizer is compared with the student's on
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import structlog
@@ -31,6 +31,7 @@ from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavail
 from rollout_proxy.tokenization.renderer import ChatRenderer
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 def parse_teachers(spec: str) -> dict[str, tuple[str, ...]]:
@@ -61,6 +62,15 @@ def parse_teacher_templates(spec: str, teachers: Mapping[str, object]) -> dict[s
         except LocalTemplateUnavailable as exc:
             raise ValueError(f"teacher {name!r}: {exc}") from None
     return templates
+
+
+async def _once(tasks: dict[str, asyncio.Task[T]], key: str, start: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``start()``'s result, run once per ``key`` (again after a failure) and shared by concurrent callers;
+    a caller that is cancelled leaves the run going for the others."""
+    task = tasks.get(key)
+    if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+        task = tasks[key] = asyncio.create_task(start())
+    return await asyncio.shield(task)
 
 
 class Distillation:
@@ -172,10 +182,7 @@ class Distillation:
         """The teacher's own template, loaded once (None: its engine renders)."""
         if teacher not in self._templates:
             return None
-        task = self._local.get(teacher)
-        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = self._local[teacher] = asyncio.create_task(self._load_template(teacher, engine))
-        return await asyncio.shield(task)
+        return await _once(self._local, teacher, lambda: self._load_template(teacher, engine))
 
     async def _load_template(self, teacher: str, engine: Engine) -> ChatRenderer:
         root = None if self._tokenizer else (await engine.info()).root
@@ -208,10 +215,7 @@ class Distillation:
             return stale[0].client
 
     async def _check_tokenizer(self, name: str, fleet: Fleet) -> None:
-        task = self._checked.get(name)
-        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = self._checked[name] = asyncio.create_task(self._compare_tokenizers(name, fleet))
-        await asyncio.shield(task)
+        await _once(self._checked, name, lambda: self._compare_tokenizers(name, fleet))
 
     async def _compare_tokenizers(self, name: str, fleet: Fleet) -> None:
         teacher = await self._route_teacher(fleet)

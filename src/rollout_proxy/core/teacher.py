@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from rollout_proxy.engines.vllm_http import clamped_logprob
 from rollout_proxy.errors import EngineError, InvalidRequest
 from rollout_proxy.records import NodeKind, ResponseNode, TeacherScores, TopLogprobs
 from rollout_proxy.tokenization.renderer import ChatRenderer
@@ -30,8 +31,6 @@ from rollout_proxy.wire.arrays import encode_array
 
 #: the seed's bound on ``topk`` (vLLM's ``--max-logprobs`` on the teacher must be at least this)
 MAX_TOPK = 128
-#: vLLM's floor for -inf logprobs (as in ``engines.vllm_http``)
-LOGPROB_FLOOR = -9999.0
 #: the text both tokenizers must encode alike before a teacher scores a student's tokens
 CANONICAL_TEXT = (
     "On-policy distillation: 0123456789, ½ café naïve 東京 🙂 <think>x</think>\n\tdef f(a, b): return a ** b"
@@ -191,10 +190,10 @@ def read_prompt_logprobs(
         found = entry.get(str(int(view_ids[position])))
         if not isinstance(found, dict):
             raise EngineError(f"the teacher's prompt logprobs at position {position} lack the prompt's token")
-        chosen[position] = _finite(found.get("logprob"))
+        chosen[position] = clamped_logprob(found.get("logprob"))
         if ids is not None and logprobs is not None:
             ranked = sorted(
-                ((int(value["rank"]), int(token), _finite(value["logprob"])) for token, value in entry.items()),
+                ((int(value["rank"]), int(token), clamped_logprob(value["logprob"])) for token, value in entry.items()),
                 key=lambda item: item[0],
             )[:topk]
             if len(ranked) < topk:
@@ -202,11 +201,6 @@ def read_prompt_logprobs(
             ids[position] = [token for _, token, _ in ranked]
             logprobs[position] = [value for _, _, value in ranked]
     return chosen, ids, logprobs
-
-
-def _finite(value: Any) -> float:
-    number = float(value) if value is not None else LOGPROB_FLOOR
-    return number if math.isfinite(number) else LOGPROB_FLOOR
 
 
 def align(

@@ -581,14 +581,14 @@ class FakeEngine:
 
     def _top_logprobs(self, generation: Generation, k: int, as_ids: bool) -> list[dict[str, float]]:
         """vLLM's ``logprobs: k`` per sampled token: the sampled token first, then the top k (its key once)."""
+
+        def key(t: int) -> str:
+            return f"token_id:{t}" if as_ids else self.decode([t])
+
         rows = []
         for index, (token, logprob) in enumerate(zip(generation.tokens, generation.logprobs, strict=True)):
             version = next(v for v, start, end in generation.versions if start <= index < end)
             position = len(generation.prompt) + index
-
-            def key(t: int) -> str:
-                return f"token_id:{t}" if as_ids else self.decode([t])
-
             row = {key(token): logprob}
             for other in self._ranked(position, token, k, version)[:k]:
                 row.setdefault(key(other), fake_logprob(position, other, version))

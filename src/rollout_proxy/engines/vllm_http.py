@@ -109,7 +109,7 @@ def _top_logprobs(choice: dict[str, Any], output_ids: np.ndarray, k: int) -> Top
         if not isinstance(entry, dict):
             raise EngineError(f"the engine's top logprobs at token {position} are not a mapping")
         try:
-            ranked = [(int(str(key).removeprefix("token_id:")), _clamped(value)) for key, value in entry.items()]
+            ranked = [(int(str(key).removeprefix("token_id:")), clamped_logprob(value)) for key, value in entry.items()]
         except (TypeError, ValueError) as exc:
             raise EngineError(f"the engine's top logprobs at token {position} are not keyed by token id") from exc
         if len(ranked) == k + 1:
@@ -123,7 +123,8 @@ def _top_logprobs(choice: dict[str, Any], output_ids: np.ndarray, k: int) -> Top
     return TopLogprobs(ids=ids, logprobs=values)
 
 
-def _clamped(value: Any) -> float:
+def clamped_logprob(value: Any) -> float:
+    """A logprob as vLLM's floor reads it: None and non-finite values are ``LOGPROB_FLOOR``."""
     number = LOGPROB_FLOOR if value is None else float(value)
     return number if math.isfinite(number) else LOGPROB_FLOOR
 

@@ -80,14 +80,13 @@ class KnownMessages:
         return known
 
     def put(self, raw: bytes, known: Known) -> None:
-        size = 2 * len(raw) + len(known.key) + 200  # its JSON twice (as sent, the normal form) and its key
+        size = _entry_size(raw, known)
         if size > self._max_bytes or raw in self._entries:
             return
         self._entries[raw] = known
         self._bytes += size
         while len(self._entries) > self._max_entries or self._bytes > self._max_bytes:
-            old_raw, old = self._entries.popitem(last=False)
-            self._bytes -= 2 * len(old_raw) + len(old.key) + 200
+            self._bytes -= _entry_size(*self._entries.popitem(last=False))
 
     def path_hash(self, parent: str, key: bytes) -> str:
         """``extend_path_hash_by_key``, remembered."""
@@ -174,6 +173,11 @@ class MessageIntake:
         if self._session_id is not None and self._encoded is not None:
             self._known.remember(self._session_id, Conversation(self._encoded, len(messages), found_all, hashes))
         return [found.normalized for found in found_all], tuple(hashes)
+
+
+def _entry_size(raw: bytes, known: Known) -> int:
+    """About what an entry keeps alive: its JSON twice (as sent, and the normal form) and its key."""
+    return 2 * len(raw) + len(known.key) + 200
 
 
 def _resent(encoded: bytes, count: int, last: Conversation) -> int:

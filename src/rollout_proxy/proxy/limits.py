@@ -20,7 +20,7 @@ Why these numbers:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -47,21 +47,21 @@ def format_param(loc: Loc) -> str | None:
     return param or None
 
 
-def parse_json_object(
-    body: bytes, *, messages_to_check: Callable[[Any], Sequence[int] | None] | None = None
-) -> dict[str, Any]:
-    """The body as a JSON object within the bounds above (400 naming the place otherwise).
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object within the bounds above (400 naming the place otherwise)."""
+    payload = load_json_object(body)
+    check_json_limits(payload)
+    return payload
 
-    ``messages_to_check`` names, given the body's ``messages``, the ones not checked before
-    (``known_messages``; None: all): only those are walked."""
+
+def load_json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, its bounds not checked yet (``check_json_limits``)."""
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    to_check = None if messages_to_check is None else messages_to_check(payload.get("messages"))
-    check_json_limits(payload, messages_to_check=to_check)
     return payload
 
 

@@ -264,10 +264,10 @@ class _Ahead:
 
 class HeldPaths:
     """Per session, one root-to-leaf path of decoded nodes (the latest one this worker saw), bounded by
-    sessions and by the token bytes they hold; the least recently used go first."""
+    sessions and by the token ids they hold; the least recently used go first."""
 
     def __init__(self, *, max_sessions: int = 4096, max_tokens: int = 16 * 1024 * 1024) -> None:
-        self._paths: OrderedDict[str, tuple[list[ResponseNode], int]] = OrderedDict()
+        self._paths: OrderedDict[str, tuple[list[ResponseNode], int]] = OrderedDict()  # path, its tokens
         self._max_sessions, self._max_tokens = max_sessions, max_tokens
         self._tokens = 0
 
@@ -278,31 +278,29 @@ class HeldPaths:
         self._paths.move_to_end(session_id)
         return held[0]
 
-    def hold(self, session_id: str, path: list[ResponseNode], *, below: int = 0) -> None:
-        """``path`` as the session's; ``below``: how many of its last nodes are new to the path held now."""
+    def hold(self, session_id: str, path: list[ResponseNode]) -> None:
+        self._keep(session_id, path, _tokens(path))
+
+    def extend(self, session_id: str, below: list[ResponseNode]) -> None:
+        """``below`` continues the held path (its first node is a child of the held leaf): held too."""
+        held = self._paths.get(session_id)
+        if held is not None and below and held[0][-1].id == below[0].parent_id:
+            self._keep(session_id, [*held[0], *below], held[1] + _tokens(below))
+
+    def _keep(self, session_id: str, path: list[ResponseNode], tokens: int) -> None:
         old = self._paths.pop(session_id, None)
         if old is not None:
             self._tokens -= old[1]
-        added = path[-below:] if below and old is not None else path
-        size = (old[1] if added is not path and old is not None else 0) + sum(
-            len(node.prompt_ids) + len(node.output_ids) for node in added
-        )
-        if size > self._max_tokens:
+        if tokens > self._max_tokens:
             return
-        self._paths[session_id] = (path, size)
-        self._tokens += size
+        self._paths[session_id] = (path, tokens)
+        self._tokens += tokens
         while len(self._paths) > self._max_sessions or self._tokens > self._max_tokens:
-            _, (_, dropped) = self._paths.popitem(last=False)
-            self._tokens -= dropped
+            self._tokens -= self._paths.popitem(last=False)[1][1]
 
-    def extend(self, session_id: str, node: ResponseNode) -> None:
-        """``node`` was written under the held path's leaf: it is the leaf now."""
-        if node.parent_id is None:
-            self.hold(session_id, [node])
-            return
-        held = self._paths.get(session_id)
-        if held is not None and held[0][-1].id == node.parent_id:
-            self.hold(session_id, [*held[0], node], below=1)
+
+def _tokens(nodes: Sequence[ResponseNode]) -> int:
+    return sum(len(node.prompt_ids) + len(node.output_ids) for node in nodes)
 
 
 @dataclass(slots=True)
@@ -484,8 +482,7 @@ class RedisStore:
         path: list[ResponseNode] | None = None
         if stopped and held:  # the walk met the path this worker holds: only the nodes below it came
             path = [*held, *below]
-            if below:
-                self._paths.hold(session_id, path, below=len(below))
+            self._paths.extend(session_id, below)
         elif below:
             path = below
             self._paths.hold(session_id, path)
@@ -697,8 +694,11 @@ class RedisStore:
             if "FINISHED" in str(exc):
                 raise SessionFinished(f"session {session_id!r} is already finished", param="session_id") from None
             raise
-        if written == 1:
-            self._paths.extend(session_id, node)
+        if written == 1:  # the session's new leaf: a root starts a path, a child extends the held one
+            if node.parent_id is None:
+                self._paths.hold(session_id, [node])
+            else:
+                self._paths.extend(session_id, [node])
         if idempotency is None or written == 1:
             return node.id
         fingerprint, response_id = _text(written).split(" ", 1)

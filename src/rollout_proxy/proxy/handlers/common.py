@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import structlog
 from aiohttp import web
@@ -11,9 +11,9 @@ from aiohttp import web
 from rollout_proxy.errors import AuthenticationFailed
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import Caller, authenticate
-from rollout_proxy.proxy.http import read_body, read_json_object
+from rollout_proxy.proxy.http import read_body
 from rollout_proxy.proxy.known_messages import MessageIntake
-from rollout_proxy.proxy.limits import parse_json_object
+from rollout_proxy.proxy.limits import check_json_limits, load_json_object
 from rollout_proxy.proxy.schemas import refuse_pinned
 from rollout_proxy.proxy.validation import CHECK_ITEMS, M, validate
 from rollout_proxy.records import SessionRecord
@@ -67,17 +67,10 @@ async def plugin_request(
 async def _plugin_body(
     request: web.Request, model: type[M], intake: MessageIntake | None = None, session_id: str | None = None
 ) -> M:
-    """The request's body as ``model``, without the settings the session pins."""
-    if intake is None:
-        payload = await read_json_object(request)
-        refuse_pinned(payload)
-        return validate(model, payload)
-    to_check: list[Sequence[int] | None] = [None]
-
-    def look_up(messages: object) -> Sequence[int] | None:
-        to_check[0] = intake.look_up(messages, session_id=session_id)
-        return to_check[0]
-
-    payload = parse_json_object(await read_body(request), messages_to_check=look_up)
+    """The request's body as ``model``, without the settings the session pins; with ``intake``, the messages
+    it knows are not checked again (the limits walk and the shape check skip them)."""
+    payload = load_json_object(await read_body(request))
+    to_check = None if intake is None else intake.look_up(payload.get("messages"), session_id=session_id)
+    check_json_limits(payload, messages_to_check=to_check)
     refuse_pinned(payload)
-    return validate(model, payload, context=None if to_check[0] is None else {CHECK_ITEMS: to_check[0]})
+    return validate(model, payload, context=None if to_check is None else {CHECK_ITEMS: to_check})
