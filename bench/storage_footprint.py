@@ -348,10 +348,21 @@ VARIANTS: dict[str, Callable[[ResponseNode], tuple[bytes, bytes | None]]] = {
 
 
 async def redis_memory(client: Any) -> int:
-    """Allocator bytes less the connections' buffers."""
-    await asyncio.sleep(0)  # nothing pending on our side
-    info = await client.info("memory")
-    return int(info["used_memory"]) - int(info.get("mem_clients_normal", 0))
+    """Allocator bytes less the connections' buffers, once settled: a hash table Redis is growing keeps
+    its old table until an incremental rehash (done a step at a time, on commands and on its 100 ms cron)
+    ends, so two reads 0.1 s apart must agree (at most 2 s)."""
+
+    async def read() -> int:
+        info = await client.info("memory")
+        return int(info["used_memory"]) - int(info.get("mem_clients_normal", 0))
+
+    now = await read()
+    for _ in range(20):
+        await asyncio.sleep(0.1)
+        now, before = await read(), now
+        if now == before:
+            break
+    return now
 
 
 def key_kind(key: bytes) -> str:
