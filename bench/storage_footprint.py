@@ -29,11 +29,11 @@ Definitions (printed with the numbers):
   memory bytes   the rise of ``tracemalloc``'s traced memory (numpy buffers included) while the
                  store holds the sessions (records, nodes, arrays, path index, summaries).
 
-What-ifs (``--variants``): the same Redis run with the node blob encoded otherwise (write-only:
-the bench never reads them back), to size a fix: ``text-zlib`` (the JSON header, messages
-included, zlib-compressed), ``no-text`` (the node's messages left out: the floor for the token
-arrays and the tree), ``blob-zlib`` (the whole blob compressed; depends on the synthetic ids),
-``lean`` (text-zlib, and token ids in 3 bytes instead of 4: lossless for vocabularies below 2**24).
+The Redis store writes node blobs zstd-compressed (``--redis-node-compression``, level 3); the
+same run is repeated side by side (``--variants``) with ``plain`` blobs (level 0: as before
+compression), levels 1 and 9, and a what-if, ``no-text`` (the node's messages left out of its
+blob: the floor for the token arrays and the tree). How well the token ids compress depends on
+the synthetic ids (Zipf); the message text is real.
 
 Writes ``storage_footprint.json`` under ``--out`` and prints the tables. A benchmark, not a test.
 """
@@ -47,13 +47,10 @@ import gc
 import json
 import random
 import shutil
-import struct
 import sys
 import tempfile
 import time
 import tracemalloc
-import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +65,7 @@ sys.path.insert(0, str(ROOT))  # load_tests: the redis-server helper
 from rollout_proxy.ids import new_response_id, new_session_id, new_tool_call_id  # noqa: E402
 from rollout_proxy.records import GenerationConfig, NodeKind, PolicySpan, ResponseNode, SessionRecord  # noqa: E402
 from rollout_proxy.state import codec  # noqa: E402
+from rollout_proxy.state.connection import RedisOptions  # noqa: E402
 from rollout_proxy.state.memory import MemoryStore  # noqa: E402
 from rollout_proxy.state.redis import RedisStore  # noqa: E402
 from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, extend_path_hash  # noqa: E402
@@ -297,50 +295,21 @@ class Tally:
         self.header_rest += len(blob) - arrays - messages
 
 
-# -- the blob variants (what-ifs) ----------------------------------------------------------------
-
-_LENGTH = struct.Struct("<I")
+# -- the Redis variants (side by side with the default) --------------------------------------------
 
 
-def _split(blob: bytes) -> tuple[bytes, bytes]:
-    (size,) = _LENGTH.unpack_from(blob, 4)
-    return blob[8 : 8 + size], blob[8 + size :]
+@dataclass(frozen=True, slots=True)
+class Variant:
+    level: int  # --redis-node-compression
+    strip_text: bool = False  # a what-if: the node's messages left out of its blob
 
 
-def _text_zlib(node: ResponseNode) -> tuple[bytes, bytes | None]:
-    blob, routing = codec.encode_node(node)
-    header, arrays = _split(blob)
-    packed = zlib.compress(header, 6)
-    return b"".join([b"RPZ1", _LENGTH.pack(len(packed)), packed, arrays]), routing
-
-
-def _no_text(node: ResponseNode) -> tuple[bytes, bytes | None]:
-    return codec.encode_node(dataclasses.replace(node, messages=[]))
-
-
-def _blob_zlib(node: ResponseNode) -> tuple[bytes, bytes | None]:
-    blob, routing = codec.encode_node(node)
-    return b"RPZ2" + zlib.compress(blob, 6), routing
-
-
-def _lean(node: ResponseNode) -> tuple[bytes, bytes | None]:
-    """text-zlib, and token ids in 3 bytes (lossless below 2**24 ids)."""
-    blob, routing = codec.encode_node(node)
-    header, _ = _split(blob)
-    packed = zlib.compress(header, 6)
-    ids = [
-        np.ascontiguousarray(array, dtype="<u4").view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
-        for array in (node.prompt_ids, node.output_ids)
-    ]
-    logprobs = np.ascontiguousarray(node.output_logprobs, dtype="<f4").tobytes()
-    return b"".join([b"RPZ3", _LENGTH.pack(len(packed)), packed, *ids, logprobs]), routing
-
-
-VARIANTS: dict[str, Callable[[ResponseNode], tuple[bytes, bytes | None]]] = {
-    "text-zlib": _text_zlib,
-    "no-text": _no_text,
-    "blob-zlib": _blob_zlib,
-    "lean": _lean,
+DEFAULT_LEVEL = RedisOptions().node_compression
+VARIANTS: dict[str, Variant] = {
+    "plain": Variant(0),
+    "level-1": Variant(1),
+    "level-9": Variant(9),
+    "no-text": Variant(DEFAULT_LEVEL, strip_text=True),
 }
 
 
@@ -400,19 +369,17 @@ async def breakdown(client: Any) -> dict[str, dict[str, int]]:
 async def run_redis(
     url: str, sessions: list[list[Turn]], args: argparse.Namespace, variant: str | None
 ) -> dict[str, Any]:
-    from rollout_proxy.state import redis as redis_module
-
-    encode = redis_module.encode_node
-    encoder = encode if variant is None else VARIANTS[variant]
+    chosen = VARIANTS[variant] if variant is not None else Variant(DEFAULT_LEVEL)
     tally = Tally()
+    store = await RedisStore.connect(url, options=RedisOptions(node_compression=chosen.level))
+    encode = store._encode
 
-    def counted(node: ResponseNode) -> tuple[bytes, bytes | None]:
-        blob, routing = encoder(node)
+    async def counted(node: ResponseNode) -> tuple[bytes, bytes | None]:
+        blob, routing = await encode(dataclasses.replace(node, messages=[]) if chosen.strip_text else node)
         tally.blobs += len(blob)
         return blob, routing
 
-    redis_module.encode_node = counted
-    store = await RedisStore.connect(url)
+    store._encode = counted  # type: ignore[method-assign]
     client = store._redis
     try:
         await client.flushdb()
@@ -438,9 +405,9 @@ async def run_redis(
             after.append(await redis_memory(client) - base)
         kinds = await breakdown(client)
     finally:
-        redis_module.encode_node = encode
         await store.close()
-    return result("redis" if variant is None else f"redis {variant}", len(sessions), after, tally, kinds)
+    name = f"redis (zstd level {DEFAULT_LEVEL}, the default)" if variant is None else f"redis {variant}"
+    return result(name, len(sessions), after, tally, kinds)
 
 
 # -- the memory store -----------------------------------------------------------------------------

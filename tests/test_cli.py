@@ -59,6 +59,15 @@ def test_unknown_store_is_refused(capsys, monkeypatch):
     assert "unknown store" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("level", ["20", "-1"])
+def test_a_node_compression_level_zstd_does_not_have_is_refused(level, capsys, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_PROXY_ADMIN_KEY", "k")
+    with pytest.raises(SystemExit) as raised:
+        main(["serve", "--store", "memory", "--port", "0", "--redis-node-compression", level])
+    assert raised.value.code == 2
+    assert "--redis-node-compression must be 0 (plain) to 19" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("choice", "loop_module"), [("uvloop", "uvloop"), ("auto", "uvloop"), ("asyncio", "asyncio")])
 def test_serve_runs_on_the_event_loop_asked_for(choice: str, loop_module: str):
     """``--event-loop``: uvloop (the default when installed: less CPU per turn) or the standard library's."""

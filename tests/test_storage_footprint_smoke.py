@@ -20,13 +20,22 @@ def test_a_tiny_run_reports_both_stores_and_the_what_ifs(tmp_path: Path) -> None
     assert "goal: Redis bytes <= 1.2x raw" in run.stdout
     report = json.loads((tmp_path / "storage_footprint.json").read_text())
     stores = [result["store"] for result in report["results"]]
-    assert stores == ["redis", "redis text-zlib", "redis no-text", "redis blob-zlib", "redis lean", "memory"]
-    redis = report["results"][0]
+    assert stores == [
+        "redis (zstd level 3, the default)",
+        "redis plain",
+        "redis level-1",
+        "redis level-9",
+        "redis no-text",
+        "memory",
+    ]
+    redis, plain = report["results"][:2]
     assert redis["stored_tokens"] >= 6000
     assert redis["raw_bytes"] == 4 * redis["stored_tokens"] + 4 * redis["generated_tokens"]
     assert redis["blob"]["arrays"] == redis["raw_bytes"]  # the codec stores exactly the raw arrays
-    assert redis["blob"]["written"] > redis["raw_bytes"]
-    assert redis["bytes"] > redis["raw_bytes"]  # Redis holds at least the arrays
+    assert plain["blob"]["written"] > plain["raw_bytes"]  # plain blobs hold the raw arrays and more
+    assert plain["bytes"] > plain["raw_bytes"]
+    assert redis["blob"]["written"] < plain["blob"]["written"]  # compressed, by default
+    assert redis["bytes"] < plain["bytes"]
     assert len(redis["per_session_after_turns"]) == 3 + 1
     assert redis["per_session_after_turns"] == sorted(redis["per_session_after_turns"])
     assert {"nodes", "parents", "paths", "session", "latest"} <= set(redis["keys"])

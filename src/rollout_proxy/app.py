@@ -71,6 +71,7 @@ def redis_options(settings: Settings) -> RedisOptions:
         retries=settings.redis_retries,
         max_connections=settings.redis_max_connections,
         pool_timeout=settings.redis_pool_timeout,
+        node_compression=settings.redis_node_compression,
     )
 
 

@@ -125,6 +125,13 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         type=int,
         help="retries of a Redis command on a fresh connection after a connection error (default 1)",
     )
+    serve.add_argument(
+        "--redis-node-compression",
+        type=int,
+        metavar="LEVEL",
+        help="zstd level (1-19) of the response nodes the Redis store writes, 0 to store them plain; either "
+        "form is read back whatever this says (default 3: ~0.6x the memory for ~40 us a turn)",
+    )
     _pool_arguments(serve)
     serve.add_argument(
         "--event-loop",
@@ -298,6 +305,7 @@ def _serve(args: argparse.Namespace) -> int:
             "redis_connect_timeout",
             "redis_health_check_interval",
             "redis_retries",
+            "redis_node_compression",
             "redis_max_connections",
             "redis_pool_timeout",
             "engine_max_connections",
@@ -326,6 +334,10 @@ def _serve(args: argparse.Namespace) -> int:
     index = worker_index()
     if settings.workers < 1:
         raise ValueError("--workers must be at least 1")
+    from rollout_proxy.state.codec import COMPRESSION_LEVELS
+
+    if settings.redis_node_compression not in COMPRESSION_LEVELS:
+        raise ValueError(f"--redis-node-compression must be 0 (plain) to 19, got {settings.redis_node_compression}")
     if settings.workers > 1 and settings.port == 0:
         raise ValueError("--workers needs a fixed --port: each worker binds the same one")
     if settings.workers > 1 and settings.store == "memory":

@@ -62,6 +62,7 @@ class Settings:
     # busy waits this long for one, then gets a 503 with Retry-After (never a 500).
     redis_max_connections: int = 512  # per worker process (on a cluster: per node)
     redis_pool_timeout: float = 10.0
+    redis_node_compression: int = 3  # zstd level of the stored node blobs; 0: plain (README, "Storage footprint")
     engine_max_connections: int = 1024  # generation and /tokenize calls in flight per engine, per worker
     engine_pool_timeout: float = 300.0  # generations are long: a full pool frees slowly
     workers: int = 1  # serving processes sharing the port (more than one needs the Redis store)

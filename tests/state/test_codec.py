@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
+import pytest
 
 from rollout_proxy.records import NodeKind, ResponseNode, TopLogprobs
-from rollout_proxy.state.codec import decode_node, encode_node
+from rollout_proxy.state.codec import (
+    COMPRESSED_MAGIC,
+    MIN_COMPRESSED_BYTES,
+    BlobCompressor,
+    decode_node,
+    encode_node,
+)
 
 
 def make_node(n_prompt: int, n_output: int, **fields) -> ResponseNode:
@@ -85,3 +94,41 @@ def test_the_policys_top_k_rows_roundtrip_after_the_other_arrays():
     assert np.array_equal(back.output_topk.ids, top.ids) and np.array_equal(back.output_topk.logprobs, top.logprobs)
     assert np.array_equal(back.output_logprobs, with_top.output_logprobs)
     assert decode_node(encode_node(plain)[0]).output_topk is None
+
+
+def _same(back: ResponseNode, node: ResponseNode) -> None:
+    assert back.messages == node.messages and back.usage == node.usage and back.output_topk == node.output_topk
+    for name in ("prompt_ids", "output_ids", "output_logprobs"):
+        assert np.array_equal(getattr(back, name), getattr(node, name))
+        assert getattr(back, name).dtype == getattr(node, name).dtype
+
+
+def test_a_compressed_blob_decodes_to_the_same_node_and_is_smaller_when_text_dominates():
+    text = "def handler(request):\n    return web.json_response({'ok': True})\n" * 30
+    node = replace(make_node(200, 100), messages=[{"role": "tool", "tool_call_id": "c", "content": text}])
+    plain = encode_node(node)[0]
+    packed = BlobCompressor(3).compress(plain)
+    assert packed.startswith(COMPRESSED_MAGIC) and len(packed) < 0.6 * len(plain)
+    _same(decode_node(packed), node)  # a fresh decompressor
+    _same(decode_node(packed, compressor=BlobCompressor(0)), node)  # or one a plain-writing store keeps
+    _same(decode_node(plain, compressor=BlobCompressor(3)), node)  # plain blobs stay readable
+
+
+def test_blobs_stay_plain_where_compression_cannot_help():
+    short = b"x" * (MIN_COMPRESSED_BYTES - 1)  # compressible, but a frame's own bytes would eat the gain
+    assert BlobCompressor(3).compress(short) == short
+    noise = np.random.default_rng(1).bytes(4000)  # incompressible: a frame would only be longer
+    assert BlobCompressor(19).compress(noise) == noise
+    assert BlobCompressor(0).compress(encode_node(make_node(500, 500))[0]) == encode_node(make_node(500, 500))[0]
+
+
+def test_a_corrupt_compressed_blob_is_an_error_not_a_wrong_node():
+    packed = BlobCompressor(3).compress(encode_node(make_node(500, 500))[0])
+    with pytest.raises(ValueError, match="does not decompress"):
+        decode_node(packed[:-20])
+
+
+@pytest.mark.parametrize("level", [-1, 20])
+def test_compression_levels_out_of_range_are_refused(level):
+    with pytest.raises(ValueError, match="0 \\(none\\) to 19"):
+        BlobCompressor(level)

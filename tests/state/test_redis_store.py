@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
@@ -49,8 +52,8 @@ async def test_a_turns_read_brings_only_the_nodes_below_the_path_this_worker_hol
     decoded: list[str] = []
     real_decode = redis_module.decode_node
 
-    def counting(blob, routing=None):
-        found = real_decode(blob, routing)
+    def counting(blob, routing=None, **options):
+        found = real_decode(blob, routing, **options)
         decoded.append(found.id)
         return found
 
@@ -86,3 +89,41 @@ async def test_a_turns_read_brings_only_the_nodes_below_the_path_this_worker_hol
     finally:
         await first.close()
         await second.close()
+
+
+async def test_node_blobs_are_stored_compressed_and_read_back_whatever_the_setting(redis_url):
+    """A proxy restarted with another ``--redis-node-compression`` (or a second worker set otherwise)
+    still reads every node already stored; a node's message text shrinks in Redis."""
+    from rollout_proxy.state.codec import COMPRESSED_MAGIC, encode_node
+    from rollout_proxy.state.connection import RedisOptions
+    from rollout_proxy.state.keys import nodes_key
+    from tests.state.test_store_contract import node, put
+
+    packed = await RedisStore.connect(redis_url)
+    plain = await RedisStore.connect(redis_url, options=RedisOptions(node_compression=0))
+    try:
+        record = session_record()
+        await packed.create_session(record)
+        text = "The tool printed this line, as tool results repeat themselves. " * 40
+        first = replace(node(record.id, None, seed=1), messages=[{"role": "user", "content": text}])
+        second = replace(
+            node(record.id, first.id, seed=2), messages=[{"role": "tool", "tool_call_id": "c", "content": text}]
+        )
+        await put(packed, record.id, first)
+        await put(plain, record.id, second)
+        stored = await packed._redis.hgetall(nodes_key(record.id))
+        assert stored[first.id.encode()].startswith(COMPRESSED_MAGIC)
+        assert len(stored[first.id.encode()]) < 0.5 * len(encode_node(first)[0])
+        assert stored[second.id.encode()] == encode_node(second)[0]  # level 0: the plain blob, byte for byte
+        for reader in (packed, plain):
+            path = await reader.get_path(record.id, second.id)
+            assert [n.id for n in path] == [first.id, second.id]
+            for back, sent in zip(path, (first, second), strict=True):
+                assert back.messages == sent.messages
+                assert np.array_equal(back.prompt_ids, sent.prompt_ids)
+                assert np.array_equal(back.output_ids, sent.output_ids)
+                assert np.array_equal(back.output_logprobs, sent.output_logprobs)
+            assert [n.id for n in await reader.get_nodes(record.id)] == [first.id, second.id]
+    finally:
+        await packed.close()
+        await plain.close()

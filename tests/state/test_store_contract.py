@@ -19,6 +19,7 @@ from rollout_proxy.records import (
     TeacherScores,
     TopLogprobs,
 )
+from rollout_proxy.state.codec import BlobCompressor
 from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.state.store import Idempotency
 from tests.harness import store_snapshot
@@ -179,9 +180,11 @@ async def test_deep_path_costs_one_round_trip_and_nodes_do_not_grow_with_depth(s
         path = await store.get_path(record.id, parent_id)
         store._redis.execute_command = original
         assert calls == 1
-        blob_sizes = [await store._redis.hstrlen(f"rp:{{{record.id}}}:nodes", item.id) for item in nodes]
-        deeper = blob_sizes[1:]  # the first has no parent id
+        stored = [await store._redis.hget(f"rp:{{{record.id}}}:nodes", item.id) for item in nodes]
+        plain = [BlobCompressor(0).decompress(blob) for blob in stored]  # as stored, compressed or not
+        deeper = [len(blob) for blob in plain[1:]]  # the first has no parent id
         assert max(deeper) - min(deeper) <= 8  # only message digits may differ
+        assert all(len(blob) <= len(original) for blob, original in zip(stored, plain, strict=True))
     else:
         path = await store.get_path(record.id, parent_id)
     assert [n.id for n in path] == [n.id for n in nodes]

@@ -77,7 +77,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class RedisOptions:
-    """How a client talks to Redis once connected (see the module docstring)."""
+    """How a client talks to Redis once connected (see the module docstring), and how the store packs nodes."""
 
     socket_timeout: float | None = 5.0  # None: wait forever (a blocking reader sets its own)
     connect_timeout: float = 2.0
@@ -85,6 +85,7 @@ class RedisOptions:
     retries: int = 1  # of a command, on a fresh connection, after a connection error
     max_connections: int = 512  # the pool's size (per cluster node on a cluster)
     pool_timeout: float = 10.0  # the longest a command waits for a free pooled connection; then StoreBusy
+    node_compression: int = 3  # the store's node blobs: zstd level, 0 = plain (state/codec.py)
 
 
 def is_pool_exhausted(exc: BaseException) -> bool:
