@@ -266,3 +266,49 @@ async def test_top_logprobs_from_the_fake_match_its_distribution(client, fake):
             assert top.logprobs[index][top.ids[index].tolist().index(int(token))] == pytest.approx(logprob)
     plain = await client.complete(prompt, SamplingParams(max_tokens=5, temperature=1.0, top_p=1.0, top_k=0))
     assert plain.output_topk is None and fake.completions[-1]["logprobs"] == 0
+
+
+@pytest.mark.parametrize(
+    ("echo", "reported"),
+    [
+        ("[1,2,3]", [1, 2, 3]),  # vLLM's compact JSON, the prompt sent: found as bytes, not parsed
+        ("[1, 2, 3]", [1, 2, 3]),  # other spacing: parsed
+        ("[1,2,4]", [1, 2, 4]),  # another prompt: reported as the engine says (the turn refuses it)
+        ("[1,2,3,4]", [1, 2, 3, 4]),  # ours with more after it
+        ("[0,1,2,3]", [0, 1, 2, 3]),
+    ],
+    ids=["compact", "spaced", "drifted", "longer", "prefixed"],
+)
+async def test_the_prompt_echo_is_what_the_engine_said_however_it_is_written(
+    scripted, scripted_client, echo, reported
+):
+    scripted.answer(
+        "/v1/completions",
+        200,
+        '{"choices":[{"text":"said \\"prompt_token_ids\\":[1,2,3]","token_ids":[5],"finish_reason":"stop",'
+        f'"prompt_token_ids":{echo},"logprobs":{{"token_logprobs":[-0.5]}}}}]}}',
+    )
+    completion = await scripted_client.complete(np.asarray([1, 2, 3], dtype=np.int32), PARAMS)
+    assert completion.prompt_ids.dtype == np.int32 and completion.prompt_ids.tolist() == reported
+    assert completion.text == 'said "prompt_token_ids":[1,2,3]'  # the same words inside a string are text
+    assert completion.output_ids.tolist() == [5] and completion.output_logprobs.tolist() == [-0.5]
+
+
+async def test_a_long_prompt_echoed_by_the_engine_is_checked_without_parsing_it(client, fake, monkeypatch):
+    """The fake answers as vLLM does (compact JSON): the echo of the prompt sent is matched as bytes."""
+    from rollout_proxy.engines import vllm_http
+
+    parsed: list[bytes] = []
+    real_loads = vllm_http._loads
+
+    def recording(body: bytes):
+        parsed.append(body)
+        return real_loads(body)
+
+    monkeypatch.setattr(vllm_http, "_loads", recording)
+    prompt = np.asarray(fake.encode("Say hi: " + "and again " * 400), dtype=np.int32)
+    fake.queue("Hi there")
+    completion = await client.complete(prompt, PARAMS)
+    assert np.array_equal(completion.prompt_ids, prompt) and completion.text == "Hi there"
+    answers = [body for body in parsed if b'"token_ids"' in body]
+    assert len(answers) == 1 and b'"prompt_token_ids":null' in answers[0] and len(answers[0]) < len(prompt)

@@ -79,9 +79,17 @@ def load_tokenizer(tokenizer_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
+#: vLLM answers as Starlette's JSONResponse writes: compact, UTF-8 as is (the fixtures' raw bodies)
+_vllm_dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
+
+
+def _json_response(body: Any, *, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=_vllm_dumps)
+
+
 def _error(status: int, message: str, *, param: str | None = None, kind: str = "BadRequestError") -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.json_response(body, status=status)
+    return _json_response(body, status=status)
 
 
 def _invalid(loc: str, kind: str, msg: str, value: Any, ctx: dict[str, Any] | None = None) -> web.Response:
@@ -290,7 +298,7 @@ class FakeEngine:
         return web.Response(status=200)
 
     async def _version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": VERSION})
+        return _json_response({"version": VERSION})
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {
@@ -318,7 +326,7 @@ class FakeEngine:
                 }
             ],
         }
-        return web.json_response({"object": "list", "data": [card]})
+        return _json_response({"object": "list", "data": [card]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         payload = await request.json()
@@ -339,13 +347,13 @@ class FakeEngine:
                 payload["prompt"], add_special_tokens=payload.get("add_special_tokens", True)
             )
         strs = self.tokenizer.convert_ids_to_tokens(tokens) if payload.get("return_token_strs") else None
-        return web.json_response(
+        return _json_response(
             {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": list(tokens), "token_strs": strs}
         )
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         payload = await request.json()
-        return web.json_response({"prompt": self.decode(payload["tokens"])})
+        return _json_response({"prompt": self.decode(payload["tokens"])})
 
     # -- dev mode -----------------------------------------------------------------------
 
@@ -365,16 +373,16 @@ class FakeEngine:
             await self._idle.wait()
         else:
             self._thawed.clear()
-        return web.json_response({"status": "paused"})
+        return _json_response({"status": "paused"})
 
     async def _resume(self, request: web.Request) -> web.Response:
         self.paused = False
         self._thawed.set()
         self._resumed.set()
-        return web.json_response({"status": "resumed"})
+        return _json_response({"status": "resumed"})
 
     async def _is_paused(self, request: web.Request) -> web.Response:
-        return web.json_response({"is_paused": self.paused})
+        return _json_response({"is_paused": self.paused})
 
     async def _json_object(self, request: web.Request) -> dict[str, Any] | web.Response:
         try:
@@ -393,7 +401,7 @@ class FakeEngine:
         aborted = [gen for gen in self._active if not wanted or gen.request_id in wanted]
         for generation in aborted:
             generation.cut.set()
-        return web.json_response({"status": "aborted", "aborted": len(wanted) if wanted else len(aborted)})
+        return _json_response({"status": "aborted", "aborted": len(wanted) if wanted else len(aborted)})
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:
         body = await self._json_object(request)
@@ -405,10 +413,10 @@ class FakeEngine:
         if not isinstance(version, str):
             return _invalid("body.new_version", "string_type", "Input should be a valid string", str(version))
         self.weight_version = version
-        return web.json_response({"success": True, "new_version": version})
+        return _json_response({"success": True, "new_version": version})
 
     async def _weight_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
+        return _json_response({"weight_version": self.weight_version})
 
     async def _collective_rpc(self, request: web.Request) -> web.Response:
         body = await self._json_object(request)
@@ -416,7 +424,7 @@ class FakeEngine:
             return body
         if body.get("method") is None:
             return _error(400, "Missing 'method' in request body", kind="Bad Request")
-        return web.json_response({"results": [None]})  # one worker, whose method returned nothing
+        return _json_response({"results": [None]})  # one worker, whose method returned nothing
 
     # -- completions ----------------------------------------------------------------------
 
@@ -521,7 +529,7 @@ class FakeEngine:
         body = self._completion_body(payload, generation)
         if self.fault == "reset":
             return await self._reset_midway(request, body)
-        return web.json_response(body)
+        return _json_response(body)
 
     async def _generate(
         self, generation: Generation, planned: list[int], on_token: Callable[[], Awaitable[None]] | None = None
@@ -549,7 +557,7 @@ class FakeEngine:
 
     async def _reset_midway(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """Headers and half the body, then the connection is reset."""
-        raw = json.dumps(body).encode()
+        raw = _vllm_dumps(body).encode()
         response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         response.content_length = len(raw)
         await response.prepare(request)
