@@ -82,3 +82,11 @@ def test_serve_runs_on_the_event_loop_asked_for(choice: str, loop_module: str):
 
     _run_loop(serve(), choice)
     assert seen == [loop_module]
+
+
+def test_a_negative_gc_threshold_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_PROXY_ADMIN_KEY", "k")
+    with pytest.raises(SystemExit) as raised:
+        main(["serve", "--store", "memory", "--port", "0", "--gc-threshold", "-1"])
+    assert raised.value.code == 2
+    assert "--gc-threshold must be 0" in capsys.readouterr().err

@@ -73,6 +73,9 @@ class Settings:
     # canonical set, "engine" always asks the engine's /tokenize.
     rendering: str = "auto"
     event_loop: str = "auto"  # serve's loop: auto (uvloop when installed), uvloop or asyncio
+    # serve's cyclic garbage collector: start-up objects frozen, a collection per this many new container
+    # objects (Python's default, 700, runs one every few turns); 0 leaves Python's collector as it is
+    gc_threshold: int = 50_000
     tokenizer: str = ""  # directory with the model's tokenizer; empty: the engine's model root, if readable here
     chat_template: str = ""  # the Jinja file the engines were started with (--chat-template); empty: the tokenizer's
     chat_template_content_format: str = "auto"  # as vLLM's flag of that name: auto, string or openai
