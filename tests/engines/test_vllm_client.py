@@ -279,9 +279,7 @@ async def test_top_logprobs_from_the_fake_match_its_distribution(client, fake):
     ],
     ids=["compact", "spaced", "drifted", "longer", "prefixed"],
 )
-async def test_the_prompt_echo_is_what_the_engine_said_however_it_is_written(
-    scripted, scripted_client, echo, reported
-):
+async def test_the_prompt_echo_is_what_the_engine_said_however_it_is_written(scripted, scripted_client, echo, reported):
     scripted.answer(
         "/v1/completions",
         200,
