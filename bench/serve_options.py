@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from proxy_overhead import ADMIN_KEY, Run, Target, lockstep, measure, percentile  # noqa: E402
+from proxy_overhead import ADMIN_KEY, Run, Target, lockstep, measure  # noqa: E402
+from workers import summary as workers_summary  # noqa: E402
 
 from load_tests.run import Services, free_port, start_redis  # noqa: E402
 
@@ -58,16 +59,9 @@ def start(services: Services, name: str, extra: list[str], engine_url: str, stor
 
 
 def summary(runs: list[Run]) -> dict[str, Any]:
-    latencies = [latency for run in runs for latency in run.latencies]
-    turns, seconds = sum(run.turns for run in runs), sum(run.seconds for run in runs)
-    return {
-        "turns": turns,
-        "errors": sum(run.errors for run in runs),
-        "cpu_ms_per_turn": sum(run.cpu_turns for run in runs) / turns * 1000 if turns else float("nan"),
-        "cpu_ms_per_turn_by_round": [run.cpu_turns / run.turns * 1000 if run.turns else None for run in runs],
-        "turns_per_s": turns / seconds if seconds else 0.0,
-        "p50_ms": percentile(latencies, 50) * 1000,
-    }
+    """``bench/workers.py``'s summary, and the CPU per turn of each round (how steady it is)."""
+    by_round = [run.cpu_turns / run.turns * 1000 if run.turns else None for run in runs]
+    return workers_summary(runs) | {"cpu_ms_per_turn_by_round": by_round}
 
 
 def long_summary(cpu: list[float]) -> dict[str, float]:

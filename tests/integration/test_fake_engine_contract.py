@@ -118,3 +118,27 @@ async def test_fake_answers_like_vllm(real_template: str, vllm_servers: VLLMServ
         real_choice, fake_choice = real_body["choices"][0], fake_body["choices"][0]
         assert fake_choice["prompt_token_ids"] == real_choice["prompt_token_ids"] == PROMPT
         assert len(fake_choice["logprobs"]["token_logprobs"]) == len(fake_choice["token_ids"])
+
+
+async def test_both_echo_the_prompt_as_compact_json_so_the_proxy_matches_it_as_bytes(
+    real_template: str, vllm_servers: VLLMServers
+):
+    """``PromptEcho`` finds vLLM's ``prompt_token_ids`` as the very bytes the proxy sent, so it never parses
+    them; a vLLM that wrote its JSON otherwise would only be slower (the echo is parsed and compared then)."""
+    import numpy as np
+
+    from rollout_proxy.engines.vllm_http import PromptEcho
+
+    real = vllm_servers.get(real_template)
+    fake = FakeEngine(model_dir("dense"), chat_template=TEMPLATES[real_template], model_name=real.served_model_name)
+    fake.queue("The capital")
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0.0, "logprobs": 0, "return_token_ids": True}
+    echo = PromptEcho(np.asarray(PROMPT, dtype=np.int32))
+    async with FakeEngineServer(fake) as fake_url, aiohttp.ClientSession() as http:
+        for base, model in ((real.base_url, real.served_model_name), (fake_url, fake.model_name)):
+            async with http.post(base + "/v1/completions", json={"model": model, **body}) as response:
+                assert response.status == 200
+                raw = await response.read()
+            parsed, same = echo.parse(raw)
+            assert same, raw[:300]
+            assert parsed["choices"][0]["prompt_token_ids"] is None and parsed["choices"][0]["token_ids"]
