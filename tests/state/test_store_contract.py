@@ -108,6 +108,32 @@ async def test_path_is_root_to_leaf_and_siblings_share_the_parent(store):
     assert await store.get_path(record.id, new_response_id(record.id)) is None
 
 
+async def test_paths_stay_exact_while_branches_interleave(store):
+    """Reads and writes alternating between branches: every path is its own, whatever the store keeps."""
+    record = session_record()
+    await store.create_session(record)
+    trunk = [node(record.id, None, seed=0)]
+    await put(store, record.id, trunk[0])
+    for seed in range(1, 4):
+        trunk.append(node(record.id, trunk[-1].id, seed=seed))
+        await put(store, record.id, trunk[-1])
+    fork = node(record.id, trunk[1].id, seed=10)  # a branch from the middle, written after the trunk
+    await put(store, record.id, fork)
+    more = node(record.id, trunk[-1].id, seed=11)  # the trunk goes on after the fork
+    await put(store, record.id, more)
+    expected = {
+        fork.id: [trunk[0].id, trunk[1].id, fork.id],
+        more.id: [n.id for n in trunk] + [more.id],
+        trunk[2].id: [trunk[0].id, trunk[1].id, trunk[2].id],
+        trunk[0].id: [trunk[0].id],
+    }
+    for leaf in [fork.id, more.id, fork.id, trunk[2].id, more.id, trunk[0].id, more.id]:
+        path = await store.get_path(record.id, leaf)
+        assert [n.id for n in path] == expected[leaf]
+        path.pop()  # the caller's list: changing it changes nothing stored
+    assert [n.id for n in await store.get_path(record.id, more.id)] == expected[more.id]
+
+
 async def test_ids_are_scoped_to_their_session(store):
     mine, other = session_record(), session_record()
     await store.create_session(mine)

@@ -39,6 +39,9 @@ class _SessionState:
     idempotency: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (fingerprint, response id)
     summary: SessionSummary | None = None  # written at create and at finish (the listing's index)
     teacher: dict[str, TeacherScores] = field(default_factory=dict)  # response id -> its teacher pass
+    # the root-to-leaf path last written or read (nodes never change): the next turn's path is this one, or
+    # this one and one node more, so a conversation's path is not walked up node by node every turn
+    held_path: list[ResponseNode] = field(default_factory=list)
 
 
 @contextlib.asynccontextmanager
@@ -128,6 +131,11 @@ class MemoryStore:
                 return idempotency.replay(*held)
             state.idempotency[idempotency.key] = (idempotency.fingerprint, node.id)
         state.nodes[node.id] = node
+        held = state.held_path
+        if node.parent_id is None:
+            state.held_path = [node]
+        elif held and held[-1].id == node.parent_id:
+            held.append(node)  # the held list is never handed out (get_path returns copies)
         for path_hash, value in partial_paths.items():
             state.paths.setdefault(path_hash, value)
         state.paths.update(paths)
@@ -166,6 +174,9 @@ class MemoryStore:
         state = self._state(session_id)
         if state is None or node_id not in state.nodes:
             return None
+        held = state.held_path
+        if held and held[-1].id == node_id:
+            return list(held)
         path = []
         current: str | None = node_id
         while current is not None:
@@ -173,6 +184,7 @@ class MemoryStore:
             path.append(node)
             current = node.parent_id
         path.reverse()
+        state.held_path = list(path)
         return path
 
     async def match_paths(self, session_id: str, hashes: Sequence[str]) -> list[str | None]:
