@@ -131,11 +131,11 @@ class MemoryStore:
                 return idempotency.replay(*held)
             state.idempotency[idempotency.key] = (idempotency.fingerprint, node.id)
         state.nodes[node.id] = node
-        held = state.held_path
+        path = state.held_path
         if node.parent_id is None:
             state.held_path = [node]
-        elif held and held[-1].id == node.parent_id:
-            held.append(node)  # the held list is never handed out (get_path returns copies)
+        elif path and path[-1].id == node.parent_id:
+            path.append(node)  # the held list is never handed out (get_path returns copies)
         for path_hash, value in partial_paths.items():
             state.paths.setdefault(path_hash, value)
         state.paths.update(paths)
