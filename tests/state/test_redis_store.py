@@ -123,7 +123,7 @@ async def test_node_blobs_are_stored_compressed_and_read_back_whatever_the_setti
                 assert np.array_equal(back.prompt_ids, sent.prompt_ids)
                 assert np.array_equal(back.output_ids, sent.output_ids)
                 assert np.array_equal(back.output_logprobs, sent.output_logprobs)
-            assert [n.id for n in await reader.get_nodes(record.id)] == [first.id, second.id]
+            assert {n.id for n in await reader.get_nodes(record.id)} == {first.id, second.id}  # same created_at
     finally:
         await packed.close()
         await plain.close()
