@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rollout_proxy.engines.vllm_http import clamped_logprob
+from rollout_proxy.engines.base import clamped_logprob
 from rollout_proxy.errors import EngineError, InvalidRequest
 from rollout_proxy.records import NodeKind, ResponseNode, TeacherScores, TopLogprobs
 from rollout_proxy.tokenization.renderer import ChatRenderer

@@ -12,6 +12,7 @@ version set), and raises where the fleet needs the step done (pause, resume).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -19,6 +20,16 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from rollout_proxy.records import TopLogprobs
+
+#: vLLM's own floor for -inf logprobs; non-finite values are clamped to it and counted.
+LOGPROB_FLOOR = -9999.0
+
+
+def clamped_logprob(value: Any) -> float:
+    """A logprob as vLLM's floor reads it: None and non-finite values are ``LOGPROB_FLOOR``."""
+    number = LOGPROB_FLOOR if value is None else float(value)
+    return number if math.isfinite(number) else LOGPROB_FLOOR
+
 
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")

@@ -29,11 +29,13 @@ import structlog
 
 from rollout_proxy import tracing
 from rollout_proxy.engines.base import (
+    LOGPROB_FLOOR,
     EngineCompletion,
     EngineInfo,
     PauseMode,
     PieceSink,
     SamplingParams,
+    clamped_logprob,
 )
 from rollout_proxy.engines.streaming import DONE, SSEReader, StreamAssembly
 from rollout_proxy.errors import (
@@ -48,8 +50,6 @@ from rollout_proxy.records import TopLogprobs
 
 log = structlog.get_logger(__name__)
 
-#: vLLM's own floor for -inf logprobs; non-finite values are clamped to it and counted.
-LOGPROB_FLOOR = -9999.0
 #: What vLLM's ``/tokenize`` answers when the chat template fails on the messages it was sent.
 TEMPLATE_FAILURE_STATUSES = frozenset({400, 422})
 #: Connections kept beyond the pool of data calls for health probes and control calls, so a pool full
@@ -153,12 +153,6 @@ def _top_logprobs(choice: dict[str, Any], output_ids: np.ndarray, k: int) -> Top
         ids[position] = [token for token, _ in ranked]
         values[position] = [value for _, value in ranked]
     return TopLogprobs(ids=ids, logprobs=values)
-
-
-def clamped_logprob(value: Any) -> float:
-    """A logprob as vLLM's floor reads it: None and non-finite values are ``LOGPROB_FLOOR``."""
-    number = LOGPROB_FLOOR if value is None else float(value)
-    return number if math.isfinite(number) else LOGPROB_FLOOR
 
 
 class EngineRejected(EngineError):
