@@ -4,8 +4,13 @@ of calls running at once and where each call ran are kept under ``$RP_RAY_TEST_D
 (set through the plugins' ``envs`` in the job file, which reach the workers).
 
 ``$RP_ON_RAY`` (set only in the job's ``ray.runtime_env``) tells a plugin it runs on a
-Ray worker: ``crash_once`` then kills its worker process, where in-process it raises, and
-``slow_once`` hangs (in-process it sleeps just past its timeout: a thread cannot be stopped).
+Ray worker: ``crash_once`` then kills its worker process, where in-process it raises, and the
+judge's ``slow_once`` hangs (in-process it sleeps just past its timeout: a thread cannot be
+stopped).
+
+The call that runs past its timeout is the judge's, whose call is instant otherwise, so its
+timeout can be short; the rollout's timeout is generous, so that a rollout slowed by a loaded
+machine (its turns, a cold worker) is never a timeout the in-process run did not have.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from rollout_proxy.sdk import (
 )
 
 MAX_CONCURRENCY = 3
-TIMEOUT = 8  # generous: a loaded CI machine takes seconds for a rollout's turns
+ROLLOUT_TIMEOUT = 120  # only a cap: no rollout here is meant to reach it
+JUDGE_TIMEOUT = 4  # the judge's slow_once runs past it; any other judge call takes milliseconds
 
 
 def state_dir() -> Path:
@@ -82,7 +88,7 @@ def record_where(job_id: str) -> None:
         out.write(f"{os.getpid()} {node}\n")
 
 
-@rollout(name="status_rollout", runtime=Runtime(timeout=TIMEOUT, max_concurrency=MAX_CONCURRENCY))
+@rollout(name="status_rollout", runtime=Runtime(timeout=ROLLOUT_TIMEOUT, max_concurrency=MAX_CONCURRENCY))
 def status_rollout(context, proxy, sample):
     """The weather agent, except when the sample asks for another outcome."""
     job = context.model_customization_job_id
@@ -106,21 +112,24 @@ def status_rollout(context, proxy, sample):
             return RolloutResult(status=PluginStatus.FAILURE, error="flaky failure, once")
         if behaviour == "raise_once" and first_call(key):
             raise ConnectionError("the weather service hung up")
-        if behaviour == "slow_once" and first_call(key):
-            # past Runtime.timeout: a failure, retried. On Ray it hangs: only a killed worker stops it
-            if os.environ.get("RP_ON_RAY"):
-                (state_dir() / f"hung-{job}.pid").write_text(str(os.getpid()))
-                time.sleep(600)
-            time.sleep(TIMEOUT + 2)
         result = weather.function(context, proxy, sample)
         result.extra["id"] = sample.extra["id"]
         return result
 
 
-@single_grader(name="judge")
+@single_grader(name="judge", runtime=Runtime(timeout=JUDGE_TIMEOUT))
 def judge(context, sample, trajectory):
-    """Reward 1; says 'retry' once for samples that ask (``extra.grader == 'retry_once'``)."""
-    key = f"{context.model_customization_job_id}-grader-{sample.extra['id']}"
-    if sample.extra.get("grader") == "retry_once" and first_call(key):
+    """Reward 1; once per sample, says 'retry' or runs past its timeout where the sample asks
+    (``extra.grader``: ``retry_once``, ``slow_once``)."""
+    job = context.model_customization_job_id
+    key = f"{job}-grader-{sample.extra['id']}"
+    behaviour = sample.extra.get("grader", "ok")
+    if behaviour == "retry_once" and first_call(key):
         return SingleGraderResult(reward=0.0, status=PluginStatus.RETRY, error="judge busy")
+    if behaviour == "slow_once" and first_call(key):
+        # past Runtime.timeout: a failure, retried. On Ray it hangs: only a killed worker stops it
+        if os.environ.get("RP_ON_RAY"):
+            (state_dir() / f"hung-{job}.pid").write_text(str(os.getpid()))
+            time.sleep(600)
+        time.sleep(JUDGE_TIMEOUT + 2)
     return SingleGraderResult(reward=1.0, metrics={"messages": float(len(trajectory.messages))})

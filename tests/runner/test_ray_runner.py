@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import ray
 import yaml
+from structlog.testing import capture_logs
 
 from rollout_proxy.runner import JobConfig, JobError, JobFailed, run_job
 from rollout_proxy.runner.ray_executor import RayExecutor
@@ -41,11 +42,13 @@ BEHAVIOURS = [
     "raise_once",
     "crash_once",
     "fail_once",
-    "slow_once",
+    "ok",  # its judge runs past its timeout once
     "ok",
     "ok",
-    "ok",
+    "ok",  # its judge says 'retry' once
 ]
+#: what the judge does once per sample (``ray_plugins.judge``), by sample index
+JUDGE_BEHAVIOURS = {6: "slow_once", 9: "retry_once"}
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +144,11 @@ async def published(summary) -> dict[int, dict[str, Any]]:
     return groups
 
 
+def retried(logged: list[dict[str, Any]]) -> list[str]:
+    """The attempts the runner retried, as ``what: error`` (from its ``plugin_retry`` log events)."""
+    return sorted(f"{event['what']}: {event['error']}" for event in logged if event["event"] == "plugin_retry")
+
+
 def where(state: Path, job_id: str) -> list[tuple[int, str]]:
     lines = (state / f"where-{job_id}.txt").read_text().split("\n")
     return [(int(pid), node) for pid, _, node in (line.partition(" ") for line in lines if line)]
@@ -170,20 +178,26 @@ async def test_a_job_on_ray_publishes_the_same_groups_as_in_process(ray_cluster,
                 engine_url=engine.url,
                 ray_section=ray_section,
                 output_dir=tmp_path / "out",
-                extra=lambda i: {"grader": "retry_once" if i == 9 else "ok"},
+                extra=lambda i: {"grader": JUDGE_BEHAVIOURS.get(i, "ok")},
             )
         )
 
-    local = await run_job(job(None), job_id="in-process", progress=False)
+    with capture_logs() as logged:
+        local = await run_job(job(None), job_id="in-process", progress=False)
+    local_retries = retried(logged)
     started = time.monotonic()
-    remote = await run_job(job(on_ray(ray_cluster.address)), job_id="on-ray", progress=False)
+    with capture_logs() as logged:
+        remote = await run_job(job(on_ray(ray_cluster.address)), job_id="on-ray", progress=False)
+    remote_retries = retried(logged)
     print(f"\nthe job on Ray: {time.monotonic() - started:.1f}s (in-process: {local.elapsed:.1f}s)")
 
     counts = ("samples_done", "samples_dropped", "failed_attempts", "groups_published", "trajectories", "turns")
-    assert {key: getattr(remote, key) for key in counts} == {key: getattr(local, key) for key in counts}
+    assert {key: getattr(remote, key) for key in counts} == {key: getattr(local, key) for key in counts}, (
+        f"retried on Ray: {remote_retries}; in-process: {local_retries}"
+    )
     assert remote.samples_done == 9 and remote.samples_dropped == 1  # discard
-    # retry_once, raise_once, crash_once, fail_once, slow_once and the grader's retry: one failed attempt each
-    assert remote.failed_attempts == 6
+    # retry_once, raise_once, crash_once, fail_once, and the judge's slow_once and retry_once: one failed attempt each
+    assert remote.failed_attempts == 6, f"retried on Ray: {remote_retries}"
     assert remote.tokens == local.tokens and remote.trained_tokens == local.trained_tokens
     assert remote.drift == 0
     groups = await published(remote)
