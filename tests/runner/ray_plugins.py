@@ -133,3 +133,10 @@ def judge(context, sample, trajectory):
             time.sleep(600)
         time.sleep(JUDGE_TIMEOUT + 2)
     return SingleGraderResult(reward=1.0, metrics={"messages": float(len(trajectory.messages))})
+
+
+@single_grader(name="sleeper", runtime=Runtime(timeout=1))
+def sleeper(context, sample, trajectory):
+    """Sleeps ``sample`` seconds (a number here, not a sample): past its 1 s timeout when asked."""
+    time.sleep(sample)
+    return SingleGraderResult(reward=1.0)

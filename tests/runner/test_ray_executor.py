@@ -12,11 +12,19 @@ import pytest
 import yaml
 
 import rollout_proxy
-from rollout_proxy.runner import JobConfig, JobError
+from rollout_proxy.runner import JobConfig, JobError, ray_executor
 from rollout_proxy.runner.executor import InProcessExecutor, open_executor, with_ray_address
 from rollout_proxy.runner.job import RaySection
 from rollout_proxy.runner.plugins import load_graders, load_rollout
-from rollout_proxy.runner.ray_executor import connect, head_endpoint, worker_runtime_env
+from rollout_proxy.runner.ray_executor import (
+    LINGERING,
+    STARTED,
+    connect,
+    head_endpoint,
+    run_plugin_call,
+    worker_runtime_env,
+)
+from rollout_proxy.sdk.types import PluginStatus
 from tests.runner.conftest import write_dataset
 from tests.runner.ray_cluster import free_port
 
@@ -118,3 +126,27 @@ def test_run_help_lists_ray():
         env={**os.environ, "PYTHONPATH": str(REPO / "src")},
     )
     assert "--ray ADDRESS" in result.stdout
+
+
+def test_a_ray_task_that_answered_ends_without_a_kill_request():
+    """The task yields STARTED, the outcome, and ends: nothing asks the driver to kill its worker, however
+    long the driver then takes to see the end (a loaded cluster must not get a healthy worker killed)."""
+    task = run_plugin_call("tests.runner.ray_plugins:sleeper", str(REPO), (None, 0.0, None))
+    assert next(task) == STARTED
+    outcome = next(task)
+    assert outcome.status is PluginStatus.SUCCESS and outcome.result.reward == 1.0
+    assert list(task) == []
+
+
+def test_a_ray_task_whose_plugin_runs_past_its_timeout_says_it_lingers(monkeypatch):
+    """A sync plugin past its timeout keeps its thread: the worker answers 'timed out', then says LINGERING
+    once the thread still runs END_GRACE later, so the driver kills that worker and no other."""
+    monkeypatch.setattr(ray_executor, "END_GRACE", 0.3)
+    task = run_plugin_call("tests.runner.ray_plugins:sleeper", str(REPO), (None, 2.0, None))
+    assert next(task) == STARTED
+    started = time.monotonic()
+    outcome = next(task)
+    assert (outcome.status, outcome.error) == (PluginStatus.FAILURE, "timed out after 1s")
+    assert next(task) == LINGERING
+    assert time.monotonic() - started < 1.9  # said while the plugin's thread still ran
+    task.close()  # what the kill is to the worker

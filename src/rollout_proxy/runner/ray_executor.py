@@ -12,17 +12,20 @@ The plugin's ``Runtime``, across the cluster:
   the task has ended; one driver submits all of a job's tasks, so at most that many
   calls of a plugin run at once anywhere.
 - ``timeout``: counted on the worker from the call's start (waiting for a free CPU is
-  not the plugin's time), and answered there as in-process. A task still running
-  ``END_GRACE`` after its answer (a sync plugin past its timeout: no thread can be stopped)
-  has its worker killed (``ray.cancel(force=True)``) before the slot is given back, so
-  on Ray a timed-out call really stops. A worker that does not answer within the
-  timeout and ``ANSWER_GRACE`` (its event loop blocked) is killed the same way.
+  not the plugin's time), and answered there as in-process. A worker whose call's threads
+  still run ``END_GRACE`` after its answer (a sync plugin past its timeout: no thread can
+  be stopped) says so (``LINGERING``), and the driver kills it (``ray.cancel(force=True)``)
+  before the slot is given back, so on Ray a timed-out call really stops. The worker
+  measures that grace itself: a loaded machine that is slow to report a task's end
+  does not get a healthy worker killed (which could be running the next task by then).
+  A worker that does not answer within the timeout and ``ANSWER_GRACE`` (its event loop
+  blocked), or does not end within ``END_WAIT`` of its answer, is killed the same way.
 - retries stay the runner's: Ray's own are off (``max_retries=0``: a call must not run
   twice in one session); a worker or node lost mid-call is a ``failure`` of that
   attempt, retried in a new session like any other.
 
 The task is a streaming generator: it yields when it starts, then the outcome, and
-ends when the call's threads are done.
+ends when the call's threads are done (or yields ``LINGERING`` first, when they are not soon).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,10 +57,14 @@ from rollout_proxy.sdk.types import ChatCompletionSample, PluginStatus
 log = structlog.get_logger(__name__)
 
 STARTED = "started"
+#: what a worker yields when its call's threads still run ``END_GRACE`` after its answer: kill me
+LINGERING = "lingering"
 #: seconds past a plugin's timeout before a worker that has not answered is killed
 ANSWER_GRACE = 5.0
-#: seconds a task may run after its answer (closing up: normally milliseconds) before its worker is killed
+#: seconds, on the worker, its call's threads may run after its answer (normally milliseconds)
 END_GRACE = 3.0
+#: seconds the driver waits for a task to end (or say ``LINGERING``) after its answer before killing it
+END_WAIT = 60.0
 #: seconds to wait for a killed task to be gone before its concurrency slot is given back anyway
 KILL_WAIT = 30.0
 
@@ -80,13 +89,21 @@ class SessionHandle:
 
 
 def run_plugin_call(python_func: str, base_dir: str, args: tuple[Any, ...]) -> Iterator[Any]:
-    """The Ray task: yields ``STARTED``, then the call's ``Attempt``; ends once the call's threads have."""
+    """The Ray task: yields ``STARTED``, then the call's ``Attempt``; ends once the call's threads have,
+    or yields ``LINGERING`` when they still run ``END_GRACE`` later (the driver then kills this worker)."""
     yield STARTED
     loop = asyncio.new_event_loop()
+    threads = ThreadPoolExecutor(thread_name_prefix="plugin")  # where a sync plugin runs
+    loop.set_default_executor(threads)
     try:
         yield loop.run_until_complete(_call(python_func, base_dir, args))
-        # a sync plugin that timed out still runs in a thread: the driver kills this worker if it lingers
-        loop.run_until_complete(loop.shutdown_default_executor())
+        # a sync plugin that timed out still runs in its thread: wait for it a while, then say so
+        joiner = threading.Thread(target=threads.shutdown, daemon=True)
+        joiner.start()
+        joiner.join(END_GRACE)
+        if joiner.is_alive():
+            yield LINGERING
+            joiner.join()
     finally:
         loop.close()
 
@@ -266,7 +283,7 @@ class RayExecutor:
                 outcome = Attempt(PluginStatus.FAILURE, f"timed out after {plugin_timeout}s")
                 await self._kill(task, python_func, "no answer")
                 return outcome
-            if not await self._ended(task, END_GRACE):
+            if not await self._ended(task, END_WAIT):  # False at once when the worker says LINGERING
                 await self._kill(task, python_func, "still running after its answer")
             return outcome
         except RayError as exc:
@@ -289,7 +306,7 @@ class RayExecutor:
             return False
         except RayError:
             return True
-        return False  # it yielded more than it should: treat as still running
+        return False  # it yielded LINGERING (or more than it should): still running
 
     async def _kill(self, task: Any, python_func: str, why: str) -> None:
         log.warning("ray_task_killed", plugin=python_func, reason=why)
