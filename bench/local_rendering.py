@@ -6,7 +6,8 @@
 Reports, for the Qwen3-style test template:
   calls     engine calls per chat turn through the proxy, rendering=engine vs rendering=auto
   bridge    time of one bridge render (ChatRenderer.bridge, anchors cached) at turn 2 and at
-            turn 100 of a tool chat: local, and through /tokenize (HTTP round trip included)
+            turn 100 of a tool chat: local (encoded piece by piece, and whole), and through
+            /tokenize (HTTP round trip included)
   root      time of a whole-conversation render of a long sample (what goes off the loop)
   turns     with --engine: wall and CPU time per chat turn through a proxy, both renderings
 Times are medians (and p90) over repeated calls in this process; CPU time is process time.
@@ -199,10 +200,16 @@ async def bridge_times(
     from rollout_proxy.tokenization.renderer import ChatRenderer
 
     local = LocalTemplate.load(tokenizer, template)
+    # the same, encoding every text whole: what encoding piece by piece (tokenization.pieces) saves
+    whole = LocalTemplate(local._tokenizer, template_text, origin="encoded whole", in_pieces=False)
     rows = []
     fake = FakeEngine(tokenizer, chat_template=template_text)
     async with FakeEngineServer(fake) as fake_url:
-        sources: list[tuple[str, Any]] = [("local", local), ("fake /tokenize", VLLMEngine(fake_url))]
+        sources: list[tuple[str, Any]] = [
+            ("local", local),
+            ("local, encoded whole", whole),
+            ("fake /tokenize", VLLMEngine(fake_url)),
+        ]
         if engine_url:
             sources.append(("vLLM /tokenize", VLLMEngine(engine_url)))
         for name, source in sources:

@@ -5,7 +5,8 @@ engine (``tokenize_messages``, ``tokenize_text``), so the bridge logic stays one
 code over either. It renders as vLLM 0.32's ``/tokenize`` does for ``messages``: the
 conversation, tools and kwargs prepared as vLLM prepares them (``tokenization.vllm_chat``),
 Hugging Face's ``apply_chat_template(tokenize=False)``, then the text encoded without
-special tokens, truncation or padding (vLLM's own encode call).
+special tokens, truncation or padding (vLLM's own encode call), piece by piece where the
+tokenizer allows it exactly, with the pieces a template repeats cached (``tokenization.pieces``).
 
 Where the files come from, first match wins: the tokenizer directory given (``--tokenizer``)
 or else the engine's ``/v1/models`` ``root`` when that is a directory this process can
@@ -36,6 +37,7 @@ import orjson
 
 from rollout_proxy.errors import TemplateRenderError
 from rollout_proxy.tokenization import vllm_chat
+from rollout_proxy.tokenization.pieces import PieceEncoder, exact_split_tokens
 
 #: Renders of more input characters than this leave the event loop (measured: README, "Rendering").
 OFF_LOOP_CHARS = 4096
@@ -118,13 +120,23 @@ def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
 
 
 class LocalTemplate:
-    """The model's tokenizer and chat template, rendering as vLLM's ``/tokenize``; immutable once built."""
+    """The model's tokenizer and chat template, rendering as vLLM's ``/tokenize``; immutable once built
+    (but for the cache of encoded pieces). ``in_pieces=False`` encodes every text whole (benchmarks)."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None, *, content_format: str = "auto", origin: str = ""):
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None,
+        *,
+        content_format: str = "auto",
+        origin: str = "",
+        in_pieces: bool = True,
+    ):
         if content_format not in vllm_chat.CONTENT_FORMATS:
             raise ValueError(f"chat template content format must be one of {vllm_chat.CONTENT_FORMATS}")
         self._tokenizer = tokenizer
-        self._encode = _encoder(tokenizer)
+        whole = _encoder(tokenizer)
+        self._encode = PieceEncoder(whole, exact_split_tokens(tokenizer, whole) if in_pieces else ())
         self.origin = origin
         templates = tokenizer.chat_template if chat_template is None else chat_template
         if templates is None:
