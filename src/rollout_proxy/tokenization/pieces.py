@@ -28,6 +28,8 @@ CACHED_PIECE_CHARS = 4096
 #: pieces the cache holds (least recently used out first): a few MB at most
 CACHED_PIECES = 4096
 #: what follows a special token in the probes: words, spaces, newlines, digits, non-ASCII, a contraction
+#: how an added token may take more than its own text (strip the whitespace next to it, ...): never a cut
+_FLAGS = ("lstrip", "rstrip", "single_word", "normalized")
 _PROBE_TEXTS = ("x", "hello world", " x", "  x", "\n", "\nx", "\n\n x", "\t1", "12 34", "'s", "é ü", "", "<")
 
 Encode = Callable[[str], list[int]]
@@ -37,19 +39,13 @@ def exact_split_tokens(tokenizer: Any, encode: Encode) -> frozenset[str]:
     """The special tokens a text can be cut after, its encoding unchanged (empty: encode texts whole)."""
     if getattr(tokenizer, "split_special_tokens", False):  # special tokens are encoded as text
         return frozenset()
-    added = list(getattr(tokenizer, "added_tokens_decoder", {}).values())
-    contents = [str(token.content) for token in added]
-    chosen = set()
-    for token in added:
-        text = str(token.content)
-        if not text or not token.special or token.lstrip or token.rstrip or token.single_word or token.normalized:
-            continue
-        others = [other for other in contents if other != text]
-        if any(text in other for other in others):  # a longer added token would be matched instead
-            continue
-        if any(other.endswith(text[:cut]) for other in others for cut in range(1, len(text))):
-            continue  # an added token ending with the start of this one could be matched across it
-        chosen.add(text)
+    contents = [str(token.content) for token in getattr(tokenizer, "added_tokens_decoder", {}).values()]
+    chosen = {
+        str(token.content)
+        for token in getattr(tokenizer, "added_tokens_decoder", {}).values()
+        if token.content and getattr(token, "special", False) and not any(getattr(token, flag, True) for flag in _FLAGS)
+    }
+    chosen -= _matched_across(chosen, contents)
     probes_agree = all(
         encode(before + split + after) == encode(before + split) + encode(after)
         for split in chosen
@@ -57,6 +53,24 @@ def exact_split_tokens(tokenizer: Any, encode: Encode) -> frozenset[str]:
         for after in _PROBE_TEXTS
     )
     return frozenset(chosen) if probes_agree else frozenset()
+
+
+def _matched_across(candidates: set[str], contents: list[str]) -> set[str]:
+    """The candidates another added token could be matched instead of or across: one that contains a
+    candidate, or ends with a candidate's start. Linear in the added tokens (some models have thousands)."""
+    longest = max(map(len, candidates), default=0)
+    by_start: dict[str, set[str]] = {}
+    for candidate in candidates:
+        for cut in range(1, len(candidate)):
+            by_start.setdefault(candidate[:cut], set()).add(candidate)
+    found: set[str] = set()
+    for other in contents:
+        for start in range(len(other)):
+            for end in range(start + 1, min(len(other), start + longest) + 1):
+                if other[start:end] in candidates and other[start:end] != other:
+                    found.add(other[start:end])  # inside a longer added token
+            found |= by_start.get(other[start:], set()) - {other}  # a suffix of it starts a candidate
+    return found
 
 
 class PieceEncoder:
