@@ -5,7 +5,7 @@ A Hugging Face tokenizer first cuts its input at the added tokens it finds (``<|
 its own. So a text cut right after a special token encodes as the concatenation of its pieces'
 encodings, and a piece the template renders every turn (the system prompt and tools, the bridge's
 anchor, ``"\\n<|im_start|>"``) need not be encoded again: a bridge encoded whole cost ~160 µs
-here, piece by piece ~50 µs (README, "Performance").
+here, piece by piece ~50 µs (README, "Rendering").
 
 Only where that holds exactly is it used (``exact_split_tokens``): a special token that no
 other added token contains or overlaps, matched as it is written (no ``lstrip``/``rstrip``/
@@ -27,9 +27,9 @@ from typing import Any
 CACHED_PIECE_CHARS = 4096
 #: pieces the cache holds (least recently used out first): a few MB at most
 CACHED_PIECES = 4096
-#: what follows a special token in the probes: words, spaces, newlines, digits, non-ASCII, a contraction
 #: how an added token may take more than its own text (strip the whitespace next to it, ...): never a cut
 _FLAGS = ("lstrip", "rstrip", "single_word", "normalized")
+#: what follows a special token in the probes: words, spaces, newlines, digits, non-ASCII, a contraction
 _PROBE_TEXTS = ("x", "hello world", " x", "  x", "\n", "\nx", "\n\n x", "\t1", "12 34", "'s", "é ü", "", "<")
 
 Encode = Callable[[str], list[int]]
@@ -39,10 +39,11 @@ def exact_split_tokens(tokenizer: Any, encode: Encode) -> frozenset[str]:
     """The special tokens a text can be cut after, its encoding unchanged (empty: encode texts whole)."""
     if getattr(tokenizer, "split_special_tokens", False):  # special tokens are encoded as text
         return frozenset()
-    contents = [str(token.content) for token in getattr(tokenizer, "added_tokens_decoder", {}).values()]
+    added = list(getattr(tokenizer, "added_tokens_decoder", {}).values())
+    contents = [str(token.content) for token in added]
     chosen = {
         str(token.content)
-        for token in getattr(tokenizer, "added_tokens_decoder", {}).values()
+        for token in added
         if token.content and getattr(token, "special", False) and not any(getattr(token, flag, True) for flag in _FLAGS)
     }
     chosen -= _matched_across(chosen, contents)
@@ -67,8 +68,9 @@ def _matched_across(candidates: set[str], contents: list[str]) -> set[str]:
     for other in contents:
         for start in range(len(other)):
             for end in range(start + 1, min(len(other), start + longest) + 1):
-                if other[start:end] in candidates and other[start:end] != other:
-                    found.add(other[start:end])  # inside a longer added token
+                inside = other[start:end]
+                if inside in candidates and inside != other:
+                    found.add(inside)  # inside a longer added token
             found |= by_start.get(other[start:], set()) - {other}  # a suffix of it starts a candidate
     return found
 
