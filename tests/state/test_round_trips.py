@@ -10,7 +10,9 @@ proxy's) takes the slot around the engine call as before, at two round trips mor
 Counted where redis-py puts bytes on the wire (``send_packed_command``: one call per command, or
 per pipeline), so a command added to the hot path anywhere fails this test. Only the request's own
 tasks count (those started since the count began): the proxy's background loops (the shared fleet
-state's poll) run on their own clock, not per turn.
+state's poll) run on their own clock, not per turn. Nor does the handshake of a connection the pool
+opens (HELLO, CLIENT SETINFO, a health check's PING): redis-py sends it once per connection, and a turn
+that happens to need one more (the fleet poll holds the other) pays it once, not per turn.
 """
 
 from __future__ import annotations
@@ -33,6 +35,15 @@ from tests.harness import ProxyHarness
 
 USER = [{"role": "user", "content": "Tell me a story."}]
 MAX_ROUND_TRIPS = 2
+# what redis-py sends on its own: a new connection's handshake, a health check's ping
+CONNECTION_UPKEEP = frozenset({b"HELLO", b"AUTH", b"CLIENT", b"SELECT", b"PING", b"READONLY"})
+
+
+def command_name(command: bytes | list[bytes]) -> bytes:
+    """The first command's name in a packed (RESP) command, as redis-py hands it to the socket."""
+    packed = bytes(command[0]) if isinstance(command, list) else bytes(command)
+    # b"*<argc>\r\n$<len>\r\n<NAME>\r\n..."
+    return packed.split(b"\r\n", 3)[2].upper()
 
 
 class Sends:
@@ -52,8 +63,8 @@ def sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[Sends]:
     counter = Sends()
     original = Connection.send_packed_command
 
-    async def counted(self: Connection, command: object, check_health: bool = True) -> None:
-        if asyncio.current_task() not in counter.background:
+    async def counted(self: Connection, command: bytes | list[bytes], check_health: bool = True) -> None:
+        if asyncio.current_task() not in counter.background and command_name(command) not in CONNECTION_UPKEEP:
             counter.count += 1
         await original(self, command, check_health)
 
@@ -144,6 +155,24 @@ async def test_responses_turns_after_a_previous_response_make_at_most_two_round_
         assert status == 200, body
         per_turn.append(sends.count)
     assert min(per_turn) >= 1 and max(per_turn) <= MAX_ROUND_TRIPS, per_turn
+
+
+async def test_a_turn_on_a_new_connection_counts_its_commands_not_the_handshake(
+    proxy: ProxyHarness, store: RedisStore, sends: Sends
+) -> None:
+    """The pool's connections closed: the turn opens one (a handshake of several commands) and still
+    counts the same two round trips, so the bound above holds whenever the pool grows."""
+    session = await proxy.create_session(USER)
+    per_turn = []
+    for _ in range(2):
+        await store._redis.connection_pool.disconnect()
+        sends.reset()
+        status, body = await proxy.request(
+            "POST", "/v1/chat/completions", json={"messages": USER}, token=session.api_key
+        )
+        assert status == 200, body
+        per_turn.append(sends.count)
+    assert per_turn[-1] == MAX_ROUND_TRIPS, per_turn
 
 
 async def test_turns_of_a_session_with_a_request_bound_make_at_most_two_round_trips(
