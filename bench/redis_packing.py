@@ -35,8 +35,9 @@ from rollout_proxy.state.connection import packed_by_hiredis  # noqa: E402
 from rollout_proxy.state.redis import RedisStore  # noqa: E402
 
 
-async def record_commands(url: str, n_sessions: int) -> list[tuple[Any, ...]]:
-    """The argument tuples the store packs for the workload (its scripts included)."""
+async def record_commands(url: str, n_sessions: int) -> tuple[list[tuple[Any, ...]], str]:
+    """The argument tuples the store packs for the workload (its scripts included), and the SHA of
+    its ``put_node`` script."""
     args = workload_args([])
     sessions = plan(args)[:n_sessions]
     store = await RedisStore.connect(url)
@@ -65,7 +66,7 @@ async def record_commands(url: str, n_sessions: int) -> list[tuple[Any, ...]]:
     finally:
         connection_class.pack_command = packs
         await store.close()
-    return recorded
+    return recorded, store._put_node.sha
 
 
 def per_command_us(connection: Connection, commands: list[tuple[Any, ...]]) -> float:
@@ -86,11 +87,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("redis-server is not installed (apt-get install redis-server)")
     services = Services(Path(tempfile.mkdtemp(prefix="rp-bench-packing-")))
     try:
-        commands = asyncio.run(record_commands(start_redis(services), options.sessions))
+        commands, put_node_sha = asyncio.run(record_commands(start_redis(services), options.sessions))
     finally:
         services.stop()
         shutil.rmtree(services.workdir, ignore_errors=True)
-    puts = [command for command in commands if command[0] == "EVALSHA" and len(command) > 15]
+    puts = [command for command in commands if command[:2] == ("EVALSHA", put_node_sha)]
     packers = {"redis-py (Python)": Connection(), "hiredis": packed_by_hiredis(Connection)()}
     python, hiredis = packers.values()
     differing = sum(b"".join(python.pack_command(*c)) != b"".join(hiredis.pack_command(*c)) for c in commands)

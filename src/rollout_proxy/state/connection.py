@@ -20,7 +20,7 @@ connection busy waits up to ``pool_timeout`` for one, then fails as ``StoreBusy`
 when full: ``ConnectionGate`` is the same bounded wait, kept by the store.
 
 Commands are packed by hiredis (``packed_by_hiredis``), as redis-py's synchronous client does;
-its asyncio connections pack in Python, ~10x slower for a turn's script calls. Not on a cluster,
+its asyncio connections pack in Python, ~5x slower for a turn's script calls (bench/redis_packing.py). Not on a cluster,
 whose node connections redis-py builds itself.
 
 What is still failing after that becomes ``StoreUnavailable`` (503 with ``Retry-After``)
@@ -164,10 +164,9 @@ class HiredisPacking:
     own packer, so it is packed or refused exactly as before."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
-        name = args[0]
-        if isinstance(name, str):  # "SCRIPT LOAD": the server wants the words apart, as redis-py sends them
-            if " " in name:
-                args = (*name.encode().split(), *args[1:])
+        name = args[0]  # "SCRIPT LOAD": the server wants the words apart, as redis-py sends them
+        if isinstance(name, str) and " " in name:
+            args = (*name.encode().split(), *args[1:])
         elif isinstance(name, bytes) and b" " in name:
             args = (*name.split(), *args[1:])
         try:
