@@ -6,7 +6,7 @@
 
 Every target talks to the same engine process (``load_tests.engine``, fixed 16-token reply), one
 with a 0 ms and one with a 50 ms completion; each proxy is its own process (``rollout-proxy
-serve``), so its CPU time is read from its own counters (``psutil``: utime + stime). For each
+serve``), so its CPU time is read from its own counters (see ``cpu_seconds``). For each
 number of concurrent sessions (1, 32, 256, 1,024 by default), each session a Chat Completions
 conversation resending its history as the openai SDK does, the targets run in turn, interleaved
 round by round (the order rotates), and the run reports per target:
@@ -16,8 +16,12 @@ round by round (the order rotates), and the run reports per target:
   CPU per turn                 the proxy process's CPU seconds over the turns (session creation
                                measured apart: CPU per session created)
 
-and a long run (``--long-turns``, default 100, sessions in lock step) comparing turn 100 with turn
-2: latency and the proxy's CPU per turn over the first and last five turns.
+and a long run (``--long-turns``, default 100, sessions in lock step; ``--long-rounds`` of them per
+target, interleaved) comparing turn 100 with turn 2: latency and the proxy's CPU per turn over the
+first and last five turns, and the least-squares line through the CPU of every turn (read at turn 2
+and at the last). Where Linux has it, CPU is read
+from the scheduler's nanosecond count per thread (``/proc/PID/task/*/schedstat``), not psutil's
+10 ms ticks.
 
 Direct = the engine's vLLM-style ``/v1/chat/completions`` (it renders the whole history each
 turn, as vLLM does); the proxies call its ``/v1/completions`` with token ids. LiteLLM runs
@@ -78,17 +82,46 @@ class Run:
 
 
 def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU of a process and its children (LiteLLM may fork workers)."""
+    """User + system CPU of a process and its children (LiteLLM may fork workers).
+
+    Read from the scheduler's own nanosecond count of each live thread (``/proc/PID/task/*/schedstat``)
+    where Linux has it: ``utime``/``stime`` (psutil's ``cpu_times``) move in 10 ms ticks, which is
+    ±40% of one turn of 16 sessions in the long run. Elsewhere, psutil's ticks. A thread that exits
+    between two readings takes its time with it (the proxies' threads live as long as they do)."""
     if pid is None:
         return 0.0
     process = psutil.Process(pid)
     total = 0.0
     for each in [process, *process.children(recursive=True)]:
         try:
-            times = each.cpu_times()
+            nanoseconds = _threads_cpu_ns(each.pid)
+            if nanoseconds is None:
+                times = each.cpu_times()
+                total += times.user + times.system
+            else:
+                total += nanoseconds / 1e9
         except psutil.NoSuchProcess:
             continue
-        total += times.user + times.system
+    return total
+
+
+def _threads_cpu_ns(pid: int) -> int | None:
+    """Nanoseconds on a CPU of every live thread of ``pid``; None where ``/proc`` does not say."""
+    if not Path("/proc/self/schedstat").exists():  # not Linux, or a kernel without it
+        return None
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        threads = os.listdir(tasks)
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(pid) from None
+    total = 0
+    for thread in threads:
+        try:
+            total += int((tasks / thread / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended since the listing
+            continue
+        except (OSError, ValueError, IndexError):
+            return None
     return total
 
 
@@ -282,13 +315,29 @@ async def phase(args: argparse.Namespace, delay: float, targets: list[Target], e
                     )
             results["sizes"][size] = summarize(runs, size, turns)
         if delay == 0 and args.long_turns:
-            for target in targets:
-                if target.name == "LiteLLM" and not args.long_litellm:
-                    continue
-                latencies, cpu = await lockstep(http, target, args.long_sessions, args.long_turns)
-                results["long"][target.name] = {"latencies": latencies, "cpu": cpu}
-                print(f"  long run: {target.name} done", flush=True)
+            results["long"] = await long_runs(
+                http, args, [t for t in targets if t.name != "LiteLLM" or args.long_litellm]
+            )
     return results
+
+
+async def long_runs(http: aiohttp.ClientSession, args: argparse.Namespace, targets: list[Target]) -> dict[str, Any]:
+    """``--long-rounds`` lock-step runs per target, the order rotating round by round: each turn's latencies
+    of every round, and each turn's CPU as the median over the rounds (a burst of the machine's noise in
+    one round does not bend the line)."""
+    long: dict[str, Any] = {}
+    for round_index in range(args.long_rounds):
+        shift = round_index % len(targets)
+        for target in targets[shift:] + targets[:shift]:
+            latencies, cpu = await lockstep(http, target, args.long_sessions, args.long_turns)
+            entry = long.setdefault(target.name, {"latencies": [[] for _ in latencies], "cpu_by_round": []})
+            for turn, values in zip(entry["latencies"], latencies, strict=True):
+                turn.extend(values)
+            entry["cpu_by_round"].append(cpu)
+            print(f"  long run {round_index + 1}/{args.long_rounds}: {target.name} done", flush=True)
+    for entry in long.values():
+        entry["cpu"] = [statistics.median(values) for values in zip(*entry["cpu_by_round"], strict=True)]
+    return long
 
 
 def summarize(runs: dict[str, list[Run]], sessions: int, turns: int) -> dict[str, Any]:
@@ -315,8 +364,18 @@ def summarize(runs: dict[str, list[Run]], sessions: int, turns: int) -> dict[str
     return {"sessions": sessions, "turns": turns, "targets": merged}
 
 
+def cpu_line(cpu: list[float]) -> tuple[float, float]:
+    """The least-squares line through the CPU per turn of turns 2 to N, read at turn 2 and at turn N
+    (ms): the trend of every turn, where the means of five turns move with the machine's noise."""
+    if len(cpu) < 3:
+        return float("nan"), float("nan")
+    slope, intercept = statistics.linear_regression(range(2, len(cpu) + 1), cpu[1:])
+    return (intercept + 2 * slope) * 1000, (intercept + len(cpu) * slope) * 1000
+
+
 def long_summary(long: dict[str, Any], turns: int) -> dict[str, Any]:
-    """Turn 2 against the last turn: medians over the first and last five turns (past the first)."""
+    """Turn 2 against the last turn: latency medians and CPU means over the first and last five turns
+    (past the first), and the CPU line through all of them (``cpu_line``)."""
     if not long:
         return {}
     early, late = range(1, min(6, turns)), range(max(1, turns - 5), turns)
@@ -329,7 +388,18 @@ def long_summary(long: dict[str, Any], turns: int) -> dict[str, Any]:
             return statistics.median(latencies) * 1000 if latencies else float("nan"), cpu * 1000
 
         (early_ms, early_cpu), (late_ms, late_cpu) = window(early), window(late)
-        out[name] = {"turn2_ms": early_ms, "last_ms": late_ms, "turn2_cpu_ms": early_cpu, "last_cpu_ms": late_cpu}
+        line_turn2, line_last = cpu_line(data["cpu"])
+        by_round = [cpu_line(cpu) for cpu in data.get("cpu_by_round", [])]
+        out[name] = {
+            "turn2_ms": early_ms,
+            "last_ms": late_ms,
+            "turn2_cpu_ms": early_cpu,
+            "last_cpu_ms": late_cpu,
+            "line_turn2_cpu_ms": line_turn2,
+            "line_last_cpu_ms": line_last,
+            "line_cpu_ratio": line_last / line_turn2 if line_turn2 > 0 else None,
+            "line_cpu_ratio_by_round": [last / turn2 if turn2 > 0 else None for turn2, last in by_round],
+        }
     direct = out.get("direct")
     for values in out.values():
         if direct:
@@ -374,20 +444,32 @@ def table(report: dict[str, Any]) -> str:
         turns = report["settings"]["long_turns"]
         lines += [
             "",
-            f"Long conversations ({report['settings']['long_sessions']} sessions in lock step, engine 0 ms): "
-            f"turns 2-6 against turns {turns - 4}-{turns} (medians)",
+            f"Long conversations ({report['settings']['long_sessions']} sessions in lock step, engine 0 ms, "
+            f"{report['settings'].get('long_rounds', 1)} rounds; each turn's CPU the median over the rounds): "
+            f"turns 2-6 against turns {turns - 4}-{turns} (latency: medians; CPU: means), and the least-squares "
+            f"line through the CPU per turn of turns 2-{turns} (in brackets: each round's own line)",
             "",
-            "| target | latency turn 2 | latency last | last / turn 2 | CPU / turn at 2 | CPU / turn last | last / turn 2 |",
-            "|---|---|---|---|---|---|---|",
+            "| target | latency turn 2 | latency last | last / turn 2 | CPU / turn at 2 | CPU / turn last | last / turn 2 "
+            "| CPU line at 2 → last | line: last / turn 2 |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, values in long.items():
             cpu_ratio = f"{values['cpu_ratio']:.2f}×" if values["cpu_ratio"] else "-"
+            line_ratio = f"{values['line_cpu_ratio']:.2f}×" if values.get("line_cpu_ratio") else "-"
+            rounds = [f"{ratio:.2f}" for ratio in values.get("line_cpu_ratio_by_round", []) if ratio]
+            if len(rounds) > 1:
+                line_ratio += f" ({', '.join(rounds)})"
             early_cpu, late_cpu = (
                 ("-", "-") if name == "direct" else (f"{values[k]:.2f} ms" for k in ("turn2_cpu_ms", "last_cpu_ms"))
             )
+            line = (
+                f"{values['line_turn2_cpu_ms']:.2f} → {values['line_last_cpu_ms']:.2f} ms"
+                if values.get("line_cpu_ratio")
+                else "-"
+            )
             lines.append(
                 f"| {name} | {values['turn2_ms']:.1f} ms | {values['last_ms']:.1f} ms | {values['latency_ratio']:.2f}× "
-                f"| {early_cpu} | {late_cpu} | {cpu_ratio} |"
+                f"| {early_cpu} | {late_cpu} | {cpu_ratio} | {line} | {line_ratio} |"
             )
     return "\n".join(lines)
 
@@ -451,6 +533,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per size (default 2)")
     parser.add_argument("--long-turns", type=int, default=100, help="turns of the long run (0: none; default 100)")
     parser.add_argument("--long-sessions", type=int, default=16, help="sessions of the long run (default 16)")
+    parser.add_argument("--long-rounds", type=int, default=3, help="long runs per target, interleaved (default 3)")
     parser.add_argument("--long-litellm", action="store_true", help="LiteLLM in the long run too")
     parser.add_argument("--no-redis", action="store_true", help="skip the Redis-store proxy")
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM")
@@ -467,7 +550,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench", help="JSON and PNG (default out/bench)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.turns, args.rounds, args.long_turns = "1,32", "10,4", 1, 20
+        args.sizes, args.turns, args.rounds, args.long_turns, args.long_rounds = "1,32", "10,4", 1, 20, 1
     args.sizes = [int(size) for size in args.sizes.split(",")]
     turns = [int(turn) for turn in args.turns.split(",")]
     args.turns = dict(
@@ -520,6 +603,7 @@ def main(argv: list[str] | None = None) -> None:
         "rounds": args.rounds,
         "long_turns": args.long_turns,
         "long_sessions": args.long_sessions,
+        "long_rounds": args.long_rounds,
         "proxy_args": args.proxy_arg,
         "litellm": str(args.litellm) if args.litellm else None,
         "cpus": os.cpu_count(),

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from proxy_overhead import ADMIN_KEY, Run, Target, lockstep, measure  # noqa: E402
+from proxy_overhead import ADMIN_KEY, Run, Target, cpu_line, lockstep, measure  # noqa: E402
 from workers import summary as workers_summary  # noqa: E402
 
 from load_tests.run import Services, free_port, start_redis  # noqa: E402
@@ -67,7 +67,13 @@ def summary(runs: list[Run]) -> dict[str, Any]:
 def long_summary(cpu: list[float]) -> dict[str, float]:
     early = statistics.mean(cpu[1:6]) * 1000
     late = statistics.mean(cpu[-5:]) * 1000
-    return {"turn2_cpu_ms": early, "last_cpu_ms": late, "ratio": late / early if early else float("nan")}
+    line_turn2, line_last = cpu_line(cpu)
+    return {
+        "turn2_cpu_ms": early,
+        "last_cpu_ms": late,
+        "ratio": late / early if early else float("nan"),
+        "line_ratio": line_last / line_turn2 if line_turn2 > 0 else float("nan"),
+    }
 
 
 async def run(args: argparse.Namespace, targets: list[Target], engine_pid: int) -> dict[str, Any]:
@@ -102,16 +108,18 @@ def table(report: dict[str, Any]) -> str:
         f"{s['sessions']} sessions x {s['turns']} turns, {s['rounds']} rounds, store {s['store']}; long run "
         f"{s['long_sessions']} sessions x {s['long_turns']} turns; {s['cpus']} CPUs, load {s['load_average'][0]:.1f}",
         "",
-        "| variant | serve options | CPU per turn | by round | turns/s | p50 | long run: turn 2 | last turns | ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | serve options | CPU per turn | by round | turns/s | p50 | long run: turn 2 | last turns | ratio "
+        "| line ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, result in report["results"].items():
         r, long = result["runs"], result["long"] or {}
         rounds = ", ".join(f"{value:.2f}" for value in r["cpu_ms_per_turn_by_round"] if value is not None)
         long_cells = (
-            f"{long['turn2_cpu_ms']:.2f} ms | {long['last_cpu_ms']:.2f} ms | {long['ratio']:.2f}×"
+            f"{long['turn2_cpu_ms']:.2f} ms | {long['last_cpu_ms']:.2f} ms | {long['ratio']:.2f}× "
+            f"| {long.get('line_ratio', float('nan')):.2f}×"
             if long
-            else "– | – | –"
+            else "– | – | – | –"
         )
         lines.append(
             f"| {name} | `{report['variants'][name] or '(none)'}` | {r['cpu_ms_per_turn']:.2f} ms | {rounds} "
