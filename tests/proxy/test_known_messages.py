@@ -8,12 +8,18 @@ a bad message after known ones, a history rewritten before the lookup window, an
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
+import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.known_messages import KnownMessages, MessageIntake
+from rollout_proxy.proxy.limits import load_json_object
 from rollout_proxy.tokenization.messages import path_hashes
 from rollout_proxy.wire.messages import normalize_messages
 from tests.harness import ProxyHarness
@@ -40,6 +46,8 @@ async def test_a_resent_history_is_checked_once_and_the_tokens_are_the_same(prox
     # each turn checks only the two messages it adds (the first: the sample's one)
     assert known.misses == 1 + 2 * 11
     assert known.hits == sum(2 * turn - 1 for turn in range(1, 12))
+    # and the openai SDK's bodies were parsed only past the history they resend, every turn after the first
+    assert known.resent_bodies == 11
     trajectory = await proxy.trajectory(ids[-1])
     assert trajectory["turns"] == 12 and trajectory["forks"] == []
     # the prompt of every turn was the engine's own view of the previous one plus the bridge (no drift)
@@ -122,3 +130,67 @@ def test_the_memories_are_bounded():
         intake_of(known, [{"role": "user", "content": f"{session}-{i}"} for i in range(3)], session_id=str(session))
     assert len(known) == 4
     assert known.last("0") is None and known.last("4") is not None
+
+
+HISTORY = [{"role": "user", "content": "Count with me, é."}, {"role": "assistant", "content": 'One, "two".'}]
+RESENT = b'"messages":' + orjson.dumps(HISTORY)[:-1]
+#: around the resent history: what comes before the key, right after the history, and then to the end
+HEADS = [b"{", b' {"model":"m",', b'{"model":"m" ,', b"{,", b'{"a":{', b'{"a":[', b'{"a":"x,', b"[", b'{"a":1,,']
+HEADS += [b'{"messages":[9],', b'{"\\u006dessages":[9],', b'{"\\u0000":1,', b'{"model":"a","n":1,', b"{ "]
+FOLLOWS = [b",", b"]", b" ,", b"x", b"1", b""]
+RESTS = [b"]}", b"]", b'{"role":"user","content":"3?"}]}', b'{"role":"user"}],"model":"b"}', b"]} ", b"]}x"]
+RESTS += [b'],"messages":[1]}', b'],"\\u006dessages":[1]}', b'],"\\u0000":1}', b",]}", b"]]}", b'],"n":1.0}']
+RESTS += [b'{"role":"user","content":"\\u0000"}]}', b'1],"model":"c","model":"d"}', b'],"a":{"messages":[]}}']
+RESTS += [b'],"\\u0000":[5]}', b'{"role":"user","content":"4"},{"role":"user","content":"5"}],"model":"m"}']
+
+
+def load_both(body: bytes) -> tuple[Any, Any]:
+    """What the intake parses for ``body`` (the session having sent ``HISTORY`` last) and a whole parse."""
+    known = KnownMessages()
+    intake_of(known, list(HISTORY))
+    results = []
+    for load in (MessageIntake(known).load, lambda body, session_id: load_json_object(body)):
+        try:
+            results.append(orjson.dumps(load(body, session_id="s")))  # key order and 1 / 1.0 / true kept apart
+        except InvalidRequest as refused:
+            results.append(refused.message)
+    return results[0], results[1]
+
+
+def test_a_body_resending_the_history_parses_as_a_whole_parse_would():
+    """The intake parses only what is around the resent history; the result (or the refusal, in its words)
+    is the whole parse's, however the body around it is built: bad JSON, a key sent twice (``messages``
+    too, spelled plainly or escaped), the history not at the top level, whitespace."""
+    spliced_ones = 0
+    for head, follows, rest in itertools.product(HEADS, FOLLOWS, RESTS):
+        body = head + RESENT + follows + rest
+        spliced, whole = load_both(body)
+        assert spliced == whole, body
+        spliced_ones += isinstance(whole, bytes)
+    assert spliced_ones > 50  # the cases where a parse succeeded, and the intake took the short way
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(HEADS) | st.binary(max_size=8), st.sampled_from(FOLLOWS), st.binary(max_size=16))
+def test_noise_around_the_resent_history_parses_as_a_whole_parse_would(head: bytes, follows: bytes, rest: bytes):
+    spliced, whole = load_both(head + RESENT + follows + rest)
+    assert spliced == whole
+
+
+def test_the_history_is_parsed_once_where_the_body_resends_it():
+    known = KnownMessages()
+    first = intake_of(known, list(HISTORY))
+    intake = MessageIntake(known)
+    added = {"role": "user", "content": "3?"}
+    payload = intake.load(b'{"model":"m",' + RESENT + b"," + orjson.dumps(added)[0:] + b'],"n":2}', session_id="s")
+    assert payload == {"model": "m", "messages": [*HISTORY, added], "n": 2} and known.resent_bodies == 1
+    last = known.last("s")
+    assert last is not None and all(a is b for a, b in zip(payload["messages"], last.messages, strict=False))
+    to_check = intake.look_up(payload["messages"], session_id="s")
+    assert to_check == (2,)
+    normalized, hashes = intake.normalize_and_hash(payload["messages"])
+    assert normalized == normalize_messages(payload["messages"])
+    assert list(hashes) == path_hashes(normalized) and first[1][1] == hashes[:2]
+    # what it remembers is what orjson writes for the whole list: the next turn matches it again
+    remembered = known.last("s")
+    assert remembered is not None and remembered.encoded == orjson.dumps(payload["messages"])

@@ -14,6 +14,11 @@ turn 1's checks. Two memories spare that, both bounded (least recently used out 
 
 Each check is about one message alone (its shape, its strings, its depth at ``messages[i]``), so a
 message that passed once passes anywhere in a list. A miss is only slower.
+
+The body is not parsed whole again either (``MessageIntake.load``): where its ``"messages":`` goes
+on with the session's last conversation byte for byte (as the openai SDK sends it: compact JSON, as
+orjson writes it), only what is around that is parsed, the messages in it being those parsed last
+time. Parsing a 100-turn history was the largest cost that grew with the conversation.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from rollout_proxy.proxy.limits import load_json_object
 from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, extend_path_hash_by_key
 from rollout_proxy.wire.messages import normalize_message
 
@@ -46,11 +52,13 @@ class Conversation:
     count: int
     known: list[Known]
     hashes: list[str]
+    messages: list[Any]  # as parsed (kept as sent): the next body that resends them reuses them
+    normalized: list[dict[str, Any]]  # each of ``known``'s normal form
 
     @property
     def size(self) -> int:
-        """About what this keeps alive: the JSON and the normal forms."""
-        return 2 * len(self.encoded) + 100 * self.count
+        """About what this keeps alive: the JSON, the messages as parsed (~5x their JSON) and the normal forms."""
+        return 7 * len(self.encoded) + 100 * self.count
 
 
 class KnownMessages:
@@ -69,6 +77,7 @@ class KnownMessages:
         # costs two cached hashes; bounded like the entries (the oldest first out)
         self._chain: dict[tuple[str, bytes], str] = {}
         self.hits = self.misses = 0
+        self.resent_bodies = 0  # bodies parsed only past the session's last conversation (``MessageIntake.load``)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -119,28 +128,50 @@ class MessageIntake:
 
     def __init__(self, known: KnownMessages) -> None:
         self._known = known
+        self._resent: tuple[list[Any], Conversation] | None = None  # what ``load`` spliced: (messages, from)
         self._session_id: str | None = None
         self._encoded: bytes | None = None
         self._reused = 0  # leading messages equal to the session's last conversation's
         self._last: Conversation | None = None
-        self._raw: list[bytes | None] = []
-        self._found: list[Known | None] = []
+        self._added_raw: list[bytes | None] = []  # the JSON of each message after the reused ones
+        self._added_found: list[Known | None] = []  # ... and what the app knew of it
+
+    def load(self, body: bytes, *, session_id: str | None = None) -> dict[str, Any]:
+        """The body as a JSON object (``limits.load_json_object``), the history it resends not parsed again:
+        when its top-level ``"messages":`` goes on with the session's last conversation's JSON byte for byte
+        and then ``,`` or ``]``, those messages are the ones parsed last time (the same JSON parses to the
+        same values) and only the rest is parsed. Anything else is parsed whole, so a bad body is refused
+        in the same words."""
+        last = None if session_id is None else self._known.last(session_id)
+        if last is not None and last.count:
+            payload = _after_resent(body, last)
+            if payload is not None:
+                self._resent = (payload["messages"], last)
+                self._known.resent_bodies += 1
+                return payload
+        return load_json_object(body)
 
     def look_up(self, messages: Any, *, session_id: str | None = None) -> tuple[int, ...] | None:
         """The indices of ``messages`` still to check (the limits walk and the shape check skip the others);
-        None when ``messages`` is not a list (checked as ever)."""
+        None when ``messages`` is not a list (checked as ever). Nothing here walks the history it reuses."""
         if type(messages) is not list:
             return None
-        self._session_id, self._encoded = session_id, _raw(messages)
-        last = self._last = None if session_id is None else self._known.last(session_id)
-        reused = 0 if last is None or self._encoded is None else _resent(self._encoded, len(messages), last)
-        self._reused = reused
+        resent = self._resent
+        last: Conversation | None
+        if resent is not None and resent[0] is messages and resent[1] is self._known.last(session_id or ""):
+            last = self._last = resent[1]  # ``load`` matched its JSON already: no need to write it again
+            reused = resent[1].count
+            self._added_raw = [_raw(message) for message in messages[reused:]]
+            self._encoded = _extended(last.encoded, self._added_raw)
+        else:
+            self._encoded = _raw(messages)
+            last = self._last = None if session_id is None else self._known.last(session_id)
+            reused = 0 if last is None or self._encoded is None else _resent(self._encoded, len(messages), last)
+            self._added_raw = [_raw(message) for message in messages[reused:]]
+        self._session_id, self._reused = session_id, reused
         get = self._known.get
-        skipped: list[bytes | None] = [None] * reused
-        self._raw = skipped + [_raw(message) for message in messages[reused:]]
-        self._found = list(last.known[:reused]) if last is not None else []
-        self._found += [None if raw is None else get(raw) for raw in self._raw[reused:]]
-        unknown = tuple(index for index in range(reused, len(messages)) if self._found[index] is None)
+        self._added_found = [None if raw is None else get(raw) for raw in self._added_raw]
+        unknown = tuple(reused + at for at, found in enumerate(self._added_found) if found is None)
         self._known.hits += len(messages) - len(unknown)
         self._known.misses += len(unknown)
         return unknown
@@ -148,31 +179,32 @@ class MessageIntake:
     def normalize_and_hash(self, messages: list[Any]) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
         """The normal form of each message and the rolling path hashes (as ``path_hashes``), ``messages``
         being the list ``look_up`` was given, checked since (``WireFormatError`` for a bad one)."""
-        if len(self._found) != len(messages):  # not looked up: everything is new
-            self._found, self._raw, self._reused, self._last = [None] * len(messages), [None] * len(messages), 0, None
+        if self._reused + len(self._added_found) != len(messages):  # not looked up: everything is new
+            self._added_found, self._added_raw = [None] * len(messages), [None] * len(messages)
+            self._reused, self._last = 0, None
         reused, last = self._reused, self._last
         found_all: list[Known] = [] if last is None else last.known[:reused]
-        new: list[tuple[bytes, Known]] = []
-        for index in range(reused, len(messages)):
-            found = self._found[index]
-            if found is None:
-                form = normalize_message(messages[index], param=f"messages[{index}]")
-                found = Known(form, canonical_key(form))
-                raw = self._raw[index]
-                if raw is not None:
-                    new.append((raw, found))
-            found_all.append(found)
+        normalized: list[dict[str, Any]] = [] if last is None else last.normalized[:reused]
         hashes = [] if last is None else last.hashes[:reused]
         current = hashes[-1] if hashes else EMPTY_PATH_HASH
         chain = self._known.path_hash
-        for found in found_all[reused:]:
+        new: list[tuple[bytes, Known]] = []
+        for index, found, raw in zip(range(reused, len(messages)), self._added_found, self._added_raw, strict=True):
+            if found is None:
+                form = normalize_message(messages[index], param=f"messages[{index}]")
+                found = Known(form, canonical_key(form))
+                if raw is not None:
+                    new.append((raw, found))
+            found_all.append(found)
+            normalized.append(found.normalized)
             current = chain(current, found.key)
             hashes.append(current)
         for raw, found in new:  # every message passed: remember the new ones
             self._known.put(raw, found)
         if self._session_id is not None and self._encoded is not None:
-            self._known.remember(self._session_id, Conversation(self._encoded, len(messages), found_all, hashes))
-        return [found.normalized for found in found_all], tuple(hashes)
+            conversation = Conversation(self._encoded, len(messages), found_all, hashes, messages, normalized)
+            self._known.remember(self._session_id, conversation)
+        return list(normalized), tuple(hashes)
 
 
 def _entry_size(raw: bytes, known: Known) -> int:
@@ -189,6 +221,67 @@ def _resent(encoded: bytes, count: int, last: Conversation) -> int:
     if encoded.startswith(before) and follows == (b"]" if count == last.count else b","):
         return last.count
     return 0
+
+
+_KEY = b'"messages":'
+#: the added messages are parsed under a key no body spells except as ``\u0000`` (checked absent)
+_SPLICE = b'{"\\u0000":['
+
+
+def _after_resent(body: bytes, last: Conversation) -> dict[str, Any] | None:
+    """``body`` parsed, when its top-level ``"messages":`` is followed by ``last``'s messages (their JSON
+    without the closing bracket) and then ``,`` or ``]``; else None (parse it whole).
+
+    Three small parses instead of one large: the members before the key (``{...,`` closed with ``}``,
+    which parses only if the key stands at the top level), the members after, with the added messages
+    under a placeholder key, and nothing of the history. A key sent twice (``messages`` too, however
+    spelled) ends as in a whole parse: the last value, at the first one's place."""
+    before_bracket = last.encoded[:-1]
+    at = body.find(_KEY)
+    while at >= 0 and not body.startswith(before_bracket, at + len(_KEY)):  # a short search, then one compare
+        at = body.find(_KEY, at + 1)
+    if at < 0:
+        return None
+    end = at + len(_KEY) + len(before_bracket)
+    follows = body[end : end + 1]
+    if follows == b",":
+        rest = body[end + 1 :]
+    elif follows == b"]":
+        rest = body[end:]
+    else:  # the last message goes on (or whitespace): not the same JSON
+        return None
+    head = body[:at]
+    if b"\\u0000" in rest:
+        return None
+    try:
+        if head.strip() == b"{":
+            before: Any = {}
+        elif head.endswith(b","):
+            before = orjson.loads(head[:-1] + b"}")
+            if type(before) is not dict or not before:  # not at the top level, or "{," (no JSON)
+                return None
+        else:
+            return None
+        after = orjson.loads(_SPLICE + rest)
+    except orjson.JSONDecodeError:
+        return None  # the whole parse words the error
+    if type(after) is not dict:
+        return None
+    added = after.pop("\x00")
+    if type(added) is not list or (follows == b"," and not added):  # "[...,]" is no JSON
+        return None
+    before["messages"] = last.messages + added
+    before.update(after)  # a key sent twice keeps its first place and its last value, as orjson parses it
+    return before
+
+
+def _extended(encoded: bytes, added: list[bytes | None]) -> bytes | None:
+    """What orjson writes for a list written ``encoded`` plus the items written ``added`` (None: unknown)."""
+    if not added:
+        return encoded
+    if any(raw is None for raw in added):
+        return None
+    return b"".join((encoded[:-1], b",", b",".join(added), b"]"))  # type: ignore[arg-type]
 
 
 def _raw(message: Any) -> bytes | None:

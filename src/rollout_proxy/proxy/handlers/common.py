@@ -69,7 +69,8 @@ async def _plugin_body(
 ) -> M:
     """The request's body as ``model``, without the settings the session pins; with ``intake``, the messages
     it knows are not checked again (the limits walk and the shape check skip them)."""
-    payload = load_json_object(await read_body(request))
+    body = await read_body(request)
+    payload = load_json_object(body) if intake is None else intake.load(body, session_id=session_id)
     to_check = None if intake is None else intake.look_up(payload.get("messages"), session_id=session_id)
     check_json_limits(payload, messages_to_check=to_check)
     refuse_pinned(payload)
