@@ -137,6 +137,7 @@ RESENT = b'"messages":' + orjson.dumps(HISTORY)[:-1]
 #: around the resent history: what comes before the key, right after the history, and then to the end
 HEADS = [b"{", b' {"model":"m",', b'{"model":"m" ,', b"{,", b'{"a":{', b'{"a":[', b'{"a":"x,', b"[", b'{"a":1,,']
 HEADS += [b'{"messages":[9],', b'{"\\u006dessages":[9],', b'{"\\u0000":1,', b'{"model":"a","n":1,', b"{ "]
+HEADS += [b"\t\r\n{\n", b"\x0c{", b"{\x0b", b'\xef\xbb\xbf{"model":"m",']  # JSON's whitespace, and not
 FOLLOWS = [b",", b"]", b" ,", b"x", b"1", b""]
 RESTS = [b"]}", b"]", b'{"role":"user","content":"3?"}]}', b'{"role":"user"}],"model":"b"}', b"]} ", b"]}x"]
 RESTS += [b'],"messages":[1]}', b'],"\\u006dessages":[1]}', b'],"\\u0000":1}', b",]}", b"]]}", b'],"n":1.0}']

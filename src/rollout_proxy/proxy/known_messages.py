@@ -202,7 +202,7 @@ class MessageIntake:
         for raw, found in new:  # every message passed: remember the new ones
             self._known.put(raw, found)
         if self._session_id is not None and self._encoded is not None:
-            conversation = Conversation(self._encoded, len(messages), found_all, hashes, messages, normalized)
+            conversation = Conversation(self._encoded, len(messages), found_all, hashes, list(messages), normalized)
             self._known.remember(self._session_id, conversation)
         return list(normalized), tuple(hashes)
 
@@ -224,6 +224,7 @@ def _resent(encoded: bytes, count: int, last: Conversation) -> int:
 
 
 _KEY = b'"messages":'
+_JSON_SPACE = b" \t\n\r"  # what JSON calls whitespace (bytes.strip() would take \x0b and \x0c too)
 #: the added messages are parsed under a key no body spells except as ``\u0000`` (checked absent)
 _SPLICE = b'{"\\u0000":['
 
@@ -254,7 +255,7 @@ def _after_resent(body: bytes, last: Conversation) -> dict[str, Any] | None:
     if b"\\u0000" in rest:
         return None
     try:
-        if head.strip() == b"{":
+        if head.strip(_JSON_SPACE) == b"{":
             before: Any = {}
         elif head.endswith(b","):
             before = orjson.loads(head[:-1] + b"}")
