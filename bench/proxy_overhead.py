@@ -19,9 +19,8 @@ round by round (the order rotates), and the run reports per target:
 and a long run (``--long-turns``, default 100, sessions in lock step; ``--long-rounds`` of them per
 target, interleaved) comparing turn 100 with turn 2: latency and the proxy's CPU per turn over the
 first and last five turns, and the least-squares line through the CPU of every turn (read at turn 2
-and at the last). Where Linux has it, CPU is read
-from the scheduler's nanosecond count per thread (``/proc/PID/task/*/schedstat``), not psutil's
-10 ms ticks.
+and at the last). Where Linux has it, CPU is read from the scheduler's nanosecond count per thread
+(``/proc/PID/task/*/schedstat``), not psutil's 10 ms ticks.
 
 Direct = the engine's vLLM-style ``/v1/chat/completions`` (it renders the whole history each
 turn, as vLLM does); the proxies call its ``/v1/completions`` with token ids. LiteLLM runs
