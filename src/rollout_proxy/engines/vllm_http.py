@@ -86,19 +86,31 @@ class PromptEcho:
     other echo (other bytes, other spacing) is parsed and compared as before, so a drifted prompt
     is still refused."""
 
-    __slots__ = ("_marker", "array", "json")
+    __slots__ = ("array", "json")
 
     def __init__(self, prompt_ids: np.ndarray) -> None:
         self.array = np.ascontiguousarray(prompt_ids, dtype=np.int32)
         self.json = orjson.dumps(self.array, option=orjson.OPT_SERIALIZE_NUMPY)
-        self._marker = _ECHO_KEY + self.json
 
     def parse(self, body: bytes) -> tuple[Any, bool]:
         """``body`` parsed, and whether it echoed exactly this prompt (then its ``prompt_token_ids`` is null)."""
-        at = body.find(self._marker)
+        at = _echoed_at(body, self.json)
         if at < 0:
             return _loads(body), False
-        return _loads(b"".join((body[:at], _ECHO_KEY, b"null", body[at + len(self._marker) :]))), True
+        return _loads(b"".join((body[:at], b"null", body[at + len(self.json) :]))), True
+
+
+def _echoed_at(body: bytes, prompt_json: bytes) -> int:
+    """Where ``prompt_json`` starts as the value of the first ``"prompt_token_ids":`` that has it; -1 if none.
+    The short key is searched and the prompt compared once there: ``bytes.find`` with the whole prompt as
+    the needle costs ~15 µs per 1,000 tokens here, growing with the conversation."""
+    at = body.find(_ECHO_KEY)
+    while at >= 0:
+        value = at + len(_ECHO_KEY)
+        if body.startswith(prompt_json, value):
+            return value
+        at = body.find(_ECHO_KEY, value)
+    return -1
 
 
 def _error_message(payload: Any, fallback: str) -> str:
