@@ -80,11 +80,11 @@ class PromptEcho:
     """The prompt as sent, and the engine's echo of it (``prompt_token_ids``) read back cheaply.
 
     The prompt is serialized once, as compact JSON, for the request. vLLM answers in compact JSON
-    too, so an echo equal to the prompt sent is that same run of bytes: it is found with one
-    bytes search and left out of the parse, instead of parsing and converting one Python int per
-    prompt token (~75 µs per 1,000 tokens here, every turn, growing with the conversation). Any
-    other echo (other bytes, other spacing) is parsed and compared as before, so a drifted prompt
-    is still refused."""
+    too, so an echo equal to the prompt sent is that same run of bytes: it is found by its key and
+    one compare (``_echoed_at``) and left out of the parse, instead of parsing and converting one
+    Python int per prompt token (~75 µs per 1,000 tokens here, every turn, growing with the
+    conversation). Any other echo (other bytes, other spacing) is parsed and compared as before, so
+    a drifted prompt is still refused."""
 
     __slots__ = ("array", "json")
 
