@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import aiohttp
 import numpy as np
-import orjson
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from rollout_proxy.devtools.fake_engine import fake_logprob
 from rollout_proxy.engines.base import SamplingParams
-from rollout_proxy.engines.vllm_http import _ECHO_KEY, LOGPROB_FLOOR, VLLMEngine, _echoed_at
+from rollout_proxy.engines.vllm_http import LOGPROB_FLOOR, VLLMEngine
 from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable
 from tests.conftest import free_port
 
@@ -313,24 +310,3 @@ async def test_a_long_prompt_echoed_by_the_engine_is_checked_without_parsing_it(
     assert np.array_equal(completion.prompt_ids, prompt) and completion.text == "Hi there"
     answers = [body for body in parsed if b'"token_ids"' in body]
     assert len(answers) == 1 and b'"prompt_token_ids":null' in answers[0] and len(answers[0]) < len(prompt)
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    st.lists(st.integers(0, 99), min_size=1, max_size=6),
-    st.lists(st.sampled_from(["ours", "other", "longer", "text", "spaced"]), max_size=4),
-)
-def test_the_echo_is_found_where_the_whole_marker_first_is(prompt: list[int], decoys: list[str]):
-    """``_echoed_at`` searches the short key and compares the prompt there: the place is the first where the
-    key and the whole prompt stand together, as a search for both at once finds it, among other echoes."""
-    ours = orjson.dumps(prompt)
-    pieces = {
-        "ours": _ECHO_KEY + ours,
-        "other": _ECHO_KEY + orjson.dumps([*prompt[:-1], prompt[-1] + 1]),
-        "longer": _ECHO_KEY + orjson.dumps([*prompt, 7]),
-        "text": b'"text":"\\"prompt_token_ids\\":' + ours + b'"',
-        "spaced": _ECHO_KEY + b" " + ours,
-    }
-    body = b"{" + b",".join(pieces[decoy] for decoy in decoys) + b"}"
-    marker_at = body.find(_ECHO_KEY + ours)
-    assert _echoed_at(body, ours) == (marker_at + len(_ECHO_KEY) if marker_at >= 0 else -1)

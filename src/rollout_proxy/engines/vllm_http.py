@@ -47,6 +47,7 @@ from rollout_proxy.errors import (
     TemplateRenderError,
 )
 from rollout_proxy.records import TopLogprobs
+from rollout_proxy.wire.json_bytes import value_at
 
 log = structlog.get_logger(__name__)
 
@@ -81,7 +82,7 @@ class PromptEcho:
 
     The prompt is serialized once, as compact JSON, for the request. vLLM answers in compact JSON
     too, so an echo equal to the prompt sent is that same run of bytes: it is found by its key and
-    one compare (``_echoed_at``) and left out of the parse, instead of parsing and converting one
+    one compare (``wire.json_bytes.value_at``) and left out of the parse, instead of parsing and converting one
     Python int per prompt token (~75 µs per 1,000 tokens here, every turn, growing with the
     conversation). Any other echo (other bytes, other spacing) is parsed and compared as before, so
     a drifted prompt is still refused."""
@@ -94,23 +95,10 @@ class PromptEcho:
 
     def parse(self, body: bytes) -> tuple[Any, bool]:
         """``body`` parsed, and whether it echoed exactly this prompt (then its ``prompt_token_ids`` is null)."""
-        at = _echoed_at(body, self.json)
+        at = value_at(body, _ECHO_KEY, self.json)
         if at < 0:
             return _loads(body), False
         return _loads(b"".join((body[:at], b"null", body[at + len(self.json) :]))), True
-
-
-def _echoed_at(body: bytes, prompt_json: bytes) -> int:
-    """Where ``prompt_json`` starts as the value of the first ``"prompt_token_ids":`` that has it; -1 if none.
-    The short key is searched and the prompt compared once there: ``bytes.find`` with the whole prompt as
-    the needle costs ~15 µs per 1,000 tokens here, growing with the conversation."""
-    at = body.find(_ECHO_KEY)
-    while at >= 0:
-        value = at + len(_ECHO_KEY)
-        if body.startswith(prompt_json, value):
-            return value
-        at = body.find(_ECHO_KEY, value)
-    return -1
 
 
 def _error_message(payload: Any, fallback: str) -> str:

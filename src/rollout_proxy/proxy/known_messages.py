@@ -31,6 +31,7 @@ import orjson
 
 from rollout_proxy.proxy.limits import load_json_object
 from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, extend_path_hash_by_key
+from rollout_proxy.wire.json_bytes import value_at
 from rollout_proxy.wire.messages import normalize_message
 
 MAX_ENTRIES = 100_000
@@ -238,12 +239,10 @@ def _after_resent(body: bytes, last: Conversation) -> dict[str, Any] | None:
     under a placeholder key, and nothing of the history. A key sent twice (``messages`` too, however
     spelled) ends as in a whole parse: the last value, at the first one's place."""
     before_bracket = last.encoded[:-1]
-    at = body.find(_KEY)
-    while at >= 0 and not body.startswith(before_bracket, at + len(_KEY)):  # a short search, then one compare
-        at = body.find(_KEY, at + 1)
-    if at < 0:
+    start = value_at(body, _KEY, before_bracket)
+    if start < 0:
         return None
-    end = at + len(_KEY) + len(before_bracket)
+    at, end = start - len(_KEY), start + len(before_bracket)
     follows = body[end : end + 1]
     if follows == b",":
         rest = body[end + 1 :]
