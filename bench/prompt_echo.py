@@ -6,7 +6,7 @@ Every completion asks vLLM for ``return_token_ids``, and vLLM echoes the whole p
 ``prompt_token_ids``; the proxy finds the echo of the prompt it sent as bytes and leaves it out of
 the parse (``engines.vllm_http.PromptEcho``). It used to search the answer for the key and the whole
 prompt at once (``bytes.find`` with a needle as long as the prompt); now it searches the short key
-and compares the prompt once where it stands (``_echoed_at``). This builds vLLM's answer in the shape
+and compares the prompt once where it stands (``wire.json_bytes.value_at``). This builds vLLM's answer in the shape
 of the fixture ``dense/completions_token_in.json`` (its keys and their order, compact JSON as vLLM
 writes it) with a prompt of N tokens, checks both ways find the same place, then times the whole ``parse`` each way,
 alternating round by round. A benchmark, not a test.
@@ -15,9 +15,8 @@ alternating round by round. A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,11 @@ import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # bench: the side-by-side timer
 
-from rollout_proxy.engines.vllm_http import _ECHO_KEY, PromptEcho, _echoed_at, _loads  # noqa: E402
+from bench.side_by_side import alternate  # noqa: E402
+from rollout_proxy.engines.vllm_http import _ECHO_KEY, PromptEcho, _loads  # noqa: E402
+from rollout_proxy.wire.json_bytes import value_at  # noqa: E402
 
 CALLS = 200  # per round and way
 
@@ -79,13 +81,6 @@ def whole_needle(echo: PromptEcho, body: bytes) -> Any:
     return _loads(b"".join((body[:at], _ECHO_KEY, b"null", body[at + len(marker) :])))
 
 
-def timed(way: Any, echo: PromptEcho, body: bytes) -> float:
-    started = time.perf_counter()
-    for _ in range(CALLS):
-        way(echo, body)
-    return (time.perf_counter() - started) / CALLS * 1e6
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="500,2000,8000,32000", help="prompt lengths (default 500,2000,8000,32000)")
@@ -98,14 +93,11 @@ def main() -> None:
         echo = PromptEcho(rng.integers(0, 49_152, tokens, dtype=np.int32))
         body = answer(echo.array)
         before, (after, same) = whole_needle(echo, body), echo.parse(body)
-        if not same or orjson.dumps(before) != orjson.dumps(after) or _echoed_at(body, echo.json) < 0:
+        if not same or orjson.dumps(before) != orjson.dumps(after) or value_at(body, _ECHO_KEY, echo.json) < 0:
             raise SystemExit(f"{tokens} tokens: the two ways disagree")
-        times: dict[str, list[float]] = {"needle": [], "key": []}
-        ways = [("needle", whole_needle), ("key", lambda echo, body: echo.parse(body))]
-        for round_index in range(args.rounds):
-            for name, way in ways if round_index % 2 == 0 else ways[::-1]:
-                times[name].append(timed(way, echo, body))
-        needle, key = statistics.median(times["needle"]), statistics.median(times["key"])
+        ways = [("needle", functools.partial(whole_needle, echo, body)), ("key", functools.partial(echo.parse, body))]
+        medians = alternate(ways, args.rounds, CALLS)
+        needle, key = medians["needle"], medians["key"]
         print(f"| {tokens:,} | {len(body) / 1024:.1f} KiB | {needle:.1f} µs | {key:.1f} µs | {needle / key:.1f}× |")
 
 

@@ -16,9 +16,8 @@ each turn. A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,9 @@ import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # bench: the side-by-side timer
 
+from bench.side_by_side import alternate  # noqa: E402
 from rollout_proxy.proxy.known_messages import KnownMessages, MessageIntake  # noqa: E402
 from rollout_proxy.proxy.limits import load_json_object  # noqa: E402
 
@@ -70,13 +71,6 @@ def spliced(known: KnownMessages, body: bytes) -> tuple[dict[str, Any], Any]:
     return payload, intake.look_up(payload["messages"], session_id="s")
 
 
-def timed(way: Any, known: KnownMessages, body: bytes) -> float:
-    started = time.perf_counter()
-    for _ in range(CALLS):
-        way(known, body)
-    return (time.perf_counter() - started) / CALLS * 1e6
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", default="10,50,100,200", help="history lengths in turns (default 10,50,100,200)")
@@ -94,12 +88,9 @@ def main() -> None:
             raise SystemExit(f"turn {turns}: the two ways disagree")
         if known.resent_bodies != 1:
             raise SystemExit(f"turn {turns}: the intake parsed the whole body")
-        times: dict[str, list[float]] = {"whole": [], "spliced": []}
-        for round_index in range(args.rounds):
-            order = [("whole", whole), ("spliced", spliced)]
-            for name, way in order if round_index % 2 == 0 else order[::-1]:
-                times[name].append(timed(way, known, body))
-        before, after = statistics.median(times["whole"]), statistics.median(times["spliced"])
+        ways = [("whole", functools.partial(whole, known, body)), ("spliced", functools.partial(spliced, known, body))]
+        medians = alternate(ways, args.rounds, CALLS)
+        before, after = medians["whole"], medians["spliced"]
         print(f"| {turns} | {len(body) / 1024:.1f} KiB | {before:.1f} µs | {after:.1f} µs | {before / after:.1f}× |")
 
 
