@@ -26,7 +26,11 @@ Direct = the engine's vLLM-style ``/v1/chat/completions`` (it renders the whole 
 turn, as vLLM does); the proxies call its ``/v1/completions`` with token ids. LiteLLM runs
 from its own venv (``--litellm``, default ``~/.cache/rollout-proxy/litellm-venv/bin/litellm``;
 ``pip install 'litellm[proxy]'`` there); when it is not installed its column is skipped, said so.
-Writes ``proxy_overhead.json`` and ``proxy_overhead.png`` under ``--out``. A benchmark, not a test.
+With ``--proxy-cpus`` (say ``1`` on two cores) the proxies, redis-server and LiteLLM are pinned to
+those CPUs and the client and the engine to the others, for every target direct included: the same
+client and engine with and without a proxy on cores of its own, as it is deployed, where by default
+all of them share every core. Writes ``proxy_overhead.json`` and ``proxy_overhead.png`` under
+``--out``. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -248,6 +252,19 @@ def percentile(values: list[float], q: float) -> float:
 # -- the processes -------------------------------------------------------------------------------------
 
 
+def pin(pid: int, cpus: set[int] | None) -> None:
+    """Every thread of ``pid`` (and its children) onto ``cpus``; threads started later inherit it.
+    Nothing where ``cpus`` is None."""
+    if not cpus:
+        return
+    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        for thread in process.threads():
+            try:
+                os.sched_setaffinity(thread.id, cpus)
+            except ProcessLookupError:  # the thread ended since the listing
+                continue
+
+
 def start_targets(services: Any, args: argparse.Namespace, delay: float, redis_url: str | None) -> tuple[Any, list]:
     """The engine of this delay, and in front of it each proxy (its own process) and LiteLLM."""
     from load_tests.run import free_port
@@ -257,6 +274,7 @@ def start_targets(services: Any, args: argparse.Namespace, delay: float, redis_u
     engine = services.start(f"engine-{delay:g}", [*argv, "--delay", str(delay)])
     engine_url = f"http://127.0.0.1:{engine_port}"
     services.wait_http(f"engine-{delay:g}", f"{engine_url}/health")
+    pin(engine.pid, args.client_cpus)
     targets = [Target("direct", f"{engine_url}/v1/chat/completions")]
     stores = [("memory", "memory")] + ([("redis", redis_url)] if redis_url else [])
     for name, store in stores:
@@ -267,6 +285,7 @@ def start_targets(services: Any, args: argparse.Namespace, delay: float, redis_u
         process = services.start(f"proxy-{name}-{delay:g}", argv)
         base = f"http://127.0.0.1:{port}"
         services.wait_http(f"proxy-{name}-{delay:g}", f"{base}/readyz")
+        pin(process.pid, args.proxy_cpus)
         targets.append(Target(f"rollout-proxy ({name})", f"{base}/v1/chat/completions", process.pid, base))
     if args.litellm:
         port = free_port()
@@ -280,6 +299,7 @@ def start_targets(services: Any, args: argparse.Namespace, delay: float, redis_u
         argv = [str(args.litellm), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
         process = services.start(f"litellm-{delay:g}", argv)
         services.wait_http(f"litellm-{delay:g}", f"http://127.0.0.1:{port}/health/liveliness", timeout=300)
+        pin(process.pid, args.proxy_cpus)
         targets.append(Target("LiteLLM", f"http://127.0.0.1:{port}/v1/chat/completions", process.pid, key=LITELLM_KEY))
     return engine, targets
 
@@ -544,6 +564,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="passed to rollout-proxy serve, repeatable (default: --engine-max-inflight 4096, so the proxy "
         "does not queue what direct sends at once)",
     )
+    parser.add_argument(
+        "--proxy-cpus",
+        help="pin the proxies, redis-server and LiteLLM to these CPUs (comma-separated) and the client and the "
+        "engine to the others (default: all share every CPU)",
+    )
     parser.add_argument("--quick", action="store_true", help="1 and 32 sessions, 1 round, 20-turn long run")
     parser.add_argument("--replot", type=Path, help="only print the table and draw the plot of a saved JSON report")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench", help="JSON and PNG (default out/bench)")
@@ -557,6 +582,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args.delays = [float(delay) / 1000 for delay in args.delays.split(",")]
     args.proxy_arg = args.proxy_arg if args.proxy_arg is not None else ["--engine-max-inflight", "4096"]
+    args.client_cpus = None
+    if args.proxy_cpus:
+        everything = os.sched_getaffinity(0)
+        try:
+            args.proxy_cpus = {int(cpu) for cpu in args.proxy_cpus.split(",")}
+        except ValueError:
+            parser.error(f"--proxy-cpus {args.proxy_cpus!r}: expected CPU numbers, comma-separated")
+        args.client_cpus = everything - args.proxy_cpus
+        if not args.proxy_cpus <= everything or not args.client_cpus:
+            parser.error(f"--proxy-cpus: give some, not all, of this process's CPUs {sorted(everything)}")
     if args.no_litellm:
         args.litellm = None
     elif not args.litellm.exists():
@@ -579,8 +614,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     services = Services(Path(tempfile.mkdtemp(prefix="rp-bench-", dir=args.out)))
     report: dict[str, Any] = {"phases": {}, "settings": {}}
+    if args.client_cpus:
+        pin(os.getpid(), args.client_cpus)  # the client: this process
     try:
         redis_url = None if args.no_redis or not shutil.which("redis-server") else start_redis(services)
+        if redis_url is not None:
+            pin(dict(services.processes)["redis"].pid, args.proxy_cpus)
         for delay in args.delays:
             print(f"engine {delay * 1000:g} ms: starting the engine and the targets", flush=True)
             engine, targets = start_targets(services, args, delay, redis_url)
@@ -605,11 +644,14 @@ def main(argv: list[str] | None = None) -> None:
         "long_rounds": args.long_rounds,
         "proxy_args": args.proxy_arg,
         "litellm": str(args.litellm) if args.litellm else None,
+        "proxy_cpus": sorted(args.proxy_cpus) if args.proxy_cpus else None,
+        "client_cpus": sorted(args.client_cpus) if args.client_cpus else None,
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
     }
+    pinned = f", proxies on CPUs {sorted(args.proxy_cpus)}" if args.proxy_cpus else ""
     report["title"] = (
-        f"rollout-proxy overhead vs direct (and LiteLLM), {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+        f"rollout-proxy overhead vs direct (and LiteLLM), {os.cpu_count()} CPUs{pinned}, load {os.getloadavg()[0]:.1f}"
     )
     (args.out / "proxy_overhead.json").write_text(json.dumps(report, indent=1, default=str))
     plot(report, args.out / "proxy_overhead.png")
