@@ -44,9 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from proxy_overhead import Run, Target, measure  # noqa: E402
+from proxy_overhead import Target  # noqa: E402
+from serve_options import interleaved, start_engine, summary  # noqa: E402
 from serve_options import start as start_proxy  # noqa: E402
-from serve_options import summary  # noqa: E402
 
 from load_tests.run import Services, free_port  # noqa: E402
 
@@ -195,20 +195,9 @@ def start_floor(services: Services, name: str, engine_url: str | None, raw: bool
 
 
 async def run(args: argparse.Namespace, targets: list[Target], engine_pid: int) -> dict[str, Any]:
-    runs: dict[str, list[Run]] = {target.name: [] for target in targets}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
-        for target in targets:  # warm: the proxy's tokenizer loads, connections open
-            await measure(http, target, engine_pid, 4, 3)
-        for round_index in range(args.rounds):
-            for target in targets if round_index % 2 == 0 else targets[::-1]:
-                result = await measure(http, target, engine_pid, args.sessions, args.turns)
-                runs[target.name].append(result)
-                print(
-                    f"  round {round_index + 1}, {target.name:<14} {result.cpu_turns / max(result.turns, 1) * 1000:5.2f}"
-                    f" ms CPU per turn, {result.turns / result.seconds:7.1f} turns/s, errors {result.errors}",
-                    flush=True,
-                )
+        runs = await interleaved(http, args, targets, engine_pid)
     return {name: summary(each) for name, each in runs.items()}
 
 
@@ -254,11 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args.out.mkdir(parents=True, exist_ok=True)
     services = Services(Path(tempfile.mkdtemp(prefix="rp-bench-", dir=args.out)))
     try:
-        engine_port = free_port()
-        engine_argv = [sys.executable, "-m", "load_tests.engine", "--port", str(engine_port), "--policy", "fixed"]
-        engine = services.start("engine", engine_argv)
-        engine_url = f"http://127.0.0.1:{engine_port}"
-        services.wait_http("engine", f"{engine_url}/health")
+        engine, engine_url = start_engine(services)
         targets = [
             start_floor(services, "server only", None),
             start_floor(services, "forwarder", engine_url),

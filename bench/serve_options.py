@@ -27,6 +27,7 @@ import json
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -76,23 +77,42 @@ def long_summary(cpu: list[float]) -> dict[str, float]:
     }
 
 
-async def run(args: argparse.Namespace, targets: list[Target], engine_pid: int) -> dict[str, Any]:
+def start_engine(services: Services) -> tuple[subprocess.Popen[bytes], str]:
+    """The engine double (0 ms, the fixed 16-token reply) every variant is put in front of, and its URL."""
+    port = free_port()
+    engine = services.start(
+        "engine", [sys.executable, "-m", "load_tests.engine", "--port", str(port), "--policy", "fixed"]
+    )
+    url = f"http://127.0.0.1:{port}"
+    services.wait_http("engine", f"{url}/health")
+    return engine, url
+
+
+async def interleaved(
+    http: aiohttp.ClientSession, args: argparse.Namespace, targets: list[Target], engine_pid: int
+) -> dict[str, list[Run]]:
+    """A few warm-up turns each, then ``args.rounds`` rounds of ``args.sessions`` × ``args.turns`` per target,
+    the order flipped every other round so that a slow spell of the machine falls on all of them."""
     runs: dict[str, list[Run]] = {target.name: [] for target in targets}
+    for target in targets:  # warm: tokenizers load, connections open, outside the measurement
+        await measure(http, target, engine_pid, 4, 3)
+    for round_index in range(args.rounds):
+        for target in targets if round_index % 2 == 0 else targets[::-1]:
+            result = await measure(http, target, engine_pid, args.sessions, args.turns)
+            runs[target.name].append(result)
+            print(
+                f"  round {round_index + 1}, {target.name:<24} {result.cpu_turns / max(result.turns, 1) * 1000:5.2f} "
+                f"ms CPU per turn, {result.turns / result.seconds:7.1f} turns/s, errors {result.errors}",
+                flush=True,
+            )
+    return runs
+
+
+async def run(args: argparse.Namespace, targets: list[Target], engine_pid: int) -> dict[str, Any]:
     long: dict[str, Any] = {}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
-        for target in targets:  # warm: tokenizers load, connections open, outside the measurement
-            await measure(http, target, engine_pid, 4, 3)
-        for round_index in range(args.rounds):
-            order = targets if round_index % 2 == 0 else list(reversed(targets))
-            for target in order:
-                result = await measure(http, target, engine_pid, args.sessions, args.turns)
-                runs[target.name].append(result)
-                print(
-                    f"  round {round_index + 1}, {target.name:<24} {result.cpu_turns / max(result.turns, 1) * 1000:5.2f} "
-                    f"ms CPU per turn, {result.turns / result.seconds:7.1f} turns/s, errors {result.errors}",
-                    flush=True,
-                )
+        runs = await interleaved(http, args, targets, engine_pid)
         if args.long_turns:
             order = targets if args.rounds % 2 == 0 else list(reversed(targets))
             for target in order:
@@ -163,11 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     services = Services(Path(tempfile.mkdtemp(prefix="rp-bench-", dir=args.out)))
     try:
-        engine_port = free_port()
-        engine_argv = [sys.executable, "-m", "load_tests.engine", "--port", str(engine_port), "--policy", "fixed"]
-        engine = services.start("engine", engine_argv)
-        engine_url = f"http://127.0.0.1:{engine_port}"
-        services.wait_http("engine", f"{engine_url}/health")
+        engine, engine_url = start_engine(services)
         store = start_redis(services) if args.store == "redis" else "memory"
         targets = [
             start(services, name, shlex.split(options), engine_url, store) for name, options in args.variants.items()
