@@ -45,10 +45,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from proxy_overhead import Target  # noqa: E402
-from serve_options import interleaved, start_engine, summary  # noqa: E402
+from serve_options import interleaved, summary  # noqa: E402
 from serve_options import start as start_proxy  # noqa: E402
 
-from load_tests.run import Services, free_port  # noqa: E402
+from load_tests.run import Services, free_port, start_engine  # noqa: E402
 
 
 def canned_answer(text: str, prompt_tokens: int) -> bytes:

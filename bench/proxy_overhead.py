@@ -267,13 +267,9 @@ def pin(pid: int, cpus: set[int] | None) -> None:
 
 def start_targets(services: Any, args: argparse.Namespace, delay: float, redis_url: str | None) -> tuple[Any, list]:
     """The engine of this delay, and in front of it each proxy (its own process) and LiteLLM."""
-    from load_tests.run import free_port
+    from load_tests.run import free_port, start_engine
 
-    engine_port = free_port()
-    argv = [sys.executable, "-m", "load_tests.engine", "--port", str(engine_port), "--policy", "fixed"]
-    engine = services.start(f"engine-{delay:g}", [*argv, "--delay", str(delay)])
-    engine_url = f"http://127.0.0.1:{engine_port}"
-    services.wait_http(f"engine-{delay:g}", f"{engine_url}/health")
+    engine, engine_url = start_engine(services, name=f"engine-{delay:g}", delay=delay)
     pin(engine.pid, args.client_cpus)
     targets = [Target("direct", f"{engine_url}/v1/chat/completions")]
     stores = [("memory", "memory")] + ([("redis", redis_url)] if redis_url else [])
@@ -584,6 +580,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.proxy_arg = args.proxy_arg if args.proxy_arg is not None else ["--engine-max-inflight", "4096"]
     args.client_cpus = None
     if args.proxy_cpus:
+        if not hasattr(os, "sched_setaffinity"):
+            parser.error("--proxy-cpus needs a system that pins threads to CPUs (os.sched_setaffinity: Linux)")
         everything = os.sched_getaffinity(0)
         try:
             args.proxy_cpus = {int(cpu) for cpu in args.proxy_cpus.split(",")}

@@ -27,7 +27,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from proxy_overhead import ADMIN_KEY, Run, Target, cpu_line, lockstep, measure  # noqa: E402
 from workers import summary as workers_summary  # noqa: E402
 
-from load_tests.run import Services, free_port, start_redis  # noqa: E402
+from load_tests.run import Services, free_port, start_engine, start_redis  # noqa: E402
 
 DEFAULT_VARIANTS = ("gc tuned (the default)=", "Python's gc=--gc-threshold 0")
 
@@ -75,17 +74,6 @@ def long_summary(cpu: list[float]) -> dict[str, float]:
         "ratio": late / early if early else float("nan"),
         "line_ratio": line_last / line_turn2 if line_turn2 > 0 else float("nan"),
     }
-
-
-def start_engine(services: Services) -> tuple[subprocess.Popen[bytes], str]:
-    """The engine double (0 ms, the fixed 16-token reply) every variant is put in front of, and its URL."""
-    port = free_port()
-    engine = services.start(
-        "engine", [sys.executable, "-m", "load_tests.engine", "--port", str(port), "--policy", "fixed"]
-    )
-    url = f"http://127.0.0.1:{port}"
-    services.wait_http("engine", f"{url}/health")
-    return engine, url
 
 
 async def interleaved(

@@ -152,7 +152,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from load_tests.run import Services, free_port
+    from load_tests.run import Services, free_port, start_engine
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
@@ -164,11 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     report: dict[str, Any] = {"phases": {}}
     try:
         for delay in (float(value) for value in args.delays.split(",")):
-            engine_port, proxy_port = free_port(), free_port()
-            engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-            argv_engine = [sys.executable, "-m", "load_tests.engine", "--port", str(engine_port), "--policy", "fixed"]
-            services.start(f"engine-{delay:g}", [*argv_engine, "--delay", str(delay)])
-            services.wait_http(f"engine-{delay:g}", f"{engine_url}/health")
+            _, engine_url = start_engine(services, name=f"engine-{delay:g}", delay=delay)
+            proxy_port = free_port()
+            proxy_url = f"http://127.0.0.1:{proxy_port}"
             argv_proxy = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(proxy_port)]
             argv_proxy += ["--engine", engine_url, "--store", "memory", "--admin-key", ADMIN_KEY]
             services.start(f"proxy-{delay:g}", [*argv_proxy, "--log-level", "warning", "--log-format", "json"])

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from proxy_overhead import ADMIN_KEY, Run, Target, cpu_seconds, measure, percentile  # noqa: E402
 
-from load_tests.run import Services, free_port, start_redis  # noqa: E402
+from load_tests.run import Services, free_port, start_engine, start_redis  # noqa: E402
 
 
 def start(services: Services, workers: int, engine_url: str, redis_url: str) -> Target:
@@ -97,11 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     services = Services(workdir)
     try:
         redis_url = start_redis(services)
-        engine_port = free_port()
-        engine_argv = [sys.executable, "-m", "load_tests.engine", "--port", str(engine_port), "--policy", "fixed"]
-        engine = services.start("engine", [*engine_argv, "--delay", "0"])
-        engine_url = f"http://127.0.0.1:{engine_port}"
-        services.wait_http("engine", f"{engine_url}/health")
+        engine, engine_url = start_engine(services)
         targets = {workers: start(services, workers, engine_url, redis_url) for workers in (1, args.workers)}
         report = asyncio.run(run(args, targets, engine.pid))
         report["cpus"] = os.cpu_count()

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,18 @@ def start_redis(services: Services) -> str:
     raise SystemExit("redis-server did not start")
 
 
+def start_engine(
+    services: Services, *, name: str = "engine", policy: str = "fixed", delay: float = 0.0, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The engine double as a process of its own (``python -m load_tests.engine``), once it answers; and its URL."""
+    port = free_port()
+    argv = [sys.executable, "-m", "load_tests.engine", "--port", str(port), "--policy", policy, "--delay", str(delay)]
+    process = services.start(name, [*argv, *extra])
+    url = f"http://127.0.0.1:{port}"
+    services.wait_http(name, f"{url}/health")
+    return process, url
+
+
 @contextlib.contextmanager
 def local_proxy(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, str]]:
     """A fake engine and a proxy (and redis-server when used); yields (proxy URL, feed URL)."""
@@ -119,12 +131,12 @@ def local_proxy(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, 
             raise SystemExit("--store redis needs redis-server (apt-get install redis-server)")
         store = start_redis(services) if use_redis else "memory"
         feed = store if use_redis else f"jsonl:{workdir / 'feed.jsonl'}"
-        engine_port, proxy_port = free_port(), free_port()
-        engine = [sys.executable, "-m", "load_tests.engine", "--port", str(engine_port), "--policy", "tools"]
-        services.start("engine", [*engine, "--delay", str(args.engine_delay), "--chat-template", str(TOOL_TEMPLATE)])
-        services.wait_http("engine", f"http://127.0.0.1:{engine_port}/health")
+        _, engine_url = start_engine(
+            services, policy="tools", delay=args.engine_delay, extra=["--chat-template", str(TOOL_TEMPLATE)]
+        )
+        proxy_port = free_port()
         proxy = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(proxy_port), "--admin-key", ADMIN_KEY]
-        proxy += ["--engine", f"http://127.0.0.1:{engine_port}", "--store", store, "--feed", feed]
+        proxy += ["--engine", engine_url, "--store", store, "--feed", feed]
         proxy += ["--chat-template", str(TOOL_TEMPLATE), "--log-level", "warning", "--log-format", "json"]
         services.start("proxy", proxy)
         services.wait_http("proxy", f"http://127.0.0.1:{proxy_port}/readyz")
