@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,7 @@ class Run:
     cpu_turns: float = 0.0  # CPU seconds of the target's process over the turns
     cpu_create: float = 0.0  # ... over creating the sessions
     engine_cpu: float = 0.0  # CPU seconds of the engine over the turns
+    others_cpu: float = 0.0  # ... of this client (the bench's own process) and of ``measure``'s ``others``
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -195,8 +197,11 @@ class Conversation:
         return elapsed
 
 
-async def measure(http: aiohttp.ClientSession, target: Target, engine_pid: int, sessions: int, turns: int) -> Run:
-    """``sessions`` conversations of ``turns`` turns each, all at once."""
+async def measure(
+    http: aiohttp.ClientSession, target: Target, engine_pid: int, sessions: int, turns: int, others: Sequence[int] = ()
+) -> Run:
+    """``sessions`` conversations of ``turns`` turns each, all at once. ``others``: processes (redis-server)
+    whose CPU over the turns is counted with the client's in ``others_cpu``."""
     run = Run()
     cpu_before = cpu_seconds(target.pid)
     tokens, refused = await open_sessions(http, target, sessions)
@@ -206,6 +211,7 @@ async def measure(http: aiohttp.ClientSession, target: Target, engine_pid: int, 
     run.errors = sessions - len(conversations)
     per_turn: list[list[float]] = [[] for _ in range(turns)]
     engine_before, started = cpu_seconds(engine_pid), time.perf_counter()
+    others_before = time.process_time() + sum(cpu_seconds(pid) for pid in others)
 
     async def whole(conversation: Conversation) -> None:
         for k in range(turns):
@@ -218,6 +224,7 @@ async def measure(http: aiohttp.ClientSession, target: Target, engine_pid: int, 
     run.seconds = time.perf_counter() - started
     run.cpu_turns = cpu_seconds(target.pid) - cpu_created
     run.engine_cpu = cpu_seconds(engine_pid) - engine_before
+    run.others_cpu = time.process_time() + sum(cpu_seconds(pid) for pid in others) - others_before
     run.latencies = [latency for latencies in per_turn for latency in latencies]
     run.turns = len(run.latencies)
     failures = refused[:1] + [conversation.failed for conversation in conversations if conversation.failed]

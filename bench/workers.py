@@ -5,12 +5,20 @@
 
 Both proxies run on the Redis store in front of the same engine process (``load_tests.engine``,
 0 ms, fixed 16-token reply); the runs alternate round by round. Reported per number of workers:
-turns per second, p50/p99 turn latency, and the proxy's CPU per turn (supervisor and workers
-together, from their own counters). The goal (issue 14): two workers ≥ 1.7× one worker's
-throughput where the proxy is the bottleneck. On a machine whose cores are shared with the
-client and the engine (this one: 2 cores for all three), the client and engine take a share the
-workers cannot have, so read the ratio together with CPU per turn. Writes ``workers.json``
-under ``--out``. A benchmark, not a test.
+turns per second, p50/p99 turn latency, the proxy's CPU per turn (supervisor and workers
+together, from their own counters) and the rest's: this client, the engine and redis-server. The
+goal (issue 14): two workers ≥ 1.7× one worker's throughput where the proxy is the bottleneck.
+
+On a machine whose cores are shared with the client and the engine (this one: 2 cores for all),
+the rest takes a share the workers cannot have. So the bench also prints the ceiling these cores
+put on the ratio, from the CPU it measured: with ``p1``, ``p`` the proxy's CPU per turn with one
+and with N workers, ``c`` the rest's, and ``cores`` the CPUs this process may run on, one worker
+does at most ``1/p1`` turns a second and N workers at most ``min(N/p, cores/(p + c))``, so
+
+    ratio ≤ min(N · p1/p, cores · p1/(p + c))      cores to show R: R · (p + c)/p1
+
+(the first term: N workers each as busy as one; the second: every core busy). Writes
+``workers.json`` under ``--out``. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from proxy_overhead import ADMIN_KEY, Run, Target, cpu_seconds, measure, percentile  # noqa: E402
 
 from load_tests.run import Services, free_port, start_engine, start_redis  # noqa: E402
+
+GOAL = 1.7  # issue 14: two workers' throughput over one's
 
 
 def start(services: Services, workers: int, engine_url: str, redis_url: str) -> Target:
@@ -57,10 +67,32 @@ def summary(runs: list[Run]) -> dict[str, Any]:
         "p50_ms": percentile(latencies, 50) * 1000,
         "p99_ms": percentile(latencies, 99) * 1000,
         "cpu_ms_per_turn": sum(run.cpu_turns for run in runs) / turns * 1000 if turns else float("nan"),
+        "rest_cpu_ms_per_turn": sum(run.engine_cpu + run.others_cpu for run in runs) / turns * 1000
+        if turns
+        else float("nan"),
     }
 
 
-async def run(args: argparse.Namespace, targets: dict[int, Target], engine_pid: int) -> dict[str, Any]:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), else the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def ceiling(one: dict[str, Any], many: dict[str, Any], workers: int, cores: int, goal: float) -> dict[str, float]:
+    """The most ``workers`` can give over one on ``cores`` CPUs at the CPU per turn measured, and the
+    CPUs it would take to show ``goal`` (see the module's docstring); ``one_busy``: the share of a core
+    the single worker used, 1.0 where it was the bottleneck as the bound assumes."""
+    p1, p, c = one["cpu_ms_per_turn"], many["cpu_ms_per_turn"], many["rest_cpu_ms_per_turn"]
+    return {
+        "ratio": min(workers * p1 / p, cores * p1 / (p + c)),
+        "cores_for_goal": goal * (p + c) / p1,
+        "one_busy": one["turns_per_s"] * p1 / 1000,
+    }
+
+
+async def run(args: argparse.Namespace, targets: dict[int, Target], engine_pid: int, redis_pid: int) -> dict[str, Any]:
     report: dict[str, Any] = {}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
@@ -71,7 +103,7 @@ async def run(args: argparse.Namespace, targets: dict[int, Target], engine_pid: 
             for round_index in range(args.rounds):
                 order = list(targets) if round_index % 2 == 0 else list(reversed(targets))
                 for workers in order:
-                    result = await measure(http, targets[workers], engine_pid, size, args.turns)
+                    result = await measure(http, targets[workers], engine_pid, size, args.turns, others=[redis_pid])
                     runs[workers].append(result)
                     print(
                         f"  {size:>5} sessions x {args.turns} turns, {workers} worker(s): "
@@ -80,7 +112,11 @@ async def run(args: argparse.Namespace, targets: dict[int, Target], engine_pid: 
                     )
             sizes = {workers: summary(each) for workers, each in runs.items()}
             one, two = sizes[1]["turns_per_s"], sizes[max(sizes)]["turns_per_s"]
-            report[str(size)] = {"by_workers": sizes, "ratio": two / one if one else float("nan")}
+            report[str(size)] = {
+                "by_workers": sizes,
+                "ratio": two / one if one else float("nan"),
+                "ceiling": ceiling(sizes[1], sizes[max(sizes)], max(sizes), usable_cpus(), GOAL),
+            }
     return report
 
 
@@ -99,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         redis_url = start_redis(services)
         engine, engine_url = start_engine(services)
         targets = {workers: start(services, workers, engine_url, redis_url) for workers in (1, args.workers)}
-        report = asyncio.run(run(args, targets, engine.pid))
-        report["cpus"] = os.cpu_count()
+        report = asyncio.run(run(args, targets, engine.pid, dict(services.processes)["redis"].pid))
+        report["cpus"] = usable_cpus()
         report["engine_cpu_s"] = cpu_seconds(engine.pid)
     finally:
         services.stop()
@@ -110,10 +146,16 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(row, dict):
             cells = ", ".join(
                 f"{workers}: {each['turns_per_s']:.1f} turns/s (p50 {each['p50_ms']:.1f} ms, "
-                f"CPU {each['cpu_ms_per_turn']:.2f} ms/turn, errors {each['errors']})"
+                f"CPU {each['cpu_ms_per_turn']:.2f} ms/turn, the rest {each['rest_cpu_ms_per_turn']:.2f}, "
+                f"errors {each['errors']})"
                 for workers, each in row["by_workers"].items()
             )
-            print(f"{size} sessions: {cells}; ratio {row['ratio']:.2f}x")
+            limit = row["ceiling"]
+            print(
+                f"{size} sessions: {cells}; ratio {row['ratio']:.2f}x (one worker {limit['one_busy']:.0%} busy); "
+                f"at most {limit['ratio']:.2f}x on {report['cpus']} CPU(s) at this CPU per turn, "
+                f"{GOAL:g}x would take {limit['cores_for_goal']:.1f}"
+            )
 
 
 if __name__ == "__main__":
