@@ -377,6 +377,7 @@ def summarize(runs: dict[str, list[Run]], sessions: int, turns: int) -> dict[str
             "cpu_ms_per_turn": sum(run.cpu_turns for run in each) / done * 1000 if done else float("nan"),
             "cpu_ms_per_session_created": statistics.mean(run.cpu_create for run in each) * 1000,
             "engine_cpu_ms_per_turn": sum(run.engine_cpu for run in each) / done * 1000 if done else float("nan"),
+            "client_cpu_ms_per_turn": sum(run.others_cpu for run in each) / done * 1000 if done else float("nan"),
         }
     direct = merged["direct"]
     for values in merged.values():
