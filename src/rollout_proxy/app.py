@@ -33,7 +33,7 @@ from rollout_proxy.proxy.handlers import feed as feed_handlers
 from rollout_proxy.proxy.known_messages import KnownMessages
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.proxy.telemetry import telemetry_middleware
-from rollout_proxy.settings import Settings
+from rollout_proxy.settings import PROMPT_ECHO_MODES, Settings
 from rollout_proxy.state.connection import RedisOptions, is_redis_url
 from rollout_proxy.state.feed import Feed, open_feed
 from rollout_proxy.state.instrumented import InstrumentedStore
@@ -131,6 +131,8 @@ def create_app(
     check_store_url(settings.store)
     fleet_settings(settings)  # refuses a bad abort policy now, not at start
     rendering_config(settings)  # refuses a bad rendering setting now, not at start
+    if settings.prompt_echo not in PROMPT_ECHO_MODES:
+        raise ValueError(f"prompt_echo must be one of {PROMPT_ECHO_MODES}, not {settings.prompt_echo!r}")
     teacher_urls = parse_teachers(settings.teachers)  # refuses a bad teacher list now, not at start
     teacher_templates = parse_teacher_templates(settings.teacher_templates, teacher_urls)
     parser = OutputParser.named(settings.tool_parser, settings.reasoning_parser)
@@ -212,6 +214,7 @@ def create_app(
             parser=parser,
             metrics=app[keys.METRICS],
             renderers=renderers,
+            require_prompt_echo=settings.prompt_echo == "require",
         )
         app[keys.SESSIONS] = SessionService(
             store=store, engines=app[keys.ENGINES], ttl=settings.session_ttl, renderers=renderers

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout_proxy.logs import LOG_FORMATS, configure_logging
 from rollout_proxy.proxy.workers import WORKER_HEADER
-from rollout_proxy.settings import DEFAULT_ENGINE, Settings
+from rollout_proxy.settings import DEFAULT_ENGINE, PROMPT_ECHO_MODES, Settings
 from rollout_proxy.tokenization.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -180,6 +180,14 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         "switches that engine back to its /tokenize (default 0.01)",
     )
     serve.add_argument(
+        "--prompt-echo",
+        choices=PROMPT_ECHO_MODES,
+        help="the drift check compares the prompt the engine says it consumed with the tokens sent: 'require' "
+        "makes an answer without that echo an engine error (502); 'count' records such turns unchecked, "
+        "flagged on the node and counted in unchecked_prompts_total, for an engine that cannot echo "
+        "(default require)",
+    )
+    serve.add_argument(
         "--otlp-endpoint",
         metavar="URL",
         help="OTLP/HTTP collector for the proxy's traces, e.g. http://localhost:4318 (default: the standard "
@@ -327,6 +335,7 @@ def _serve(args: argparse.Namespace) -> int:
             "chat_template",
             "chat_template_content_format",
             "render_check_rate",
+            "prompt_echo",
             "otlp_endpoint",
         )
     }

@@ -11,6 +11,7 @@ from typing import Any
 
 ENV_PREFIX = "ROLLOUT_PROXY_"
 DEFAULT_ENGINE = "http://127.0.0.1:8000"
+PROMPT_ECHO_MODES = ("require", "count")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,9 @@ class Settings:
     chat_template: str = ""  # the Jinja file the engines were started with (--chat-template); empty: the tokenizer's
     chat_template_content_format: str = "auto"  # as vLLM's flag of that name: auto, string or openai
     render_check_rate: float = 0.01  # share of live turns also rendered by the engine and compared
+    # The drift check needs the engine to echo the prompt it consumed (vLLM: return_token_ids). "require": an
+    # answer without the echo is an engine error (502); "count": such turns are recorded, flagged and counted.
+    prompt_echo: str = "require"
     # Traces (README, "Tracing"): an OTLP/HTTP collector for the proxy's spans; empty: the standard
     # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT variables, and without those no export at all.
     otlp_endpoint: str = ""

@@ -92,8 +92,12 @@ class TurnRunner:
         parser: OutputParser,
         metrics: Metrics,
         renderers: Renderers | None = None,
+        require_prompt_echo: bool = True,
     ) -> None:
+        """``require_prompt_echo``: an engine answer without the prompt it consumed is an ``EngineError``;
+        False (``--prompt-echo count``) records such a turn unchecked, flagged on its node and counted."""
         self._store = store
+        self._require_prompt_echo = require_prompt_echo
         self._engines = engines
         self._parser = parser
         self._metrics = metrics
@@ -190,7 +194,14 @@ class TurnRunner:
                 self._metrics.observe("queue_wait_seconds", time.perf_counter() - waiting, reason="concurrency")
             sampled = await sample_on_fleet(self._engines, turn.engine, turn.prompt, turn.params, sink=sink)
         completion = sampled.completion
-        if completion.prompt_ids is not None and not np.array_equal(completion.prompt_ids, turn.prompt):
+        if completion.prompt_ids is None:
+            self._metrics.inc("unchecked_prompts_total")
+            if self._require_prompt_echo:
+                raise EngineError(
+                    "the engine's answer does not say which prompt tokens it consumed (vLLM: return_token_ids), so "
+                    "the drift check cannot run; serve with --prompt-echo count to record such turns unchecked"
+                )
+        elif not np.array_equal(completion.prompt_ids, turn.prompt):
             self._metrics.inc("prompt_drift_total")
             raise EngineError("the engine reports having consumed other prompt tokens than the proxy sent")
         if completion.nonfinite_logprobs:
@@ -228,6 +239,8 @@ class TurnRunner:
             node_meta["nonfinite_logprobs"] = completion.nonfinite_logprobs
         if disagreements:
             node_meta["routing_disagreements"] = disagreements
+        if completion.prompt_ids is None:  # only with --prompt-echo count: the drift check could not run
+            node_meta["prompt_unchecked"] = True
         if (trace_id := tracing.current_trace_id()) is not None:
             node_meta["trace_id"] = trace_id  # the request's trace (README, "Tracing")
         finish_reason = completion.finish_reason
