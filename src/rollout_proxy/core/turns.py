@@ -70,6 +70,9 @@ class PreparedTurn:
     delta: np.ndarray  # bridge tokens for the new messages, then the generation prompt
     prompt: np.ndarray  # the parent's exact tokens, then ``delta``
     params: SamplingParams
+    #: the prompt leaves a reasoning block open (its generation prompt opens ``<think>``): the output starts as
+    #: reasoning; decided from the rendered prompt, for the final parse and the streamed one alike
+    reasoning_opened: bool = False
 
 
 def path_tokens(path: Sequence[ResponseNode]) -> np.ndarray:
@@ -165,6 +168,9 @@ class TurnRunner:
                 add_generation_prompt=True,
             )
         prompt = np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
+        opened = self._parser.reasons and self._parser.reasoning.opened_by(
+            await self._renderers.generation_prompt_text(engine, delta)
+        )
         room = info.max_model_len - len(prompt)
         if room <= 0:
             raise ContextLengthExceeded(
@@ -183,7 +189,9 @@ class TurnRunner:
             routed_experts_prompt_start=prompt_start(placement.parent) if engine.returns_routing else None,
             top_logprobs=generation.top_logprobs,
         )
-        return PreparedTurn(engine=engine, info=info, delta=delta, prompt=prompt, params=params)
+        return PreparedTurn(
+            engine=engine, info=info, delta=delta, prompt=prompt, params=params, reasoning_opened=opened
+        )
 
     async def sample(self, session: SessionRecord, turn: PreparedTurn, *, sink: PieceSink | None = None) -> Sampled:
         """The turn's engine call through the fleet (``engines.sampling``: failover, pauses, aborted turns),
@@ -233,7 +241,7 @@ class TurnRunner:
             requested_start=turn.params.routed_experts_prompt_start or 0,
             engine_url=sampled.engine.url,
         )
-        view = view or self.parse(completion.text)
+        view = view or self.parse(completion.text, opened=turn.reasoning_opened)
         node_meta = dict(meta or {})
         if completion.nonfinite_logprobs:
             node_meta["nonfinite_logprobs"] = completion.nonfinite_logprobs
@@ -364,9 +372,10 @@ class TurnRunner:
         concurrency = session.concurrency
         return self._store.request_slot(concurrency["key"], concurrency["max_requests"], lease=REQUEST_LEASE_S)
 
-    def parse(self, text: str) -> AssistantView:
-        """The view of generated text, counted by how tool-call parsing ended."""
-        view = self._parser.parse(text)
+    def parse(self, text: str, *, opened: bool = False) -> AssistantView:
+        """The view of generated text, counted by how tool-call parsing ended; ``opened``: the turn's
+        ``reasoning_opened``."""
+        view = self._parser.parse(text, opened=opened)
         self._metrics.inc("tool_parse_total", outcome=view.tool_parse.value)
         if view.tool_parse is ToolParse.MALFORMED:
             log.info("tool_call_unparsed", text=text[:200])
