@@ -85,6 +85,7 @@ def engine_client(url: str, settings: Settings) -> VLLMEngine:
         bound_completions=False,  # the fleet bounds them, not counting time paused (fleet_settings)
         max_connections=settings.engine_max_connections,
         pool_timeout=settings.engine_pool_timeout,
+        hang_timeout=settings.engine_hang_timeout,
     )
 
 
@@ -93,6 +94,7 @@ def fleet_settings(settings: Settings) -> FleetSettings:
         policy_version=settings.policy_version,
         probe_interval=settings.engine_probe_interval,
         health_timeout=settings.engine_health_timeout,
+        hang_timeout=settings.engine_hang_timeout,
         failure_threshold=settings.engine_failure_threshold,
         backoff_max=settings.engine_backoff_max,
         max_inflight=settings.engine_max_inflight,

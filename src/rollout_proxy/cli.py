@@ -104,6 +104,15 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         "--engine-health-timeout", type=float, help="seconds one engine health probe may take (default 2)"
     )
     serve.add_argument(
+        "--engine-hang-timeout",
+        type=float,
+        help="seconds an engine may send nothing at all (no probe or call answered, no token streamed) while its "
+        "probes time out before it is taken out as hung: its calls in flight fail over, or end with an error "
+        "event once part of the answer was streamed; also how long a /tokenize waits for its answer to start. "
+        "A slow generation that streams tokens is never cut by it (default 8: a client has an answer within "
+        "about 12 s of its engine hanging)",
+    )
+    serve.add_argument(
         "--engine-max-inflight", type=int, help="requests in flight per engine before queueing (default 256)"
     )
     _fleet_arguments(serve)
@@ -305,6 +314,7 @@ def _serve(args: argparse.Namespace) -> int:
             "engine_connect_timeout",
             "engine_first_byte_timeout",
             "engine_health_timeout",
+            "engine_hang_timeout",
             "engine_max_inflight",
             "policy_version",
             "engine_probe_interval",

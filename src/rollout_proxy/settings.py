@@ -41,6 +41,9 @@ class Settings:
     # one probe request (/health, /weight_info): generous, since a probe that times out counts against an
     # engine that may only be busy (a CPU vLLM's API server starves while it generates); /readyz never waits on it
     engine_health_timeout: float = 2.0
+    # an engine from which nothing came for this long (no probe or call answered, no token streamed) while its
+    # probes time out is hung: out of rotation at once, its calls in flight failed over or ended
+    engine_hang_timeout: float = 8.0
     engine_max_inflight: int = 256
     # The fleet (README, "Fleet and weight updates"): probes, circuit breaker, failover, pauses.
     policy_version: int = 0  # the version of weights engines report as "default" (and of a fleet reporting none)

@@ -222,6 +222,7 @@ class VLLMEngine:
         bound_completions: bool = True,
         max_connections: int = 1024,
         pool_timeout: float = 300.0,
+        hang_timeout: float | None = None,
     ) -> None:
         """Timeouts in seconds: ``request_timeout`` bounds a whole call, ``connect_timeout`` the TCP
         connect, ``first_byte_timeout`` (default: the whole call) the wait for the answer to start.
@@ -230,7 +231,11 @@ class VLLMEngine:
         stops counting while the fleet is paused: a call frozen by a keep-mode pause must live).
 
         Data calls (generation, ``/tokenize``) share ``max_connections`` connections; one that finds
-        them all busy waits up to ``pool_timeout`` seconds, then fails with ``EngineBusy`` (a 503)."""
+        them all busy waits up to ``pool_timeout`` seconds, then fails with ``EngineBusy`` (a 503).
+
+        ``hang_timeout``: how long a call that is no generation (``/tokenize``, ``/detokenize``, ``/v1/models``)
+        waits for its answer to start: such answers take milliseconds, so a hung engine is given up on in
+        seconds, not after ``first_byte_timeout`` (generations are watched by the fleet instead)."""
         self.url = url.rstrip("/")
         self._session = session
         self._owns_session = session is None
@@ -241,6 +246,11 @@ class VLLMEngine:
             self._timeout if bound_completions else aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
         )
         self._connect_timeout = connect_timeout
+        self._quick_timeout = (
+            self._timeout
+            if hang_timeout is None
+            else aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout, sock_read=hang_timeout)
+        )
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout, sock_connect=health_timeout)
         self._max_connections = max_connections
         self._pool_timeout = pool_timeout
@@ -398,7 +408,7 @@ class VLLMEngine:
 
     async def info(self) -> EngineInfo:
         if self._info is None:
-            payload = await self._request("GET", "/v1/models")
+            payload = await self._request("GET", "/v1/models", limits=self._quick_timeout)
             try:
                 card = payload["data"][0]
                 model, max_model_len = card["id"], int(card["max_model_len"])
@@ -501,7 +511,7 @@ class VLLMEngine:
         if chat_template_kwargs:
             payload["chat_template_kwargs"] = chat_template_kwargs
         try:
-            answer = await self._request("POST", "/tokenize", payload, pooled=True)
+            answer = await self._request("POST", "/tokenize", payload, limits=self._quick_timeout, pooled=True)
         except EngineRejected as exc:
             # vLLM answers a template that cannot render the messages (a Jinja error, a
             # raise_exception) with 400 (422 for a request it cannot parse): the request's fault.
@@ -515,13 +525,17 @@ class VLLMEngine:
     async def tokenize_text(self, text: str) -> np.ndarray:
         info = await self.info()
         payload = {"model": info.model, "prompt": text, "add_special_tokens": False}
-        return self._tokens(await self._request("POST", "/tokenize", payload, pooled=True))
+        return self._tokens(await self._request("POST", "/tokenize", payload, limits=self._quick_timeout, pooled=True))
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """``POST /detokenize``: the text of ``token_ids`` (special tokens included), for viewers only."""
         info = await self.info()
         answer = await self._request(
-            "POST", "/detokenize", {"model": info.model, "tokens": list(token_ids)}, pooled=True
+            "POST",
+            "/detokenize",
+            {"model": info.model, "tokens": list(token_ids)},
+            limits=self._quick_timeout,
+            pooled=True,
         )
         text = answer.get("prompt") if isinstance(answer, dict) else None
         if not isinstance(text, str):
