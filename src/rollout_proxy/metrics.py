@@ -88,6 +88,25 @@ DECLARED: dict[str, Declared] = {
         "Streamed turns whose released deltas disagreed with the final parse (a parser bug; the record is exact)."
     ),
     "forks_total": _counter("Requests whose history rewrote an earlier message: a fork, by API.", "api"),
+    "sample_placements_total": _counter(
+        "Conversations placed from the root of a session with sample messages, by API and how they held the "
+        "sample: prefix, contained (in order, within the client's own prompt), inserted (none of it: the proxy "
+        "put it after the leading system/developer messages), absent (none of it, taken as sent: chat), "
+        "partial or out_of_order (taken as sent, flagged on the node).",
+        "api",
+        "placement",
+    ),
+    "client_sampling_ignored_total": _counter(
+        "Generation parameters a client sent that its session ignored (client_sampling: ignore), by API and field.",
+        "api",
+        "field",
+    ),
+    "tools_left_out_total": _counter(
+        "Tools a request sent that the policy cannot call (hosted, custom/freeform), left out of the prompt, "
+        "by API and tool type.",
+        "api",
+        "type",
+    ),
     "prompt_drift_total": _counter("Turns whose engine-reported prompt differed from the tokens the proxy sent."),
     "unchecked_prompts_total": _counter(
         "Engine answers that did not echo the prompt they consumed, so the drift check could not run (refused "

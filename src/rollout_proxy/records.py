@@ -73,6 +73,9 @@ class SessionRecord:
     status: SessionStatus = SessionStatus.OPEN
     result: dict[str, Any] | None = None
     concurrency: dict[str, Any] | None = None  # {"key", "max_requests"}: model calls in flight per key
+    #: what a request's own generation parameters meet: "refuse" (a 400 unless a no-op) or "ignore" (the
+    #: session's are used, the client's recorded on the node); ``proxy.client_sampling``
+    client_sampling: str = "refuse"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +92,7 @@ class SessionRecord:
             "status": self.status.value,
             "result": self.result,
             "concurrency": self.concurrency,
+            "client_sampling": self.client_sampling,
         }
 
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_proxy.core.tree import ResponseTree, choose_parent, with_sample
+from rollout_proxy.core.tree import ResponseTree, SamplePlacement, choose_parent, place_sample
 from rollout_proxy.errors import InvalidRequest, NotFound
 from rollout_proxy.ids import new_response_id
 from rollout_proxy.metrics import Metrics
@@ -59,13 +59,50 @@ def test_partial_entries_above_the_parent_are_ignored():
     assert choose_parent(["x#1", "a", None], 3) == ("a", 2, None)
 
 
-def test_with_sample_prepends_the_sample_unless_it_is_there():
-    session = session_record(messages=[{"role": "system", "content": "Be brief."}, U1])
-    assert with_sample(session, [A1, U2]) == [*session.messages, A1, U2]
-    # already there (compared by identity: a dropped reasoning or tool-call id does not matter)
-    echoed = [{"role": "system", "content": "Be brief."}, U1, A1]
-    assert with_sample(session, echoed) == echoed
-    assert with_sample(session, [U1]) == [*session.messages, U1]  # a partial sample is not the sample
+SYSTEM = {"role": "system", "content": "Be brief."}
+DEVELOPER = {"role": "developer", "content": "You are a coding agent."}
+SAMPLE = [SYSTEM, U1]
+
+
+def test_a_conversation_that_starts_with_the_sample_is_taken_as_sent():
+    # compared by identity: a dropped reasoning or tool-call id does not matter
+    echoed = [SYSTEM, U1, {**A1, "reasoning_content": "dropped later"}, U2]
+    assert place_sample(SAMPLE, echoed) == (echoed, SamplePlacement.PREFIX)
+
+
+def test_a_conversation_with_none_of_the_sample_gets_it_after_its_instructions():
+    """The instructions (system and developer messages) stay first; the sample follows them, once."""
+    assert place_sample(SAMPLE, [A1, U2]) == ([SYSTEM, U1, A1, U2], SamplePlacement.INSERTED)
+    instructions = {"role": "system", "content": "Answer in French."}
+    conversation = [instructions, DEVELOPER, U2]
+    placed, how = place_sample(SAMPLE, conversation)
+    assert placed == [instructions, DEVELOPER, SYSTEM, U1, U2] and how is SamplePlacement.INSERTED
+    assert place_sample(SAMPLE, conversation, insert=False) == (conversation, SamplePlacement.ABSENT)
+
+
+def test_a_harness_prompt_around_the_task_is_taken_as_sent():
+    """Codex: its developer prompt and environment context, then the task: the sample's only message."""
+    context = {"role": "user", "content": "<environment_context>...</environment_context>"}
+    conversation = [DEVELOPER, DEVELOPER, context, U1]
+    assert place_sample([U1], conversation) == (conversation, SamplePlacement.CONTAINED)
+    # a system prompt inside the input (LangChain's Responses mode): not user, system, user
+    inside = [{"role": "system", "content": "Be kind."}, U1]
+    assert place_sample([U1], inside) == (inside, SamplePlacement.CONTAINED)
+
+
+def test_part_of_the_sample_or_the_sample_out_of_order_is_taken_as_sent_and_flagged():
+    partial = [{"role": "system", "content": "Other instructions."}, U1, A1]
+    assert place_sample(SAMPLE, partial) == (partial, SamplePlacement.PARTIAL)
+    swapped = [U1, SYSTEM, A1]
+    assert place_sample(SAMPLE, swapped) == (swapped, SamplePlacement.OUT_OF_ORDER)
+    twice = [U1, U1]  # the sample holds the same message twice: both must be there
+    assert place_sample(twice, [U1, A1]) == ([U1, A1], SamplePlacement.PARTIAL)
+    assert all(how.flagged for how in (SamplePlacement.PARTIAL, SamplePlacement.OUT_OF_ORDER))
+    assert not any(how.flagged for how in (SamplePlacement.PREFIX, SamplePlacement.CONTAINED))
+
+
+def test_a_session_without_sample_messages_takes_every_conversation_as_sent():
+    assert place_sample([], [DEVELOPER, U2]) == ([DEVELOPER, U2], SamplePlacement.NO_SAMPLE)
 
 
 # -- ResponseTree on a real store ------------------------------------------------------------

@@ -121,8 +121,9 @@ async def test_model_is_accepted_and_ignored(ready):
 @pytest.mark.parametrize(
     "payload, param",
     [
-        ({}, "sample"),
-        ({"sample": {"messages": []}}, "sample.messages"),
+        ({"sample": []}, "sample"),
+        ({"sample": {"messages": "hello"}}, "sample.messages"),
+        ({"client_sampling": "allow"}, "client_sampling"),
         ({"sample": {"messages": USER}, "generation": {"temperature": -1}}, "generation.temperature"),
         ({"sample": {"messages": USER}, "generation": {"top_p": 0}}, "generation.top_p"),
         ({"sample": {"messages": USER}, "generation": {"bogus": 1}}, "generation.bogus"),

@@ -15,7 +15,7 @@ import pytest
 
 from rollout_proxy.devtools.fake_engine import FakeEngine
 from rollout_proxy.engines.vllm_http import VLLMEngine
-from rollout_proxy.errors import ProxyError
+from rollout_proxy.errors import MessagesMergeIntoParent, ProxyError
 from rollout_proxy.tokenization.renderer import ChatRenderer
 from tests.harness import WEATHER_TOOL
 
@@ -259,3 +259,18 @@ async def test_a_tool_result_after_a_tool_parent_is_never_dropped(renderer, fake
     except ProxyError:
         return  # refusing is acceptable: the policy never sees a result it was not shown
     assert "and windy" in fake_engine.decode(bridge.tolist())
+
+
+@pytest.mark.parametrize("after", ["assistant", "user"])
+async def test_a_developer_message_the_engine_moves_before_fixed_turns_is_refused(renderer, after):
+    """vLLM 0.32 merges every system message into the first one once it turns a developer message into one
+    (a template with no developer branch): the parent's tokens cannot change, so no bridge is exact."""
+    with pytest.raises(MessagesMergeIntoParent):
+        await renderer.bridge(
+            [{"role": "developer", "content": "Now be terse."}, FOLLOW_UP],
+            after_role=after,
+            after_closed=True,
+            tools=None,
+            chat_template_kwargs=None,
+            add_generation_prompt=True,
+        )

@@ -45,7 +45,7 @@ def local_for(tokenizer_dir: Path, template_name: str) -> LocalTemplate:
 def test_the_canonical_set_covers_what_turns_render():
     cases = canonical_cases()
     messages = [message for case in cases for message in case.messages]
-    assert {message["role"] for message in messages} == {"system", "user", "assistant", "tool"}
+    assert {message["role"] for message in messages} == {"system", "developer", "user", "assistant", "tool"}
     assert any(message.get("tool_calls") for message in messages)
     assert any("<think>" in (message.get("content") or "") for message in messages)
     assert any(case.tools for case in cases) and any(case.chat_template_kwargs for case in cases)
@@ -55,7 +55,8 @@ def test_the_canonical_set_covers_what_turns_render():
         for case in cases
         for i in range(len(case.messages) - 1)
     )
-    assert {f"anchor_{role}_then_user" for role in ("user", "assistant", "tool", "system")} <= {c.name for c in cases}
+    roles = ("user", "assistant", "tool", "system", "developer")
+    assert {f"anchor_{role}_then_user" for role in roles} <= {c.name for c in cases}
 
 
 async def test_the_self_check_passes_when_local_is_the_engines_template(tokenizer_dir, template_name, engine):

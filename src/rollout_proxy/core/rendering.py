@@ -15,7 +15,9 @@ proven to be the engine's, else from the engine's ``/tokenize``:
    before it is answered: the engine's error is the answer, or, if the engine renders the
    messages, that is a difference as in 2.
 
-One ``ChatRenderer`` per engine and source (it learns the template's shape once); whether
+Through an engine, developer messages are rendered as the template's system turn where the engine would
+drop them (``tokenization.developer``). One ``ChatRenderer`` per engine and source (it learns the
+template's shape once); whether
 the parent's tokens are already closed decides if the bridge starts with an end-of-turn
 token (a turn cut by ``max_tokens`` is not).
 """
@@ -38,6 +40,7 @@ from rollout_proxy.engines.base import Engine
 from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable, InvalidRequest
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind
+from rollout_proxy.tokenization.developer import DeveloperRole
 from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavailable, tokenizer_dir
 from rollout_proxy.tokenization.renderer import ChatRenderer
 from rollout_proxy.tokenization.selfcheck import self_check, token_diff
@@ -225,7 +228,8 @@ class Renderers:
             log.info("render_source_undecided", engine=engine.url, error=str(exc))
 
     async def _decide(self, engine: Engine) -> _EngineRendering:
-        by_engine = ChatRenderer(engine)
+        through_engine = DeveloperRole(engine, name=engine.url)  # developer messages never dropped
+        by_engine = ChatRenderer(through_engine)
         engine_only = _EngineRendering(RenderSource.ENGINE, by_engine, by_engine)
         if self._config.mode == "engine":
             return self._keep(engine, engine_only)
@@ -233,7 +237,7 @@ class Renderers:
         if local is None:
             self._metrics.inc("render_fallbacks_total", reason="no_local_tokenizer")
             return self._keep(engine, engine_only)
-        report = await self_check(local, engine)
+        report = await self_check(local, through_engine)
         if not report.passed:
             self._metrics.inc("render_checks_total", check="startup", outcome="mismatch")
             self._metrics.inc("render_fallbacks_total", reason="startup_check")

@@ -1,8 +1,9 @@
 """The Responses API on the response tree: ``previous_response_id`` names the parent.
 
 Only the new input is rendered (as bridge tokens after the parent's exact tokens);
-nothing earlier is ever re-tokenized. Without ``previous_response_id`` the parent is
-the session's root: the sample's messages, then the input.
+nothing earlier is ever re-tokenized. Without ``previous_response_id`` the input is a whole
+conversation from the root (``instructions`` first, as a system message), with the session's sample
+placed in it by ``core.tree.place_sample``, attached by content as Chat Completions are.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import orjson
 
 from rollout_proxy.core.streaming import StreamEvent, TurnStreamer
-from rollout_proxy.core.tree import Placement, ResponseTree, with_sample
+from rollout_proxy.core.tree import Placement, ResponseTree, place_sample
 from rollout_proxy.core.turns import TurnResult, TurnRunner
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.records import ResponseNode, SessionRecord
@@ -66,10 +67,12 @@ class ResponsesService:
                     param="instructions",
                 )
             return placement
-        conversation = with_sample(session, messages)
-        if instructions:
-            conversation = [{"role": "system", "content": instructions}, *conversation]
-        return await self._tree.locate(session, conversation, api=api)
+        if instructions:  # the instructions are the conversation's first message, as the client's system prompt
+            messages = [{"role": "system", "content": instructions}, *messages]
+        conversation, sample = place_sample(session.messages, messages)
+        placement = await self._tree.locate(session, conversation, api=api)
+        placement.sample = sample
+        return placement
 
     async def create(
         self,
@@ -80,8 +83,10 @@ class ResponsesService:
         instructions: str | None,
         tools: list[dict[str, Any]] | None,
         store: bool,
+        meta: dict[str, Any] | None = None,
     ) -> tuple[TurnResult, list[ResponseNode]]:
-        """Generate one response; returns it and the path it extends."""
+        """Generate one response; returns it and the path it extends. ``meta``: what the node records of the
+        request beyond its messages and the Responses fields."""
         placement, meta = await self._placed(
             session,
             messages,
@@ -89,6 +94,7 @@ class ResponsesService:
             instructions=instructions,
             tools=tools,
             store=store,
+            meta=meta,
         )
         result = await self._turns.generate(
             session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
@@ -104,6 +110,7 @@ class ResponsesService:
         instructions: str | None,
         tools: list[dict[str, Any]] | None,
         store: bool,
+        meta: dict[str, Any] | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         """``create``, streamed (``core.streaming``): the same node is recorded at the end."""
         placement, meta = await self._placed(
@@ -113,6 +120,7 @@ class ResponsesService:
             instructions=instructions,
             tools=tools,
             store=store,
+            meta=meta,
         )
         events = TurnStreamer(self._turns).stream(
             session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
@@ -130,12 +138,14 @@ class ResponsesService:
         instructions: str | None,
         tools: list[dict[str, Any]] | None,
         store: bool,
+        meta: dict[str, Any] | None,
     ) -> tuple[Placement, dict[str, Any]]:
         """Where the response goes, and the node's metadata."""
         placement = await self._place(
             session, messages, previous_response_id=previous_response_id, instructions=instructions, api="responses"
         )
-        meta: dict[str, Any] = {
+        meta = {
+            **(meta or {}),
             "previous_response_id": previous_response_id,
             "instructions": instructions if previous_response_id is None else root_instructions(placement.parent),
             "store": store,

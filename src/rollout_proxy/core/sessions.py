@@ -53,16 +53,18 @@ class SessionService:
         context: dict[str, Any],
         n_sample: int | None = None,
         concurrency: dict[str, Any] | None = None,
+        client_sampling: str = "refuse",
     ) -> SessionRecord:
         """Store a new session, once its engine's template renders the sample (one engine call).
 
         What the template cannot render is refused here rather than at every turn; when no
         engine answers, the session is made anyway and its first turn says so. The session
         goes to the least-loaded healthy engine (``Fleet.pick``) and stays there while it serves.
+        A session without sample messages (a harness owns the prompt) has nothing to render yet.
         """
         engine = self._engines.pick()
         try:
-            if engine is not None:
+            if engine is not None and messages:
                 await self._renderers.render(
                     engine,
                     messages,
@@ -90,6 +92,7 @@ class SessionService:
             engine=engine.url if engine is not None else None,
             n_sample=n_sample,
             concurrency=concurrency,
+            client_sampling=client_sampling,
         )
         await self._store.create_session(session)
         return session
@@ -195,11 +198,13 @@ class SessionService:
         )
         return await self.commit_finish(plan), plan.trajectories
 
-    async def latest_trajectory(self, session_id: str, api: str = "chat") -> AssembledTrajectory:
+    async def latest_trajectory(self, session_id: str, api: str = "*") -> AssembledTrajectory:
+        """The trajectory of the session's latest response (``api``: of that API only; ``"*"``: any)."""
         await self.get(session_id)
         response_id = await self._store.latest(session_id, api)
         if response_id is None:
-            raise NotFound(f"session {session_id!r} has no {api} response yet", param="session_id")
+            what = "response" if api == "*" else f"{api} response"
+            raise NotFound(f"session {session_id!r} has no {what} yet", param="session_id")
         return await self.trajectory(response_id, session_id=session_id)
 
 

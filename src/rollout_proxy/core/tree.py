@@ -10,14 +10,20 @@ Two ways to name a parent:
   splicing silently;
 - by id (``previous_response_id``): that node, within the session.
 
-The root's conversation is the sample's messages; a request that starts without a
-parent gets them prepended unless it already starts with them.
+Where the session's sample goes in a conversation that starts at the root (``place_sample``): the
+policy sees every message once, in the order the client sent it. A conversation that starts with the
+sample, or holds it in order elsewhere (a harness's own prompt around the task), is taken as sent; one
+that holds none of it gets it after its leading system and developer messages (the instructions stay
+first); one that holds only part of it, or holds it out of order, is taken as sent and the node says so
+(``SamplePlacement``). A session without sample messages (a harness owns the prompt) takes every
+conversation as sent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import structlog
@@ -26,7 +32,7 @@ from rollout_proxy.errors import InvalidRequest, NotFound
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import ResponseNode, SessionRecord
 from rollout_proxy.state.store import StateStore
-from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, path_hashes, same_messages
+from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, path_hashes
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +48,8 @@ class Placement:
     new_messages: list[dict[str, Any]]
     new_hashes: list[str]  # rolling path hash after each new message
     fork: dict[str, Any] | None = None
+    #: how the session's sample stands in a conversation placed at the root (``place_sample``); None: not asked
+    sample: SamplePlacement | None = None
 
     @property
     def parent_id(self) -> str | None:
@@ -95,12 +103,67 @@ def choose_parent(
     return parent_id, covered, None
 
 
-def with_sample(session: SessionRecord, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A conversation that starts at the root: the sample's messages, then ``messages``."""
-    sample = session.messages
-    if same_messages(messages[: len(sample)], sample):
-        return list(messages)
-    return [*sample, *messages]
+class SamplePlacement(str, Enum):
+    """How a conversation that starts at the root holds the session's sample messages."""
+
+    NO_SAMPLE = "no_sample"  # the session has none (a harness owns the prompt): taken as sent
+    PREFIX = "prefix"  # it starts with them: taken as sent
+    CONTAINED = "contained"  # all of them, in order, after other messages (a harness's prompt around the task)
+    INSERTED = "inserted"  # none of them: the sample was put after the leading system/developer messages
+    ABSENT = "absent"  # none of them, and the API takes the conversation as sent (Chat Completions): flagged
+    PARTIAL = "partial"  # only some of them: taken as sent, flagged
+    OUT_OF_ORDER = "out_of_order"  # all of them, not in the sample's order: taken as sent, flagged
+
+    @property
+    def flagged(self) -> bool:
+        """Recorded on the node (and counted): the proxy added messages, or the sample is not all there."""
+        return self not in (SamplePlacement.NO_SAMPLE, SamplePlacement.PREFIX, SamplePlacement.CONTAINED)
+
+
+_LEADING_ROLES = frozenset({"system", "developer"})
+
+
+def place_sample(
+    sample: Sequence[dict[str, Any]],
+    conversation: Sequence[dict[str, Any]],
+    *,
+    keys: Sequence[bytes] | None = None,
+    insert: bool = True,
+) -> tuple[list[dict[str, Any]], SamplePlacement]:
+    """The conversation the policy sees for a request that starts at the root, and how the sample stands
+    in it (see the module docstring). ``keys``: the conversation's ``canonical_key``s, if the caller has
+    them (a long resent history: nothing is keyed twice). ``insert=False``: a conversation that holds none
+    of the sample is taken as sent too (``ABSENT``: Chat Completions, whose client sends the whole
+    conversation). Never merges: a message is the sample's only when it is equal to one (``canonical_key``)."""
+    if not sample:
+        return list(conversation), SamplePlacement.NO_SAMPLE
+    wanted = [canonical_key(message) for message in sample]
+    keys = [canonical_key(message) for message in conversation] if keys is None else keys
+    if list(keys[: len(wanted)]) == wanted:
+        return list(conversation), SamplePlacement.PREFIX
+    members = set(wanted)
+    found = [key for key in keys if key in members]
+    if not found:
+        if not insert:
+            return list(conversation), SamplePlacement.ABSENT
+        lead = 0
+        while lead < len(conversation) and conversation[lead]["role"] in _LEADING_ROLES:
+            lead += 1
+        return [*conversation[:lead], *sample, *conversation[lead:]], SamplePlacement.INSERTED
+    if _in_order(wanted, found):
+        return list(conversation), SamplePlacement.CONTAINED
+    remaining = list(found)
+    for key in wanted:
+        if key not in remaining:
+            return list(conversation), SamplePlacement.PARTIAL
+        remaining.remove(key)
+    return list(conversation), SamplePlacement.OUT_OF_ORDER
+
+
+def _in_order(wanted: Sequence[bytes], found: Sequence[bytes]) -> bool:
+    """Whether ``wanted`` is a subsequence of ``found``."""
+    stream = iter(found)
+    return all(any(key == candidate for candidate in stream) for key in wanted)
 
 
 class ResponseTree:

@@ -243,6 +243,7 @@ class TurnRunner:
         )
         view = view or self.parse(completion.text, opened=turn.reasoning_opened)
         node_meta = dict(meta or {})
+        self._note_sample(placement, api, node_meta)
         if completion.nonfinite_logprobs:
             node_meta["nonfinite_logprobs"] = completion.nonfinite_logprobs
         if disagreements:
@@ -331,6 +332,7 @@ class TurnRunner:
             created_at=time.time(),
             model=info.model,
         )
+        self._note_sample(placement, api, node.meta)
         node = await self._save(session, node, placement.new_hashes, idempotency=idempotency)
         if placement.parent:  # only a conversation's latest generated node keeps its path's ids
             placement.parent[-1].path_ids = None
@@ -352,6 +354,17 @@ class TurnRunner:
                 tried.add(engine.url)
                 if len(tried) > self._engines.settings.retries:
                     raise
+
+    def _note_sample(self, placement: Placement, api: str, meta: dict[str, Any]) -> None:
+        """How the session's sample stands in a conversation placed from the root: counted, and on the node
+        when the proxy added it or the conversation does not hold all of it (``core.tree.SamplePlacement``)."""
+        placed = placement.sample
+        if placed is None:
+            return
+        self._metrics.inc("sample_placements_total", api=api, placement=placed.value)
+        if placed.flagged:
+            meta["sample_placement"] = placed.value
+            log.info("sample_placement", placement=placed.value, api=api)
 
     def _follow(self, session: SessionRecord, engine: Engine) -> None:
         """The session's later turns go where this one ended (a failover moved it; stored with the node)."""

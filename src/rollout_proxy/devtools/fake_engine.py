@@ -58,6 +58,7 @@ from aiohttp import web
 from rollout_proxy.devtools.fake_moe import FakeMoE
 from rollout_proxy.devtools.fake_stream import FakeStream
 from rollout_proxy.engines.vllm_http import is_routing_probe
+from rollout_proxy.tokenization import vllm_chat
 
 __all__ = ["FAULTS", "FakeEngine", "FakeEngineServer", "FakeMoE", "Generation", "fake_logprob", "load_tokenizer"]
 
@@ -193,6 +194,10 @@ class FakeEngine:
     disconnects: list[str] = field(default_factory=list)  # request ids of streams whose client went away
     paused: bool = False
     max_logprobs: int = 20  # vLLM's --max-logprobs (its default): more prompt_logprobs are refused
+    #: "system": as vLLM 0.32, a template that never names the developer role gets developer messages as system
+    #: ones (merged into one first system message); "as_is": handed to the template as sent (older vLLMs; a
+    #: template without a developer branch then drops them)
+    developer_role: str = "system"
 
     def __post_init__(self) -> None:
         self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
@@ -224,8 +229,16 @@ class FakeEngine:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        conversation = vllm_style_messages(messages)
+        template = self.chat_template if self.chat_template is not None else self.tokenizer.chat_template
+        if (
+            self.developer_role == "system"
+            and any(message.get("role") == "developer" for message in conversation)
+            and not vllm_chat.names_developer_role(str(template))
+        ):
+            conversation = vllm_chat.developer_as_system(conversation)
         return self.tokenizer.apply_chat_template(
-            vllm_style_messages(messages), tokenize=False, chat_template=self.chat_template, **kwargs
+            conversation, tokenize=False, chat_template=self.chat_template, **kwargs
         )
 
     @property

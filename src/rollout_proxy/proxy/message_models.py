@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from rollout_proxy.proxy.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOL_CALLS, MAX_TOOLS
 from rollout_proxy.proxy.validation import field_error, sent_as, sent_as_items, tag
-from rollout_proxy.wire.messages import describe, is_text_part
+from rollout_proxy.wire.messages import LEFT_OUT_TOOL_TYPES, describe, is_text_part
 
 OPEN = ConfigDict(extra="allow", strict=True)
 
@@ -140,22 +140,63 @@ class FlatTool(FunctionSpec):
     type: Literal["function"] = "function"
 
 
-def _function_tool(value: Any) -> Any:
-    """Refused as a whole, as the normalizer refuses it: not a function tool, or no name."""
-    if not isinstance(value, dict) or value.get("type", "function") != "function":
-        raise PydanticCustomError("tool_type", "only function tools are supported")
-    function = value.get("function", value)
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise PydanticCustomError("tool_name", "a function tool needs a name")
+class NamespaceTool(BaseModel):
+    """``{"type": "namespace", "name", "description", "tools": [...]}`` (Responses): its member functions are
+    rendered, its custom members left out."""
+
+    model_config = OPEN
+
+    type: Literal["namespace"]
+    name: Name
+    description: str | None = None
+    tools: Annotated[list[JsonObject], Field(max_length=MAX_TOOLS)]
+
+
+class LeftOutTool(BaseModel):
+    """A tool the policy cannot call as a function (hosted, custom/freeform): accepted, left out of the prompt."""
+
+    model_config = OPEN
+
+    type: str
+
+
+def _tool_kind(value: Any) -> str:
+    """The tag of a tool's shape; refused as a whole, as the normalizer refuses it."""
+    if not isinstance(value, dict):
+        raise PydanticCustomError("tool_type", "a tool must be an object")
+    kind = value.get("type", "function")
+    if kind == "function":
+        function = value.get("function", value)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise PydanticCustomError("tool_name", "a function tool needs a name")
+        return "<chat>" if "function" in value else "<flat>"
+    if kind == "namespace":
+        return "<namespace>"
+    if isinstance(kind, str) and kind in LEFT_OUT_TOOL_TYPES:
+        return "<left_out>"
+    raise PydanticCustomError(
+        "tool_type",
+        "unsupported tool type {kind}: function and namespace tools are rendered, {left_out} are left out",
+        {"kind": describe(kind), "left_out": ", ".join(sorted(LEFT_OUT_TOOL_TYPES))},
+    )
+
+
+def _known_tool(value: Any) -> Any:
+    _tool_kind(value)
     return value
 
 
 Tool = Annotated[
-    Annotated[ChatTool, tag("chat")] | Annotated[FlatTool, tag("flat")],
-    Discriminator(lambda value: "<chat>" if "function" in value else "<flat>"),
-    BeforeValidator(_function_tool),
+    Annotated[ChatTool, tag("chat")]
+    | Annotated[FlatTool, tag("flat")]
+    | Annotated[NamespaceTool, tag("namespace")]
+    | Annotated[LeftOutTool, tag("left_out")],
+    Discriminator(_tool_kind),
+    BeforeValidator(_known_tool),
 ]
 
 #: Fields that keep the JSON as sent (the wire normalizers read it) once it has these shapes.
 Messages = Annotated[list[JsonObject], sent_as_items(ChatMessage, min_length=1, max_length=MAX_MESSAGES)]
+#: a sample's messages: may be empty (a harness that owns its prompt sends the whole conversation itself)
+SampleMessages = Annotated[list[JsonObject], sent_as_items(ChatMessage, min_length=0, max_length=MAX_MESSAGES)]
 Tools = Annotated[list[JsonObject], sent_as(Annotated[list[Tool], Field(max_length=MAX_TOOLS)])]

@@ -17,7 +17,9 @@ from rollout_proxy.records import ResponseNode, SessionRecord
 
 
 def output_items(node: ResponseNode) -> list[dict[str, Any]]:
+    """The node's output as Responses items; a call to a namespace's function carries its ``namespace``."""
     message = node.messages[-1]
+    namespaces = node.meta.get("tool_namespaces") or {}
     suffix = node.id.removeprefix("resp_")
     items: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
@@ -41,16 +43,18 @@ def output_items(node: ResponseNode) -> list[dict[str, Any]]:
             }
         )
     for index, call in enumerate(message.get("tool_calls") or []):
-        items.append(
-            {
-                "type": "function_call",
-                "id": f"fc_{suffix}_{index}",
-                "call_id": call["id"],
-                "name": call["function"]["name"],
-                "arguments": call["function"]["arguments"],
-                "status": "completed",
-            }
-        )
+        name = call["function"]["name"]
+        item = {
+            "type": "function_call",
+            "id": f"fc_{suffix}_{index}",
+            "call_id": call["id"],
+            "name": name,
+            "arguments": call["function"]["arguments"],
+            "status": "completed",
+        }
+        if name in namespaces:
+            item["namespace"] = namespaces[name]
+        items.append(item)
     return items
 
 

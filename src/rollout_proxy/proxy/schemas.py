@@ -10,13 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollout_proxy.errors import PinnedParameter
 from rollout_proxy.proxy.input_models import Input
 from rollout_proxy.proxy.limits import MAX_MESSAGES, MAX_NAME_CHARS
-from rollout_proxy.proxy.message_models import Messages, Tools
+from rollout_proxy.proxy.message_models import Messages, SampleMessages, Tools
 from rollout_proxy.proxy.validation import field_error
 from rollout_proxy.records import GenerationConfig
-from rollout_proxy.wire.generation import PINNED_GENERATION_PARAMETERS
 
 #: ``chat_template_kwargs`` that would override how the proxy renders: what it renders, how
 #: it ends the prompt, the template itself, tokenizer options, the special tokens and the
@@ -57,20 +55,13 @@ Id = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 MAX_TOP_LOGPROBS = 20
 
 
-def refuse_pinned(payload: dict[str, Any]) -> None:
-    for name in PINNED_GENERATION_PARAMETERS:
-        if payload.get(name) is not None:
-            raise PinnedParameter(
-                f"'{name}' is pinned by the session's generation settings; set it in the sample or "
-                "the job's hyperparameters, not in create()",
-                param=name,
-            )
-
-
 class SampleIn(BaseModel):
+    """The sample a rollout starts from; a harness that owns its prompt (Codex, Claude Code) may leave out
+    ``messages``: its first request is then the root, exactly as it sent it."""
+
     model_config = ConfigDict(extra="allow", strict=True)  # datasets carry their own fields
 
-    messages: Messages
+    messages: SampleMessages | None = None
     tools: Tools | None = None
     extra: dict[str, Any] = Field(default_factory=dict)
     thinking: dict[str, Any] | None = None
@@ -124,11 +115,15 @@ class ConcurrencyIn(BaseModel):
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    sample: SampleIn
+    sample: SampleIn = Field(default_factory=SampleIn)
     generation: GenerationIn = Field(default_factory=GenerationIn)
     context: dict[str, Any] = Field(default_factory=dict)
     n_sample: int | None = Field(None, ge=1)
     concurrency: ConcurrencyIn | None = None
+    #: a request's own generation parameters: "refuse" them (a 400 unless the value changes nothing) or
+    #: "ignore" them (the session's values are used, the client's recorded on the node); see
+    #: ``proxy.client_sampling``
+    client_sampling: Literal["refuse", "ignore"] = "refuse"
 
 
 class ChatRequest(BaseModel):

@@ -97,6 +97,10 @@ class ProxySection(Strict):
     output_dir: str = "out"
     tool_parser: str = "hermes"
     reasoning_parser: str = "think"
+    #: what the sessions do with the generation parameters a request sends (a harness run unmodified sends
+    #: some): "refuse" them (a 400 unless the value changes nothing) or "ignore" them (the job's values are
+    #: used, the client's recorded on each node)
+    client_sampling: Literal["refuse", "ignore"] = "refuse"
 
 
 class RaySection(Strict):

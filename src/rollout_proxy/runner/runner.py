@@ -111,6 +111,7 @@ class JobRunner:
                 executor=self.executor,
                 topk=self.job.opd.topk if self.job.opd is not None else 0,
                 student_topk=self.job.opd.student_topk if self.job.opd is not None else 0,
+                client_sampling=self.job.proxy.client_sampling,
             ),
             graders=Graders(self.graders, on_failed_attempt=progress.attempt_failed, executor=self.executor),
             publisher=StepPublisher(self._feed, self.job_id, on_published=progress.published),

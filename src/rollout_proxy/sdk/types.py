@@ -78,7 +78,8 @@ class ChatCompletionSample(BaseModel):
     top_k: int = 0
     temperature: float = 1.0
 
-    messages: list[ChatCompletionMessage]
+    #: empty for a harness that owns its prompt (the task reaches it otherwise: ``extra``, its command line)
+    messages: list[ChatCompletionMessage] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
     thinking: Thinking | None = None
     extra: dict[str, Any] | None = None

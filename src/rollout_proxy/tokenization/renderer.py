@@ -184,6 +184,18 @@ class ChatRenderer:
                 "tokens are already fixed, so send these messages together with the ones before them",
                 param="messages",
             )
+        if after_role == "assistant" and turns > 1:
+            # The assistant turn itself may be re-rendered, never what comes before it: a template that moves
+            # new messages in front of the history (vLLM merges every system message into the first one once
+            # a developer message is converted) changes tokens the parent has fixed.
+            head = _nth_position(alone, end_of_turn, turns - 1)
+            if not np.array_equal(rendered[: head + 1], alone[: head + 1]):
+                raise MessagesMergeIntoParent(
+                    "the chat template renders these messages before the conversation's earlier turns (it merges "
+                    "system and developer messages into the first one); those turns' tokens are already fixed, "
+                    "so start a new conversation with these messages at its beginning",
+                    param="messages",
+                )
         bridge = rendered[cut + 1 :]
         if not add_generation_prompt:
             bridge = await self._close_at_last_turn(bridge)

@@ -1,6 +1,7 @@
 """Is local rendering the engine's? Canonical conversations rendered both ways, token for token.
 
-The set covers what turns render: a system prompt, tools, tool calls and their results
+The set covers what turns render: a system prompt, developer messages (a harness's prompt), tools, tool
+calls and their results
 (two in a row: Qwen-style templates merge them), ``<think>`` reasoning in earlier turns
 (templates strip it), several turns, both generation-prompt settings, a
 ``chat_template_kwargs`` (``enable_thinking``), non-ASCII text, and the renderer's own
@@ -73,6 +74,9 @@ _THOUGHT = {
 _FOLLOW_UP = {"role": "user", "content": "And in Tōkyō? Answer with an emoji too 🌧️"}
 _SECOND = {"role": "assistant", "content": "<think>\nNo tool needed.\n</think>\n\nI cannot tell without a tool ☂️"}
 _LAST = {"role": "user", "content": "Thanks!  Bye."}
+#: a harness's prompt (Codex: two developer messages, then the user's turns)
+_DEVELOPER = {"role": "developer", "content": "You are a coding agent.\nRun commands with the tools given."}
+_SKILLS = {"role": "developer", "content": "<skills>\nNone installed.\n</skills>"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +96,10 @@ def canonical_cases() -> list[Case]:
         Case("several_turns_with_think", [_USER, _THOUGHT, _FOLLOW_UP, _SECOND, _LAST]),
         Case("thinking_off", [_SYSTEM, _USER], chat_template_kwargs={"enable_thinking": False}),
         Case("thinking_on", [_USER, _THOUGHT, _FOLLOW_UP], tools=TOOLS, chat_template_kwargs={"enable_thinking": True}),
+        Case("developer_prompt", [_DEVELOPER, _SKILLS, _USER, _FOLLOW_UP], tools=TOOLS),
+        Case("system_and_developer", [_SYSTEM, _DEVELOPER, _USER]),
     ]
-    for role in ("user", "assistant", "tool", "system"):
+    for role in ("user", "assistant", "tool", "system", "developer"):
         anchor = anchor_conversation(role)
         cases.append(Case(f"anchor_{role}", anchor, tools=TOOLS))
         cases.append(Case(f"anchor_{role}_then_user", [*anchor, _FOLLOW_UP]))

@@ -232,7 +232,10 @@ def _message(message: dict[str, Any], content_format: ContentFormat) -> dict[str
     return prepared
 
 
-def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def developer_as_system(conversation: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM 0.32 for a template without a developer branch: each ``developer`` message becomes ``system``
+    (its ``tools`` dropped), and when that leaves a system message anywhere but first, all of them are
+    merged into one first system message (their texts joined with a blank line)."""
     converted = []
     for message in conversation:
         if message["role"] == "developer":
@@ -255,7 +258,7 @@ def vllm_conversation(
     New dicts throughout: the caller's messages are never changed (the template gets its own copy)."""
     conversation = [_message(message, content_format) for message in messages]
     if not names_developer and any(message["role"] == "developer" for message in conversation):
-        conversation = _developer_as_system(conversation)
+        conversation = developer_as_system(conversation)
     return conversation
 
 

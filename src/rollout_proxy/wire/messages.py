@@ -13,6 +13,7 @@ free-form parts (tool arguments, tool parameters) are bounded to ``MAX_JSON_DEPT
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -162,8 +163,145 @@ def normalize_messages(messages: Any, *, param: str = "messages") -> list[dict[s
     return [normalize_message(message, param=f"{param}[{index}]") for index, message in enumerate(messages)]
 
 
+#: Tool types the policy cannot call as a JSON function, left out of the prompt (and recorded): tools the
+#: OpenAI platform runs itself (search, code, images, MCP servers, tool search), and client tools whose calls
+#: are not function calls (custom/freeform text tools, the computer, shell, local_shell and apply_patch tools,
+#: which answer with their own output item types).
+LEFT_OUT_TOOL_TYPES = frozenset(
+    {
+        "custom",
+        "web_search",
+        "web_search_preview",
+        "web_search_2025_08_26",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "mcp",
+        "tool_search",
+        "programmatic_tool_calling",
+        "computer",
+        "computer_use_preview",
+        "computer_use",
+        "local_shell",
+        "shell",
+        "apply_patch",
+    }
+)
+#: Tool types whose functions are rendered: plain functions, and a namespace's member functions.
+RENDERED_TOOL_TYPES = ("function", "namespace")
+
+
+@dataclass(slots=True)
+class ToolSet:
+    """A request's tools as the policy sees them: the functions rendered (Chat Completions form; None when
+    the request sent no ``tools``), which of them belong to a namespace (their calls go back with it), and
+    the tools left out of the prompt (``{"type", ["name"], ["namespace"]}``)."""
+
+    functions: list[dict[str, Any]] | None = None
+    namespaces: dict[str, str] = field(default_factory=dict)
+    left_out: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _function_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    nested = "function" in tool
+    function = tool["function"] if nested else tool
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise WireFormatError("a function tool needs a name", param=where)
+    at = f"{where}.function" if nested else where
+    spec: dict[str, Any] = {"name": function["name"]}
+    description = function.get("description")
+    if description is not None:
+        if not isinstance(description, str):
+            raise WireFormatError("a tool description must be a string", param=f"{at}.description")
+        spec["description"] = description
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise WireFormatError("tool parameters must be a JSON Schema object", param=f"{at}.parameters")
+    free_form_json(parameters, what="tool parameters", param=f"{at}.parameters")
+    spec["parameters"] = parameters
+    return {"type": "function", "function": spec}
+
+
+def _tool_type(tool: Any, where: str) -> str:
+    kind = tool.get("type", "function") if isinstance(tool, dict) else None
+    if kind in RENDERED_TOOL_TYPES or kind in LEFT_OUT_TOOL_TYPES:
+        return str(kind)
+    raise WireFormatError(
+        f"unsupported tool type {describe(kind)}: function and namespace tools are rendered for the policy; "
+        f"{', '.join(sorted(LEFT_OUT_TOOL_TYPES))} are accepted and left out of the prompt",
+        param=where,
+    )
+
+
+def _left_out(tool: dict[str, Any], kind: str, namespace: str | None = None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"type": kind}
+    name = tool.get("name") if "name" in tool else (tool.get(kind) or {}).get("name")  # Chat's nested custom tool
+    if isinstance(name, str):
+        entry["name"] = name
+    if namespace is not None:
+        entry["namespace"] = namespace
+    return entry
+
+
+def split_tools(tools: Any, *, param: str = "tools") -> ToolSet:
+    """A request's tools: function tools (Chat Completions' nested form or the Responses API's flat one) and
+    a ``namespace``'s member functions are rendered; the types the policy cannot call
+    (``LEFT_OUT_TOOL_TYPES``) are left out; anything else is refused. A namespace member's name must be
+    unique among the functions (its call is routed back by name)."""
+    if tools is None:
+        return ToolSet()
+    if not isinstance(tools, list):
+        raise WireFormatError("tools must be a list", param=param)
+    found = ToolSet(functions=[])
+    assert found.functions is not None
+    names: dict[str, str] = {}  # function name -> where it was given
+    for index, tool in enumerate(tools):
+        where = f"{param}[{index}]"
+        kind = _tool_type(tool, where)
+        if kind == "function":
+            function = _function_tool(tool, where)
+            name = function["function"]["name"]
+            if name in found.namespaces:
+                raise _same_name(name, found.namespaces[name], names[name], where)
+            names.setdefault(name, where)
+            found.functions.append(function)
+        elif kind == "namespace":
+            namespace, members = tool.get("name"), tool.get("tools")
+            if not isinstance(namespace, str) or not namespace:
+                raise WireFormatError("a namespace tool needs a name", param=f"{where}.name")
+            if not isinstance(members, list):
+                raise WireFormatError("a namespace tool needs a list of tools", param=f"{where}.tools")
+            for at, member in enumerate(members):
+                member_where = f"{where}.tools[{at}]"
+                member_kind = _tool_type(member, member_where)
+                if member_kind != "function":
+                    if member_kind == "namespace":
+                        raise WireFormatError("namespaces do not nest", param=member_where)
+                    found.left_out.append(_left_out(member, member_kind, namespace))
+                    continue
+                function = _function_tool(member, member_where)
+                name = function["function"]["name"]
+                if name in names:
+                    raise _same_name(name, namespace, member_where, names[name])
+                names[name] = member_where
+                found.namespaces[name] = namespace
+                found.functions.append(function)
+        else:
+            found.left_out.append(_left_out(tool, kind))
+    return found
+
+
+def _same_name(name: str, namespace: str, member_where: str, other_where: str) -> WireFormatError:
+    return WireFormatError(
+        f"function {name!r} of namespace {namespace!r} ({member_where}) has the name of another function "
+        f"({other_where}): the policy calls functions by name, so a namespace's must be unique",
+        param=f"{member_where}.name",
+    )
+
+
 def normalize_tools(tools: Any, *, param: str = "tools") -> list[dict[str, Any]] | None:
-    """Function tools in Chat Completions form; the flat Responses form is accepted too."""
+    """Function tools only (a sample's), in Chat Completions form; the flat Responses form is accepted too."""
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -173,21 +311,5 @@ def normalize_tools(tools: Any, *, param: str = "tools") -> list[dict[str, Any]]
         where = f"{param}[{index}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
             raise WireFormatError("only function tools are supported", param=where)
-        nested = "function" in tool
-        function = tool["function"] if nested else tool
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise WireFormatError("a function tool needs a name", param=where)
-        at = f"{where}.function" if nested else where
-        spec: dict[str, Any] = {"name": function["name"]}
-        description = function.get("description")
-        if description is not None:
-            if not isinstance(description, str):
-                raise WireFormatError("a tool description must be a string", param=f"{at}.description")
-            spec["description"] = description
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
-            raise WireFormatError("tool parameters must be a JSON Schema object", param=f"{at}.parameters")
-        free_form_json(parameters, what="tool parameters", param=f"{at}.parameters")
-        spec["parameters"] = parameters
-        normalized.append({"type": "function", "function": spec})
+        normalized.append(_function_tool(tool, where))
     return normalized

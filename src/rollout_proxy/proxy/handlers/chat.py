@@ -12,13 +12,14 @@ from rollout_proxy.core.turns import TurnResult
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.chat_stream import ChatChunks, include_usage
-from rollout_proxy.proxy.handlers.common import plugin_request
+from rollout_proxy.proxy.client_sampling import CHAT_FIELDS
+from rollout_proxy.proxy.handlers.common import plugin_request, turn_meta
 from rollout_proxy.proxy.http import json_response
 from rollout_proxy.proxy.known_messages import MessageIntake
 from rollout_proxy.proxy.schemas import ChatRequest
 from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
-from rollout_proxy.wire.messages import normalize_tools
+from rollout_proxy.wire.messages import split_tools
 
 
 def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | None, top: int = 0) -> dict[str, Any]:
@@ -79,7 +80,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         hashed.append(hashes)  # computed once: the tree attaches by the same hashes
         return ReadAhead(hashes=match_window(hashes))  # what the tree looks up first
 
-    session, body = await plugin_request(request, ChatRequest, read_ahead=read_ahead, intake=intake)
+    call = await plugin_request(request, ChatRequest, sampling=CHAT_FIELDS, read_ahead=read_ahead, intake=intake)
+    session, body = call.session, call.body
     recorded = session.generation.top_logprobs
     if body.top_logprobs and (body.top_logprobs > recorded or body.stream):
         raise InvalidRequest(
@@ -89,15 +91,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             param="top_logprobs",
         )
     messages, hashes = normalized[0], hashed[0]
-    tools = normalize_tools(body.tools)
+    toolset = split_tools(body.tools)
+    tools, meta = toolset.functions, turn_meta(request, "chat", call, toolset)
     if body.stream:
         usage = include_usage(body.model_extra)
-        events = request.app[keys.CHAT].stream(session, messages, tools=tools, stop=body.stop_list(), hashes=hashes)
+        events = request.app[keys.CHAT].stream(
+            session, messages, tools=tools, stop=body.stop_list(), hashes=hashes, meta=meta
+        )
         return await serve_stream(
             request,
             events,
             lambda started: ChatChunks(started, model=body.model, usage=usage, logprobs=bool(body.logprobs)),
         )
-    result = await request.app[keys.CHAT].complete(session, messages, tools=tools, stop=body.stop_list(), hashes=hashes)
+    result = await request.app[keys.CHAT].complete(
+        session, messages, tools=tools, stop=body.stop_list(), hashes=hashes, meta=meta
+    )
     structlog.contextvars.bind_contextvars(response_id=result.node.id)
     return json_response(completion_body(result, model=body.model, logprobs=body.logprobs, top=body.top_logprobs or 0))

@@ -9,23 +9,29 @@ from rollout_proxy.core.turns import path_tokens
 from rollout_proxy.errors import NotFound
 from rollout_proxy.ids import session_of_response
 from rollout_proxy.proxy import keys
-from rollout_proxy.proxy.handlers.common import plugin_request, request_caller
+from rollout_proxy.proxy.client_sampling import RESPONSES_FIELDS
+from rollout_proxy.proxy.handlers.common import plugin_request, request_caller, turn_meta
 from rollout_proxy.proxy.http import json_response
 from rollout_proxy.proxy.openai_responses import response_body
 from rollout_proxy.proxy.responses_stream import ResponseEvents
 from rollout_proxy.proxy.schemas import ResponsesRequest
 from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
-from rollout_proxy.wire.messages import normalize_tools
+from rollout_proxy.wire.messages import split_tools
 from rollout_proxy.wire.responses import input_to_messages
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-    session, body = await plugin_request(
-        request, ResponsesRequest, read_ahead=lambda body: ReadAhead(response_id=body.previous_response_id)
+    call = await plugin_request(
+        request,
+        ResponsesRequest,
+        sampling=RESPONSES_FIELDS,
+        read_ahead=lambda body: ReadAhead(response_id=body.previous_response_id),
     )
+    session, body = call.session, call.body
     messages = input_to_messages(body.input)
-    tools = normalize_tools(body.tools)
+    toolset = split_tools(body.tools)
+    tools, meta = toolset.functions, turn_meta(request, "responses", call, toolset)
     if body.stream:
         events = request.app[keys.RESPONSES].stream(
             session,
@@ -34,6 +40,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             instructions=body.instructions,
             tools=tools,
             store=body.store,
+            meta=meta,
         )
         return await serve_stream(
             request,
@@ -47,6 +54,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         instructions=body.instructions,
         tools=tools,
         store=body.store,
+        meta=meta,
     )
     structlog.contextvars.bind_contextvars(response_id=result.node.id)
     return json_response(

@@ -22,13 +22,14 @@ async def create_session(request: web.Request) -> web.Response:
     request_caller(request, admin_only=True)
     body = validation.validate(SessionCreate, await read_json_object(request))
     session = await request.app[keys.SESSIONS].create(
-        messages=normalize_messages(body.sample.messages, param="sample.messages"),
+        messages=normalize_messages(body.sample.messages or [], param="sample.messages"),
         tools=normalize_tools(body.sample.tools, param="sample.tools"),
         extra=body.sample.extra,
         generation=body.generation.to_config(body.sample.thinking),
         context=body.context,
         n_sample=body.n_sample,
         concurrency=body.concurrency.model_dump() if body.concurrency else None,
+        client_sampling=body.client_sampling,
     )
     structlog.contextvars.bind_contextvars(session_id=session.id)
     request.app[keys.METRICS].sessions.opened(session.id, session.expires_at)
