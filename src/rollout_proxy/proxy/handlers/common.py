@@ -10,7 +10,8 @@ from typing import Any, Generic
 import structlog
 from aiohttp import web
 
-from rollout_proxy.errors import AuthenticationFailed
+from rollout_proxy.core.branches import BRANCH_HEADER, BRANCH_METADATA_KEY, branch_label
+from rollout_proxy.errors import AuthenticationFailed, InvalidRequest
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import Caller, authenticate
 from rollout_proxy.proxy.client_sampling import SamplingField, check_client_sampling
@@ -95,12 +96,27 @@ async def _plugin_body(
     return payload, validate(model, payload, context=None if to_check is None else {CHECK_ITEMS: to_check})
 
 
+def _branch_label(request: web.Request, body: Any) -> str | None:
+    """The label a request gives its branch (``core.branches``): the ``X-Rollout-Branch`` header, or the
+    ``rollout_branch`` key of the body's ``metadata``; a bad one is a 400."""
+    extra = getattr(body, "model_extra", None) or {}
+    metadata = getattr(body, "metadata", None) or extra.get("metadata")
+    try:
+        return branch_label(request.headers.get(BRANCH_HEADER), metadata)
+    except ValueError as exc:
+        param = BRANCH_HEADER if BRANCH_HEADER in request.headers else f"metadata.{BRANCH_METADATA_KEY}"
+        raise InvalidRequest(str(exc), param=param) from None
+
+
 def turn_meta(request: web.Request, api: str, call: PluginCall[Any], tools: ToolSet) -> dict[str, Any]:
     """What a turn's node records of its request beyond its messages, counted: the generation parameters
     the session ignored (``client_sampling``), the tools left out of the prompt (``tools_left_out``) and
     which rendered functions belong to a namespace (``tool_namespaces``: their calls go back with it)."""
     metrics = request.app[keys.METRICS]
     meta: dict[str, Any] = {}
+    label = _branch_label(request, call.body)
+    if label is not None:
+        meta["branch_label"] = label
     if call.client_sampling:
         meta["client_sampling"] = call.client_sampling
         for name in call.client_sampling:
