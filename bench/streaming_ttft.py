@@ -11,8 +11,10 @@ Completions turn (``stream: true``) of one session from the proxy, which renders
 streams the same completion from the engine, parses and relays it, and records the turn. Per
 target it reports:
 
-  TTFT p50 / p99    request sent to the first event that carries a token
-  gap p50           between two token-carrying events (a decode step plus the relay's share)
+  TTFT p50 / p99    request sent to the first event that adds text (the engine's ``text``, the chat
+                    chunk's content or reasoning): the first character a user could see, not the
+                    first chunk (a parser holding text sends chunks with tokens and no content)
+  gap p50           between two text-adding events (a decode step plus the relay's share)
   total p50         request sent to the end of the stream (the proxy records the turn before its end)
   not streamed p50  the same turn without streaming, request to answer (the proxy's own per-turn work
                     is in both: TTFT overhead minus this overhead is what streaming adds)
@@ -44,8 +46,22 @@ ADMIN_KEY = "bench-admin-key"
 QUESTION = [{"role": "user", "content": "What is the answer?"}]
 
 
-async def timed_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], token: str | None) -> dict:
-    """Send, read the SSE stream, note when each token-carrying event arrived."""
+def engine_text(choice: dict[str, Any]) -> str:
+    """What an engine's ``/v1/completions`` chunk adds to the text."""
+    return choice.get("text") or ""
+
+
+def chat_text(choice: dict[str, Any]) -> str:
+    """What a Chat Completions chunk adds to the message a client shows (answer or reasoning)."""
+    delta = choice.get("delta") or {}
+    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+
+
+async def timed_stream(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], token: str | None, text: Any
+) -> dict:
+    """Send, read the SSE stream, note when each event that adds text arrived (``text`` reads a choice): a
+    chunk that carries tokens but no text yet (held by a parser) does not count."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     started = time.perf_counter()
     arrivals: list[float] = []
@@ -61,7 +77,7 @@ async def timed_stream(http: aiohttp.ClientSession, url: str, body: dict[str, An
                 if not payload.startswith(b"{"):
                     continue
                 choices = json.loads(payload).get("choices") or []
-                if choices and choices[0].get("token_ids"):
+                if choices and text(choices[0]):
                     arrivals.append(now)
     ended = time.perf_counter()
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
@@ -92,7 +108,7 @@ async def phase(engine_url: str, proxy_url: str, rounds: int) -> dict[str, Any]:
         chat = f"{proxy_url}/v1/chat/completions"
         token = session["api_key"]
         async with http.post(chat, json={"messages": QUESTION}, headers={"Authorization": f"Bearer {token}"}) as r:
-            prompt = (await r.json())["prompt_token_ids"]  # the warm-up: the engine is known to return no routing
+            prompt = (await r.json())["prompt_token_ids"]  # the warm-up, and the prompt direct is sent
         async with http.get(f"{engine_url}/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
         direct_body = {
@@ -110,12 +126,14 @@ async def phase(engine_url: str, proxy_url: str, rounds: int) -> dict[str, Any]:
             order = ["direct", "proxy"] if index % 2 == 0 else ["proxy", "direct"]
             for name in order:
                 if name == "direct":
-                    results[name].append(await timed_stream(http, f"{engine_url}/v1/completions", direct_body, None))
+                    results[name].append(
+                        await timed_stream(http, f"{engine_url}/v1/completions", direct_body, None, engine_text)
+                    )
                     plain[name].append(
                         await timed_plain(http, f"{engine_url}/v1/completions", {**direct_body, "stream": False}, None)
                     )
                 else:
-                    results[name].append(await timed_stream(http, chat, proxy_body, token))
+                    results[name].append(await timed_stream(http, chat, proxy_body, token, chat_text))
                     plain[name].append(await timed_plain(http, chat, {"messages": QUESTION}, token))
     summary: dict[str, Any] = {}
     for name, runs in results.items():

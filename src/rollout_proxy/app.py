@@ -33,7 +33,7 @@ from rollout_proxy.proxy.handlers import feed as feed_handlers
 from rollout_proxy.proxy.known_messages import KnownMessages
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.proxy.telemetry import telemetry_middleware
-from rollout_proxy.settings import Settings
+from rollout_proxy.settings import PROMPT_ECHO_MODES, Settings
 from rollout_proxy.state.connection import RedisOptions, is_redis_url
 from rollout_proxy.state.feed import Feed, open_feed
 from rollout_proxy.state.instrumented import InstrumentedStore
@@ -85,6 +85,7 @@ def engine_client(url: str, settings: Settings) -> VLLMEngine:
         bound_completions=False,  # the fleet bounds them, not counting time paused (fleet_settings)
         max_connections=settings.engine_max_connections,
         pool_timeout=settings.engine_pool_timeout,
+        hang_timeout=settings.engine_hang_timeout,
     )
 
 
@@ -93,6 +94,7 @@ def fleet_settings(settings: Settings) -> FleetSettings:
         policy_version=settings.policy_version,
         probe_interval=settings.engine_probe_interval,
         health_timeout=settings.engine_health_timeout,
+        hang_timeout=settings.engine_hang_timeout,
         failure_threshold=settings.engine_failure_threshold,
         backoff_max=settings.engine_backoff_max,
         max_inflight=settings.engine_max_inflight,
@@ -131,6 +133,8 @@ def create_app(
     check_store_url(settings.store)
     fleet_settings(settings)  # refuses a bad abort policy now, not at start
     rendering_config(settings)  # refuses a bad rendering setting now, not at start
+    if settings.prompt_echo not in PROMPT_ECHO_MODES:
+        raise ValueError(f"prompt_echo must be one of {PROMPT_ECHO_MODES}, not {settings.prompt_echo!r}")
     teacher_urls = parse_teachers(settings.teachers)  # refuses a bad teacher list now, not at start
     teacher_templates = parse_teacher_templates(settings.teacher_templates, teacher_urls)
     parser = OutputParser.named(settings.tool_parser, settings.reasoning_parser)
@@ -212,6 +216,7 @@ def create_app(
             parser=parser,
             metrics=app[keys.METRICS],
             renderers=renderers,
+            require_prompt_echo=settings.prompt_echo == "require",
         )
         app[keys.SESSIONS] = SessionService(
             store=store, engines=app[keys.ENGINES], ttl=settings.session_ttl, renderers=renderers

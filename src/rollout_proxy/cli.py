@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout_proxy.logs import LOG_FORMATS, configure_logging
 from rollout_proxy.proxy.workers import WORKER_HEADER
-from rollout_proxy.settings import DEFAULT_ENGINE, Settings
+from rollout_proxy.settings import DEFAULT_ENGINE, PROMPT_ECHO_MODES, Settings
 from rollout_proxy.tokenization.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -104,6 +104,15 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         "--engine-health-timeout", type=float, help="seconds one engine health probe may take (default 2)"
     )
     serve.add_argument(
+        "--engine-hang-timeout",
+        type=float,
+        help="seconds an engine may send nothing at all (no probe or call answered, no token streamed) while its "
+        "probes time out before it is taken out as hung: its calls in flight fail over, or end with an error "
+        "event once part of the answer was streamed; also how long a /tokenize waits for its answer to start. "
+        "A slow generation that streams tokens is never cut by it (default 8: a client has an answer within "
+        "about 12 s of its engine hanging)",
+    )
+    serve.add_argument(
         "--engine-max-inflight", type=int, help="requests in flight per engine before queueing (default 256)"
     )
     _fleet_arguments(serve)
@@ -178,6 +187,14 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         metavar="RATE",
         help="share of turns whose local rendering is also asked of the engine and compared; a difference "
         "switches that engine back to its /tokenize (default 0.01)",
+    )
+    serve.add_argument(
+        "--prompt-echo",
+        choices=PROMPT_ECHO_MODES,
+        help="the drift check compares the prompt the engine says it consumed with the tokens sent: 'require' "
+        "makes an answer without that echo an engine error (502); 'count' records such turns unchecked, "
+        "flagged on the node and counted in unchecked_prompts_total, for an engine that cannot echo "
+        "(default require)",
     )
     serve.add_argument(
         "--otlp-endpoint",
@@ -297,6 +314,7 @@ def _serve(args: argparse.Namespace) -> int:
             "engine_connect_timeout",
             "engine_first_byte_timeout",
             "engine_health_timeout",
+            "engine_hang_timeout",
             "engine_max_inflight",
             "policy_version",
             "engine_probe_interval",
@@ -327,6 +345,7 @@ def _serve(args: argparse.Namespace) -> int:
             "chat_template",
             "chat_template_content_format",
             "render_check_rate",
+            "prompt_echo",
             "otlp_endpoint",
         )
     }

@@ -108,6 +108,10 @@ DECLARED: dict[str, Declared] = {
         "type",
     ),
     "prompt_drift_total": _counter("Turns whose engine-reported prompt differed from the tokens the proxy sent."),
+    "unchecked_prompts_total": _counter(
+        "Engine answers that did not echo the prompt they consumed, so the drift check could not run (refused "
+        "with --prompt-echo require, the default; recorded and flagged with --prompt-echo count)."
+    ),
     "nonfinite_logprobs_total": _counter("Sampled tokens whose logprob was not finite (stored as a placeholder)."),
     "injected_nodes_total": _counter("Nodes of messages the policy did not generate (POST .../messages)."),
     "tool_parse_total": _counter(

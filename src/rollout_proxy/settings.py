@@ -11,6 +11,7 @@ from typing import Any
 
 ENV_PREFIX = "ROLLOUT_PROXY_"
 DEFAULT_ENGINE = "http://127.0.0.1:8000"
+PROMPT_ECHO_MODES = ("require", "count")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,9 @@ class Settings:
     # one probe request (/health, /weight_info): generous, since a probe that times out counts against an
     # engine that may only be busy (a CPU vLLM's API server starves while it generates); /readyz never waits on it
     engine_health_timeout: float = 2.0
+    # an engine from which nothing came for this long (no probe or call answered, no token streamed) while its
+    # probes time out is hung: out of rotation at once, its calls in flight failed over or ended
+    engine_hang_timeout: float = 8.0
     engine_max_inflight: int = 256
     # The fleet (README, "Fleet and weight updates"): probes, circuit breaker, failover, pauses.
     policy_version: int = 0  # the version of weights engines report as "default" (and of a fleet reporting none)
@@ -80,6 +84,9 @@ class Settings:
     chat_template: str = ""  # the Jinja file the engines were started with (--chat-template); empty: the tokenizer's
     chat_template_content_format: str = "auto"  # as vLLM's flag of that name: auto, string or openai
     render_check_rate: float = 0.01  # share of live turns also rendered by the engine and compared
+    # The drift check needs the engine to echo the prompt it consumed (vLLM: return_token_ids). "require": an
+    # answer without the echo is an engine error (502); "count": such turns are recorded, flagged and counted.
+    prompt_echo: str = "require"
     # Traces (README, "Tracing"): an OTLP/HTTP collector for the proxy's spans; empty: the standard
     # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT variables, and without those no export at all.
     otlp_endpoint: str = ""

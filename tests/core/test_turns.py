@@ -147,7 +147,8 @@ class DriftingEngine:
 
     returns_routing = None
 
-    def __init__(self, inner: VLLMEngine) -> None:
+    def __init__(self, inner: VLLMEngine, *, echo: bool = True) -> None:
+        self._echo = echo
         self.url = inner.url
         self._inner = inner
 
@@ -167,7 +168,7 @@ class DriftingEngine:
 
     async def complete(self, prompt_ids: np.ndarray, params: SamplingParams, *, on_sent=None) -> EngineCompletion:
         completion = await self._inner.complete(prompt_ids, params, on_sent=on_sent)
-        completion.prompt_ids = completion.prompt_ids[1:]
+        completion.prompt_ids = completion.prompt_ids[1:] if self._echo else None
         return completion
 
     def __getattr__(self, name: str):  # the rest of the engine (health, control) as the real one
@@ -190,6 +191,34 @@ async def test_prompt_drift_is_an_engine_error_and_counted(fake_engine):
         await fleet.close()
     assert metrics.value("prompt_drift_total") == 1
     assert await store.latest(session.id, "*") is None
+
+
+@pytest.mark.parametrize("require", [True, False])
+async def test_an_answer_without_the_prompt_echo_is_refused_or_recorded_unchecked(fake_engine, require):
+    """The drift check never switches itself off: a missing echo is an error by default, and with
+    ``--prompt-echo count`` the turn is recorded flagged; either way it is counted."""
+    store, metrics = MemoryStore(), Metrics()
+    engine = DriftingEngine(VLLMEngine(fake_engine.url), echo=False)
+    fleet = Fleet([engine], metrics=metrics)
+    await fleet.start()
+    parser = OutputParser.named("hermes", "think")
+    runner = TurnRunner(store=store, engines=fleet, parser=parser, metrics=metrics, require_prompt_echo=require)
+    session = session_record(engine=engine.url)
+    await store.create_session(session)
+    placement = await ResponseTree(store=store, metrics=metrics).locate(session, [QUESTION], api="chat")
+    try:
+        if require:
+            with pytest.raises(EngineError, match="drift check cannot run"):
+                await runner.generate(session, placement, api="chat", tools=None)
+            assert await store.latest(session.id, "*") is None
+        else:
+            result = await runner.generate(session, placement, api="chat", tools=None)
+            assert result.node.meta["prompt_unchecked"] is True
+            assert await store.latest(session.id, "*") == result.node.id
+    finally:
+        await fleet.close()
+    assert metrics.value("unchecked_prompts_total") == 1
+    assert metrics.value("prompt_drift_total") == 0
 
 
 async def test_a_tool_call_finishes_with_tool_calls(turns):

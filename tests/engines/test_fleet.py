@@ -14,7 +14,7 @@ from rollout_proxy.engines.fleet import Fleet, FleetSettings
 from rollout_proxy.engines.health import EngineState
 from rollout_proxy.engines.sampling import sample
 from rollout_proxy.engines.vllm_http import EngineRejected, EngineUnreachable, VLLMEngine
-from rollout_proxy.errors import EngineUnavailable, NotFound
+from rollout_proxy.errors import EngineTimeout, EngineUnavailable, NotFound
 from tests.conftest import free_port
 from tests.fakes import FakeFleet, fake_fleet
 
@@ -162,12 +162,73 @@ async def test_a_busy_engine_whose_probe_is_slow_stays_in_while_its_calls_succee
         for _ in range(5):
             fleet._judge(member, TimeoutError())
         assert member.state is EngineState.HEALTHY
-        member.answered_at = -float("inf")  # no call answered lately: the probes are believed
+        member.heard_at = -float("inf")  # nothing came from it lately: the probes are believed
         fleet._judge(member, TimeoutError())
         fleet._judge(member, TimeoutError())
         assert member.state is EngineState.UNHEALTHY
     finally:
         await fleet.close()
+
+
+async def test_an_engine_silent_for_the_hang_timeout_is_out_at_its_first_timed_out_probe(fakes: FakeFleet):
+    """However high the failure threshold, once nothing came for ``hang_timeout`` a timed-out probe takes it
+    out, and every call waiting on it is woken (it fails over); a 5xx probe still needs the threshold."""
+    settings = FleetSettings(probe_interval=60.0, health_timeout=0.05, failure_threshold=10, hang_timeout=0.2)
+    fleet = await started(fakes.urls[:2], settings)
+    try:
+        hung, erring = fleet.members[fakes.urls[0]], fleet.members[fakes.urls[1]]
+        waiting = hung.down
+        fleet._judge(hung, TimeoutError())  # just probed: heard lately
+        assert hung.state is EngineState.HEALTHY
+        await asyncio.sleep(0.25)
+        fleet._judge(hung, TimeoutError())
+        assert hung.state is EngineState.UNHEALTHY and "hung" in (hung.last_error or "") and waiting.is_set()
+        await asyncio.sleep(0.25)
+        fleet._judge(erring, EngineRejected("500", engine_status=500))
+        assert erring.state is EngineState.HEALTHY  # 1 of 10: answering with errors is not hanging
+    finally:
+        await fleet.close()
+
+
+async def test_a_busy_engine_streaming_tokens_is_not_hung_while_its_probes_time_out(fakes: FakeFleet):
+    settings = FleetSettings(probe_interval=0.05, health_timeout=0.05, hang_timeout=0.3, call_timeout=30.0)
+    fleet = await started(fakes.urls[:1], settings)
+    fake = fakes.engines[0]
+    try:
+        fake.delay = 1.5  # ~0.1 s a token: longer than the hang timeout in all, never silent that long
+        fake.queue(" ".join(["word"] * 14))
+        fleet.members[fakes.urls[0]].client.returns_routing = False  # streamed
+
+        class Sink:
+            pieces = 0
+
+            async def begin(self, prompt_ids: np.ndarray) -> None:
+                pass
+
+            async def piece(self, piece) -> None:
+                Sink.pieces += 1
+                if Sink.pieces == 1:
+                    fake.set_fault("hang_all")  # its API server starves from now on: no probe is answered
+
+        params = SamplingParams(max_tokens=32, temperature=1.0, top_p=1.0, top_k=0)
+        result = await sample(fleet, fleet.engines[0], PROMPT, params, sink=Sink())
+        assert result.completion.finish_reason == "stop" and Sink.pieces > 10
+        assert fleet.members[fakes.urls[0]].state is EngineState.HEALTHY
+    finally:
+        fake.set_fault(None)
+        await fleet.close()
+
+
+async def test_a_hung_engines_tokenize_gives_up_after_the_hang_timeout(fakes: FakeFleet):
+    engine = VLLMEngine(fakes.urls[0], hang_timeout=0.3)
+    try:
+        await engine.info()
+        fakes.engines[0].set_fault("hang_all")
+        with pytest.raises(EngineTimeout):
+            await engine.tokenize_text("hello")
+    finally:
+        fakes.engines[0].set_fault(None)
+        await engine.close()
 
 
 # -- calls and the breaker ----------------------------------------------------------------------------

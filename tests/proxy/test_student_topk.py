@@ -92,6 +92,27 @@ async def test_top_logprobs_past_the_bound_is_refused(proxy: ProxyHarness):
     assert status == 400 and body["error"]["param"] == "generation.top_logprobs"
 
 
+@pytest.mark.parametrize(
+    ("path", "fields", "says"),
+    [
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "greater than or equal to 0"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "less than or equal to 20"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "needs logprobs"),
+        ("/v1/responses", {"top_logprobs": -1}, "greater than or equal to 0"),
+        ("/v1/responses", {"top_logprobs": 21}, "less than or equal to 20"),
+    ],
+)
+async def test_top_logprobs_is_validated_as_openai_does(proxy: ProxyHarness, path, fields, says):
+    """OpenAI answers 400 for a top_logprobs outside 0..20 or without logprobs: so does the proxy, and
+    nothing reaches the engine or the tree."""
+    session = await proxy.create_session(USER)
+    body = {"model": "m", **({"messages": USER} if "chat" in path else {"input": "Name a colour."}), **fields}
+    status, answer = await proxy.request("POST", path, json=body, token=session.api_key)
+    assert status == 400, answer
+    assert answer["error"]["param"] == "top_logprobs" and says in answer["error"]["message"]
+    assert proxy.fake is not None and proxy.fake.completions == []
+
+
 async def test_an_engine_that_refuses_k_is_a_clear_error(proxy: ProxyHarness):
     """vLLM refuses more logprobs than its --max-logprobs: the client sees why, and nothing is recorded."""
     assert proxy.fake is not None

@@ -17,14 +17,36 @@ def test_reasoning_and_content():
     assert view.reasoning == "step one" and view.content == "The answer is 4." and not view.tool_calls
 
 
-def test_reasoning_without_opening_tag():
-    view = PARSER.parse("the template opened it</think>Done.")
+def test_reasoning_without_opening_tag_when_the_prompt_opened_it():
+    view = PARSER.parse("the template opened it</think>Done.", opened=True)
     assert view.reasoning == "the template opened it" and view.content == "Done."
+
+
+def test_a_close_tag_is_content_when_nothing_opened_reasoning():
+    """Whether the output starts inside <think> is the prompt's to say, not a guess from a later </think>."""
+    view = PARSER.parse("Use </think> to end reasoning.")
+    assert view.reasoning is None and view.content == "Use </think> to end reasoning."
 
 
 def test_unterminated_reasoning_is_all_reasoning():
     view = PARSER.parse("<think>I was cut off mid-thou")
     assert view.reasoning == "I was cut off mid-thou" and view.content == ""
+    view = PARSER.parse("cut off mid-thou", opened=True)
+    assert view.reasoning == "cut off mid-thou" and view.content == ""
+
+
+@pytest.mark.parametrize(
+    ("generation_prompt", "opened"),
+    [
+        ("\n<|im_start|>assistant\n", False),
+        ("\n<|im_start|>assistant\n<think>\n", True),
+        ("\n<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # Qwen3 with enable_thinking false
+        ("<｜Assistant｜><think>\n", True),  # DeepSeek-R1
+    ],
+)
+def test_whether_a_generation_prompt_opens_reasoning(generation_prompt, opened):
+    assert PARSER.reasoning.opened_by(generation_prompt) is opened
+    assert OutputParser.named("hermes", "none").reasoning.opened_by(generation_prompt) is False
 
 
 def test_hermes_tool_calls():

@@ -43,14 +43,16 @@ def chunkings(text: str, rng: random.Random) -> list[list[str]]:
     return ways
 
 
+@pytest.mark.parametrize("opened", [False, True])
 @pytest.mark.parametrize(("tools", "reasoning"), PARSERS)
-def test_released_pieces_concatenate_to_the_final_parse(tools: str, reasoning: str) -> None:
+def test_released_pieces_concatenate_to_the_final_parse(tools: str, reasoning: str, opened: bool) -> None:
+    """``opened``: the prompt left a <think> block open, and both parses are told so."""
     rng = random.Random(13)
     parser = OutputParser.named(tools, reasoning)
     for text in TEXTS:
-        final = parser.parse(text)
+        final = parser.parse(text, opened=opened)
         for pieces in chunkings(text, rng):
-            incremental = IncrementalParser(parser)
+            incremental = IncrementalParser(parser, opened=opened)
             got_reasoning, got_content, got_calls = "", "", []
             for piece in pieces:
                 delta = incremental.feed(piece)
@@ -88,6 +90,22 @@ def test_reasoning_streams_before_the_close_tag() -> None:
     assert (delta.reasoning, delta.content) == ("", "Answer")
 
 
+def test_a_plain_answer_streams_from_its_first_character() -> None:
+    """With a prompt that leaves no <think> open, content is released as it comes, not held for a </think>."""
+    incremental = IncrementalParser(OutputParser.named("hermes", "think"))
+    assert incremental.feed("On").content == "On"
+    assert incremental.feed("ce upon").content == "ce upon"
+    assert incremental.feed(" a time").content == " a time"
+
+
+def test_an_opened_prompt_streams_reasoning_from_the_first_character() -> None:
+    incremental = IncrementalParser(OutputParser.named("hermes", "think"), opened=True)
+    assert incremental.feed("\nLet me").reasoning == "Let me"
+    assert incremental.feed(" think.").reasoning == " think."
+    delta = incremental.feed("</think>\n\nFour.")
+    assert (delta.reasoning, delta.content) == ("", "Four.")
+
+
 FRAGMENTS = [
     "<think>",
     "</think>",
@@ -108,15 +126,16 @@ FRAGMENTS = [
 ]
 
 
+@pytest.mark.parametrize("opened", [False, True])
 @pytest.mark.parametrize(("tools", "reasoning"), PARSERS)
-def test_random_texts_and_chunkings(tools: str, reasoning: str) -> None:
+def test_random_texts_and_chunkings(tools: str, reasoning: str, opened: bool) -> None:
     rng = random.Random(1313)
     parser = OutputParser.named(tools, reasoning)
     for _ in range(400):
         text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 12)))
-        final = parser.parse(text)
+        final = parser.parse(text, opened=opened)
         pieces = rng.choice(chunkings(text, rng))
-        incremental = IncrementalParser(parser)
+        incremental = IncrementalParser(parser, opened=opened)
         deltas = [incremental.feed(piece) for piece in pieces]
         _view, rest, agrees = incremental.finish(final)
         deltas.append(rest)

@@ -196,6 +196,12 @@ class Renderers:
         self._fall_back(engine, decided, reason="live_check")
         return reference
 
+    async def generation_prompt_text(self, engine: Engine, prompt_end: np.ndarray) -> str:
+        """The text of the generation prompt that ends ``prompt_end`` (``ChatRenderer.generation_prompt_text``),
+        decoded by the renderer this engine's renders come from."""
+        decided = await self._decided(engine)
+        return await decided.renderer.generation_prompt_text(prompt_end)
+
     # -- deciding per engine ---------------------------------------------------------------------
 
     async def _decided(self, engine: Engine) -> _EngineRendering:

@@ -133,7 +133,7 @@ class TurnStreamer:
         turn = await turns.prepare_anywhere(session, placement, tools=tools, stop=stop)
         node_id = new_response_id(session.id)
         yield TurnStarted(node_id, turn.info.model, turn.prompt, time.time(), dict(meta or {}))
-        relay = _Relay(turn.prompt, IncrementalParser(self._parser))
+        relay = _Relay(turn.prompt, IncrementalParser(self._parser, opened=turn.reasoning_opened))
         sampling = asyncio.ensure_future(turns.sample(session, turn, sink=relay))
         outcome = "disconnected"
         try:
@@ -166,7 +166,7 @@ class TurnStreamer:
                 )
                 while relay.ready:
                     yield relay.ready.popleft()
-            view, rest, agrees = parser.finish(turns.parse(completion.text))
+            view, rest, agrees = parser.finish(turns.parse(completion.text, opened=turn.reasoning_opened))
             if not agrees:
                 self._metrics.inc("stream_view_mismatch_total")
                 log.warning("stream_view_mismatch", text=completion.text[:200])

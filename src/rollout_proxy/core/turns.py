@@ -70,6 +70,9 @@ class PreparedTurn:
     delta: np.ndarray  # bridge tokens for the new messages, then the generation prompt
     prompt: np.ndarray  # the parent's exact tokens, then ``delta``
     params: SamplingParams
+    #: the prompt leaves a reasoning block open (its generation prompt opens ``<think>``): the output starts as
+    #: reasoning; decided from the rendered prompt, for the final parse and the streamed one alike
+    reasoning_opened: bool = False
 
 
 def path_tokens(path: Sequence[ResponseNode]) -> np.ndarray:
@@ -92,8 +95,12 @@ class TurnRunner:
         parser: OutputParser,
         metrics: Metrics,
         renderers: Renderers | None = None,
+        require_prompt_echo: bool = True,
     ) -> None:
+        """``require_prompt_echo``: an engine answer without the prompt it consumed is an ``EngineError``;
+        False (``--prompt-echo count``) records such a turn unchecked, flagged on its node and counted."""
         self._store = store
+        self._require_prompt_echo = require_prompt_echo
         self._engines = engines
         self._parser = parser
         self._metrics = metrics
@@ -161,6 +168,9 @@ class TurnRunner:
                 add_generation_prompt=True,
             )
         prompt = np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
+        opened = self._parser.reasons and self._parser.reasoning.opened_by(
+            await self._renderers.generation_prompt_text(engine, delta)
+        )
         room = info.max_model_len - len(prompt)
         if room <= 0:
             raise ContextLengthExceeded(
@@ -179,7 +189,9 @@ class TurnRunner:
             routed_experts_prompt_start=prompt_start(placement.parent) if engine.returns_routing else None,
             top_logprobs=generation.top_logprobs,
         )
-        return PreparedTurn(engine=engine, info=info, delta=delta, prompt=prompt, params=params)
+        return PreparedTurn(
+            engine=engine, info=info, delta=delta, prompt=prompt, params=params, reasoning_opened=opened
+        )
 
     async def sample(self, session: SessionRecord, turn: PreparedTurn, *, sink: PieceSink | None = None) -> Sampled:
         """The turn's engine call through the fleet (``engines.sampling``: failover, pauses, aborted turns),
@@ -190,7 +202,14 @@ class TurnRunner:
                 self._metrics.observe("queue_wait_seconds", time.perf_counter() - waiting, reason="concurrency")
             sampled = await sample_on_fleet(self._engines, turn.engine, turn.prompt, turn.params, sink=sink)
         completion = sampled.completion
-        if completion.prompt_ids is not None and not np.array_equal(completion.prompt_ids, turn.prompt):
+        if completion.prompt_ids is None:
+            self._metrics.inc("unchecked_prompts_total")
+            if self._require_prompt_echo:
+                raise EngineError(
+                    "the engine's answer does not say which prompt tokens it consumed (vLLM: return_token_ids), so "
+                    "the drift check cannot run; serve with --prompt-echo count to record such turns unchecked"
+                )
+        elif not np.array_equal(completion.prompt_ids, turn.prompt):
             self._metrics.inc("prompt_drift_total")
             raise EngineError("the engine reports having consumed other prompt tokens than the proxy sent")
         if completion.nonfinite_logprobs:
@@ -222,13 +241,15 @@ class TurnRunner:
             requested_start=turn.params.routed_experts_prompt_start or 0,
             engine_url=sampled.engine.url,
         )
-        view = view or self.parse(completion.text)
+        view = view or self.parse(completion.text, opened=turn.reasoning_opened)
         node_meta = dict(meta or {})
         self._note_sample(placement, api, node_meta)
         if completion.nonfinite_logprobs:
             node_meta["nonfinite_logprobs"] = completion.nonfinite_logprobs
         if disagreements:
             node_meta["routing_disagreements"] = disagreements
+        if completion.prompt_ids is None:  # only with --prompt-echo count: the drift check could not run
+            node_meta["prompt_unchecked"] = True
         if (trace_id := tracing.current_trace_id()) is not None:
             node_meta["trace_id"] = trace_id  # the request's trace (README, "Tracing")
         finish_reason = completion.finish_reason
@@ -364,9 +385,10 @@ class TurnRunner:
         concurrency = session.concurrency
         return self._store.request_slot(concurrency["key"], concurrency["max_requests"], lease=REQUEST_LEASE_S)
 
-    def parse(self, text: str) -> AssistantView:
-        """The view of generated text, counted by how tool-call parsing ended."""
-        view = self._parser.parse(text)
+    def parse(self, text: str, *, opened: bool = False) -> AssistantView:
+        """The view of generated text, counted by how tool-call parsing ended; ``opened``: the turn's
+        ``reasoning_opened``."""
+        view = self._parser.parse(text, opened=opened)
         self._metrics.inc("tool_parse_total", outcome=view.tool_parse.value)
         if view.tool_parse is ToolParse.MALFORMED:
             log.info("tool_call_unparsed", text=text[:200])

@@ -57,6 +57,7 @@ from aiohttp import web
 
 from rollout_proxy.devtools.fake_moe import FakeMoE
 from rollout_proxy.devtools.fake_stream import FakeStream
+from rollout_proxy.engines.vllm_http import is_routing_probe
 from rollout_proxy.tokenization import vllm_chat
 
 __all__ = ["FAULTS", "FakeEngine", "FakeEngineServer", "FakeMoE", "Generation", "fake_logprob", "load_tokenizer"]
@@ -179,6 +180,7 @@ class FakeEngine:
     policy: Policy = default_policy
     delay: float = 0.0  # seconds per completion, spread over its tokens, to simulate a busy engine
     completions: list[dict[str, Any]] = field(default_factory=list)  # payloads received
+    routing_probes: list[dict[str, Any]] = field(default_factory=list)  # the proxy's routing probes received
     failures: deque[tuple[int, str]] = field(default_factory=deque)  # next completions to fail
     moe: FakeMoE | None = None  # set to return routed experts like an MoE engine
     inflight: int = 0  # completions being generated now
@@ -492,8 +494,11 @@ class FakeEngine:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         payload = await request.json()
         arrived_paused = self.paused
-        self.completions.append(payload)
-        if self.failures:
+        # the proxy's one-token routing probe (``VLLMEngine.learn_routing``) is no turn: it takes no scripted
+        # reply or failure and is kept apart from the completions tests look at (faults still apply to it)
+        probe = is_routing_probe(payload)
+        (self.routing_probes if probe else self.completions).append(payload)
+        if self.failures and not probe:
             status, message = self.failures.popleft()
             return _error(status, message, kind="InternalServerError" if status >= 500 else "BadRequestError")
         if self.fault == "error":
@@ -513,7 +518,7 @@ class FakeEngine:
         await _first(self._resumed.wait(), generation.cut.wait())  # a request sent while paused waits
         if self.fault == "hang":
             await _first(self._released.wait(), generation.cut.wait())
-        planned = self._next_reply(prompt)
+        planned = [self.eos_id] if probe else self._next_reply(prompt)
         truncated = len(planned) > max_tokens
         planned = planned[:max_tokens]
         stream = (
@@ -629,7 +634,10 @@ class FakeEngine:
         routed_experts, cached = None, 0
         if self.moe is not None and sampled:
             routed_experts, cached = self.moe.encode(
-                prompt, sampled, int(payload.get("routed_experts_prompt_start") or 0)
+                prompt,
+                sampled,
+                int(payload.get("routed_experts_prompt_start") or 0),
+                record=not is_routing_probe(payload),
             )
         choice: dict[str, Any] = {
             "index": 0,

@@ -49,19 +49,21 @@ class FakeMoE:
             best = max(best, same)
         return best - best % self.block_size
 
-    def encode(self, prompt: list[int], sampled: list[int], start: int) -> tuple[str, int]:
-        """(routed_experts field, cached prompt tokens) for one completion."""
+    def encode(self, prompt: list[int], sampled: list[int], start: int, *, record: bool = True) -> tuple[str, int]:
+        """(routed_experts field, cached prompt tokens) for one completion; ``record=False`` (a probe): it
+        neither enters the pretend prefix cache nor takes an injected fault."""
         sequence = prompt + sampled
         computed = self.rows(sequence[:-1]).astype(np.int64)
         cached = self.cached_prefix(prompt) if self.prefix_cache else 0
-        self.seen.append(sequence)
+        if record:
+            self.seen.append(sequence)
         begin = 0 if self.ignore_prompt_start else start
         rows = computed[begin:]
         dtype = self.dtype or ("uint8" if self.num_experts <= 256 else "uint16")
         if cached > begin:
             rows[: cached - begin] = -1
             dtype = "int32"
-        fault = self.faults.popleft() if self.faults else None
+        fault = self.faults.popleft() if self.faults and record else None
         if fault == "garbage":
             return "this is not base64 numpy!", cached
         if fault == "short":

@@ -108,6 +108,10 @@ class Engine(Protocol):
 
     async def tokenize_text(self, text: str) -> np.ndarray: ...
 
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens included."""
+        ...
+
     async def complete(
         self,
         prompt_ids: np.ndarray,

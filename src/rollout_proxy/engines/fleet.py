@@ -36,7 +36,15 @@ import structlog
 from rollout_proxy.engines import shared as sharing
 from rollout_proxy.engines.base import Engine, EngineInfo
 from rollout_proxy.engines.gate import PauseGate
-from rollout_proxy.engines.health import Breaker, EngineState, counts_against, describe, is_definite, parse_version
+from rollout_proxy.engines.health import (
+    Breaker,
+    EngineState,
+    counts_against,
+    describe,
+    is_definite,
+    is_timeout,
+    parse_version,
+)
 from rollout_proxy.engines.member import Member
 from rollout_proxy.errors import EngineError, EngineUnavailable, InvalidRequest, NotFound, ProxyError
 from rollout_proxy.metrics import Metrics
@@ -49,6 +57,9 @@ class FleetSettings:
     policy_version: int = 0  # the version of "default" weights, and of a fleet whose engines report none
     probe_interval: float = 2.0  # seconds between probes of an engine that answers
     health_timeout: float = 2.0  # one probe request (generous: a busy engine answers late, a dead one not at all)
+    #: an engine from which nothing came for this long (no probe answered, no call answered, no streamed token)
+    #: while its probes time out is hung: out at once, its calls in flight ended (``_judge``)
+    hang_timeout: float = 8.0
     failure_threshold: int = 3  # 5xx answers or timeouts in a row that open an engine's breaker
     backoff_max: float = 30.0  # the longest wait between probes of an unhealthy engine
     max_inflight: int = 256  # calls in flight per engine before they queue
@@ -298,7 +309,7 @@ class Fleet:
     def report_success(self, engine: Engine) -> None:
         member = self.member_of(engine)
         if member is not None:
-            member.answered_at = asyncio.get_running_loop().time()
+            member.heard()
             if member.state is EngineState.HEALTHY:
                 member.breaker.succeeded()
 
@@ -362,12 +373,17 @@ class Fleet:
             reason = f"probe failed: {describe(report)}"
             member.last_error = reason
             definite = is_definite(report)
-            if not definite and self._answering(member):
-                return  # a slow probe of an engine whose calls succeed: busy, not down
+            silent = member.silent_for()
+            if not definite and silent < self.settings.hang_timeout:
+                return  # a slow probe of an engine heard from lately (a call, a streamed token): busy, not down
             opened = member.breaker.failed(definite=definite)
-            if opened or member.state in (EngineState.STARTING, EngineState.UNHEALTHY):
+            hung = is_timeout(report)  # and nothing at all came from it for hang_timeout: it hangs (or is stopped)
+            if hung and member.state is not EngineState.STARTING:
+                reason = f"hung: nothing came from it for {silent:.1f}s and its probes time out"
+            if opened or hung or member.state in (EngineState.STARTING, EngineState.UNHEALTHY):
                 self.mark_down(member, reason)
             return
+        member.heard()
         member.breaker.probe_succeeded()
         try:
             version = parse_version(report, default=self.settings.policy_version)
@@ -393,11 +409,6 @@ class Fleet:
                 EngineState.STALE,
                 f"its weights are policy version {version}, the fleet's are {self.version}",
             )
-
-    def _answering(self, member: Member) -> bool:
-        """Whether its calls succeeded lately (within the time ``failure_threshold`` probes take)."""
-        window = self.settings.probe_interval * self.settings.failure_threshold
-        return asyncio.get_running_loop().time() - member.answered_at < window
 
     async def probe(self, member: Member) -> None:
         """Probe and judge it; a probe already running is joined, not doubled (turns may ask at once)."""

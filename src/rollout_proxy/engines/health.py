@@ -8,7 +8,10 @@
 
 Only a *healthy* engine gets turns. A call that fails because the engine is gone (refused,
 reset) opens the breaker at once; 5xx answers and timeouts open it after ``threshold`` in a
-row. An open breaker is re-probed with growing delays and closes on the first good probe,
+row. Probes that time out say nothing while the engine was heard from lately (a call or a probe
+answered, a streamed token came: a busy CPU engine's API server answers late); once nothing at
+all came for ``hang_timeout``, the next probe that times out takes the engine out at once (hung,
+or stopped: a GPU or NCCL hang looks exactly so), and its calls in flight end. An open breaker is re-probed with growing delays and closes on the first good probe,
 except when calls opened it (an engine whose ``/health`` answers while its completions fail
 or hang): then a good probe only half-opens it, and the next call decides (one more failure
 opens it again, the delays still growing; a success closes it).
@@ -89,6 +92,11 @@ def counts_against(error: BaseException) -> bool:
 def is_definite(error: BaseException) -> bool:
     """Refused or reset: the engine is down, not slow (one such failure opens the breaker)."""
     return isinstance(error, EngineUnreachable)
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Nothing came back in time (a probe or a call timed out): slow, or hung."""
+    return isinstance(error, EngineTimeout | TimeoutError)
 
 
 def describe(error: BaseException) -> str:

@@ -37,7 +37,8 @@ class Member:
     prober: asyncio.Task[None] | None = None
     #: the probe running now (the prober's, or one a turn asked for): others wait for it, not start one
     probing: asyncio.Future[None] | None = None
-    answered_at: float = -float("inf")  # loop time of its last successful call
+    #: loop time anything last came from it: a call answered, a probe answered, a streamed token
+    heard_at: float = -float("inf")
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -66,6 +67,14 @@ class Member:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.idle.set()
+
+    def heard(self) -> None:
+        """Something came from the engine now (it is not hung, however slow its probes are)."""
+        self.heard_at = asyncio.get_running_loop().time()
+
+    def silent_for(self) -> float:
+        """Seconds since anything came from the engine (``heard``)."""
+        return asyncio.get_running_loop().time() - self.heard_at
 
     def declare_down(self) -> None:
         """Wake every call waiting on this engine; later calls get a fresh event."""

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from rollout_proxy.engines.base import Engine, EngineCompletion, PieceSink, SamplingParams
+from rollout_proxy.engines.base import CompletionPiece, Engine, EngineCompletion, PieceSink, SamplingParams
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.gate import Deadline
 from rollout_proxy.engines.health import counts_against, describe
@@ -231,7 +231,8 @@ async def _attempt(
         member.unsent.add(sent)
         epoch, down = member.epoch, member.down
         call_deadline = Deadline(fleet.gate, fleet.settings.call_timeout)
-        streamed = {"sink": sink} if sink is not None else {}  # engines without streaming never see the argument
+        # engines without streaming never see the argument; each streamed piece says the engine is alive
+        streamed = {"sink": _Heard(sink, member)} if sink is not None else {}
         task = asyncio.ensure_future(member.client.complete(prompt, params, on_sent=sent.set, **streamed))
         try:
             completion = await _watch(fleet, task, down, call_deadline, deadline)
@@ -243,6 +244,22 @@ async def _attempt(
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
     return _Attempt(completion, version, straddled=member.epoch != epoch)
+
+
+class _Heard:
+    """A ``PieceSink`` passing pieces on, each one noted as a sign of the engine's life (``Member.heard``): a
+    busy engine whose probes time out while it streams tokens is not hung."""
+
+    def __init__(self, sink: PieceSink, member: Member) -> None:
+        self._sink = sink
+        self._member = member
+
+    async def begin(self, prompt_ids: np.ndarray) -> None:
+        await self._sink.begin(prompt_ids)
+
+    async def piece(self, piece: CompletionPiece) -> None:
+        self._member.heard()
+        await self._sink.piece(piece)
 
 
 async def _watch(

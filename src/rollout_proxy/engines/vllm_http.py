@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import math
+import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import SimpleNamespace
 from typing import Any, TypeVar
@@ -64,6 +65,14 @@ NOT_SERVED = frozenset({404})
 
 
 T = TypeVar("T")
+
+
+#: the ``request_id`` prefix of ``VLLMEngine.learn_routing``'s probe (vLLM takes a client's request id)
+ROUTING_PROBE_ID = "rollout-proxy-routing-probe"
+
+
+def is_routing_probe(payload: dict[str, Any]) -> bool:
+    return str(payload.get("request_id") or "").startswith(ROUTING_PROBE_ID)
 
 
 def _loads(body: bytes) -> Any:
@@ -213,6 +222,7 @@ class VLLMEngine:
         bound_completions: bool = True,
         max_connections: int = 1024,
         pool_timeout: float = 300.0,
+        hang_timeout: float | None = None,
     ) -> None:
         """Timeouts in seconds: ``request_timeout`` bounds a whole call, ``connect_timeout`` the TCP
         connect, ``first_byte_timeout`` (default: the whole call) the wait for the answer to start.
@@ -221,7 +231,11 @@ class VLLMEngine:
         stops counting while the fleet is paused: a call frozen by a keep-mode pause must live).
 
         Data calls (generation, ``/tokenize``) share ``max_connections`` connections; one that finds
-        them all busy waits up to ``pool_timeout`` seconds, then fails with ``EngineBusy`` (a 503)."""
+        them all busy waits up to ``pool_timeout`` seconds, then fails with ``EngineBusy`` (a 503).
+
+        ``hang_timeout``: how long a call that is no generation (``/tokenize``, ``/detokenize``, ``/v1/models``)
+        waits for its answer to start: such answers take milliseconds, so a hung engine is given up on in
+        seconds, not after ``first_byte_timeout`` (generations are watched by the fleet instead)."""
         self.url = url.rstrip("/")
         self._session = session
         self._owns_session = session is None
@@ -232,13 +246,20 @@ class VLLMEngine:
             self._timeout if bound_completions else aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
         )
         self._connect_timeout = connect_timeout
+        self._quick_timeout = (
+            self._timeout
+            if hang_timeout is None
+            else aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout, sock_read=hang_timeout)
+        )
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout, sock_connect=health_timeout)
         self._max_connections = max_connections
         self._pool_timeout = pool_timeout
         self._slots = asyncio.Semaphore(max_connections)
         self._info: EngineInfo | None = None
-        #: learned from the first completion: does this engine attach MoE routing?
+        #: does this engine attach MoE routing? Learned from a completion (``learn_routing`` before the first
+        #: streamed one)
         self.returns_routing: bool | None = None
+        self._routing_probe: asyncio.Future[None] | None = None
         #: whether it serves ``/weight_info`` (dev mode); None until the first probe
         self.serves_versions: bool | None = None
 
@@ -387,7 +408,7 @@ class VLLMEngine:
 
     async def info(self) -> EngineInfo:
         if self._info is None:
-            payload = await self._request("GET", "/v1/models")
+            payload = await self._request("GET", "/v1/models", limits=self._quick_timeout)
             try:
                 card = payload["data"][0]
                 model, max_model_len = card["id"], int(card["max_model_len"])
@@ -490,7 +511,7 @@ class VLLMEngine:
         if chat_template_kwargs:
             payload["chat_template_kwargs"] = chat_template_kwargs
         try:
-            answer = await self._request("POST", "/tokenize", payload, pooled=True)
+            answer = await self._request("POST", "/tokenize", payload, limits=self._quick_timeout, pooled=True)
         except EngineRejected as exc:
             # vLLM answers a template that cannot render the messages (a Jinja error, a
             # raise_exception) with 400 (422 for a request it cannot parse): the request's fault.
@@ -504,13 +525,17 @@ class VLLMEngine:
     async def tokenize_text(self, text: str) -> np.ndarray:
         info = await self.info()
         payload = {"model": info.model, "prompt": text, "add_special_tokens": False}
-        return self._tokens(await self._request("POST", "/tokenize", payload, pooled=True))
+        return self._tokens(await self._request("POST", "/tokenize", payload, limits=self._quick_timeout, pooled=True))
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """``POST /detokenize``: the text of ``token_ids`` (special tokens included), for viewers only."""
         info = await self.info()
         answer = await self._request(
-            "POST", "/detokenize", {"model": info.model, "tokens": list(token_ids)}, pooled=True
+            "POST",
+            "/detokenize",
+            {"model": info.model, "tokens": list(token_ids)},
+            limits=self._quick_timeout,
+            pooled=True,
         )
         text = answer.get("prompt") if isinstance(answer, dict) else None
         if not isinstance(text, str):
@@ -567,9 +592,50 @@ class VLLMEngine:
             payload["return_tokens_as_token_ids"] = True
         if sink is not None:
             await sink.begin(prompt_ids)
-            if self.returns_routing is False and not params.top_logprobs:
-                return await self._stream(payload, echo, sink, on_sent=on_sent)
+            if not params.top_logprobs:  # top-k rows are not streamed: a plain call
+                if self.returns_routing is None:
+                    await self.learn_routing(int(prompt_ids[0]) if len(prompt_ids) else 0)
+                if self.returns_routing is False:
+                    return await self._stream(payload, echo, sink, on_sent=on_sent)
         return await self._complete_once(payload, echo, on_sent=on_sent)
+
+    async def learn_routing(self, token: int) -> None:
+        """Whether this engine attaches MoE routing to its completions, found before its first streamed call
+        (vLLM streams no ``routed_experts``, so a streamed turn on a MoE engine is one plain call): one token
+        generated, greedy, from the one prompt token ``token``, not streamed; its answer says. Concurrent first
+        calls share the probe. An engine that refuses it (4xx) stays unknown, and that turn is one plain call."""
+        if self._routing_probe is None or self._routing_probe.done():
+            self._routing_probe = asyncio.ensure_future(self._probe_routing(token))
+        try:
+            await asyncio.shield(self._routing_probe)
+        except EngineRejected as exc:
+            if exc.engine_status >= 500:
+                raise
+            log.info("routing_probe_refused", engine=self.url, error=exc.message)
+
+    async def _probe_routing(self, token: int) -> None:
+        info = await self.info()
+        payload = {
+            "model": info.model,
+            "prompt": [token],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "n": 1,
+            "return_token_ids": True,
+            "stream": False,
+            "request_id": f"{ROUTING_PROBE_ID}-{secrets.token_hex(6)}",
+        }
+        response = await self._request("POST", "/v1/completions", payload, limits=self._completion_timeout, pooled=True)
+        try:
+            choice = response["choices"][0]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise self._failed(
+                EngineError("the engine answered its routing probe without choices"), "/v1/completions", exc
+            ) from exc
+        if choice.get("routed_experts") is not None or choice.get("finish_reason") != "abort":
+            self.returns_routing = choice.get("routed_experts") is not None
 
     async def prompt_logprobs(self, prompt_ids: np.ndarray, k: int) -> list[dict[str, Any] | None]:
         """``prompt_logprobs: k`` over a token-id prompt (``max_tokens: 1``): per position the prompt token's

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_proxy.proxy.input_models import Input
 from rollout_proxy.proxy.limits import MAX_MESSAGES, MAX_NAME_CHARS
@@ -51,6 +51,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 Id = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+#: OpenAI's bound on ``top_logprobs`` in a request (0 to 20)
+MAX_TOP_LOGPROBS = 20
 
 
 class SampleIn(BaseModel):
@@ -134,7 +136,13 @@ class ChatRequest(BaseModel):
     stream: bool | None = False
     stop: str | list[str] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:  # as OpenAI answers it
+            raise field_error("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -153,6 +161,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Any = None
     store: bool = True
     stream: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class AppendMessages(BaseModel):

@@ -261,6 +261,10 @@ class LocalTemplate:
             return await asyncio.to_thread(self.encode, text)
         return self.encode(text)
 
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens included (as the engine's ``/detokenize``)."""
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=False))
+
 
 def _input_chars(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> int:
     """A cheap bound on what a render handles (a template rarely renders much more than its input)."""

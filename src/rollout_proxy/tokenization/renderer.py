@@ -51,6 +51,8 @@ class TemplateSource(Protocol):
 
     async def tokenize_text(self, text: str) -> np.ndarray: ...
 
+    async def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
 
 def anchor_conversation(last_role: str) -> list[dict[str, Any]]:
     """A stand-in history that ends with a message of ``last_role``."""
@@ -96,6 +98,7 @@ class ChatRenderer:
         self._source = source
         self._end_of_turn: int | None = None
         self._anchors: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._generation_prompts: OrderedDict[bytes, str] = OrderedDict()
 
     async def end_of_turn_id(self) -> int:
         """The token the template closes every message with (``<|im_end|>`` for ChatML)."""
@@ -110,6 +113,20 @@ class ChatRenderer:
                 raise EngineError("cannot find the end-of-turn token of the engine's chat template")
             self._end_of_turn = int(rendered[at + len(answer)])
         return self._end_of_turn
+
+    async def generation_prompt_text(self, prompt_end: np.ndarray) -> str:
+        """The text of what follows the last end-of-turn token of ``prompt_end`` (a turn's bridge, or a whole
+        render): the generation prompt, whose text says whether the output starts inside a reasoning block.
+        Decoded once per distinct token sequence (a template has one or two: with and without thinking)."""
+        hits = np.flatnonzero(prompt_end == await self.end_of_turn_id())
+        tail = prompt_end[int(hits[-1]) + 1 :] if len(hits) else prompt_end
+        key = tail.astype(np.int32, copy=False).tobytes()
+        text = self._generation_prompts.get(key)
+        if text is None:
+            text = self._generation_prompts[key] = await self._source.detokenize(tail.tolist())
+            if len(self._generation_prompts) > _MAX_CACHED_SHAPES:
+                self._generation_prompts.popitem(last=False)
+        return text
 
     async def render(
         self,

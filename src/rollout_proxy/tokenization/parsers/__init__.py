@@ -45,8 +45,14 @@ class OutputParser:
             ) from None
         return cls(reasoning=reasoning, tools=tools)
 
-    def parse(self, text: str) -> AssistantView:
-        reasoning, rest = self.reasoning.split(text)
+    @property
+    def reasons(self) -> bool:
+        """Whether reasoning is parsed at all (``--reasoning-parser none``: never)."""
+        return not isinstance(self.reasoning, NoReasoning)
+
+    def parse(self, text: str, *, opened: bool = False) -> AssistantView:
+        """``opened``: the turn's prompt left a reasoning block open (``reasoning.opened_by``)."""
+        reasoning, rest = self.reasoning.split(text, opened=opened)
         text_part, calls, outcome = self.tools.extract(rest)
         content = None if not text_part and calls else text_part  # a bare tool call has no content
         return AssistantView(content=content, reasoning=reasoning, tool_calls=calls, tool_parse=outcome)

@@ -37,8 +37,13 @@ class AssistantView:
 
 
 class ReasoningParser(Protocol):
-    def split(self, text: str) -> tuple[str | None, str]:
-        """(reasoning, the rest of the text)."""
+    def opened_by(self, generation_prompt: str) -> bool:
+        """Whether the output of a prompt that ends with ``generation_prompt`` (the text after the prompt's
+        last end-of-turn token) starts inside reasoning."""
+        ...
+
+    def split(self, text: str, *, opened: bool = False) -> tuple[str | None, str]:
+        """(reasoning, the rest of the text); ``opened``: what ``opened_by`` said of the turn's prompt."""
         ...
 
 
@@ -49,7 +54,10 @@ class ToolParser(Protocol):
 
 
 class NoReasoning:
-    def split(self, text: str) -> tuple[str | None, str]:
+    def opened_by(self, generation_prompt: str) -> bool:
+        return False
+
+    def split(self, text: str, *, opened: bool = False) -> tuple[str | None, str]:
         return None, text
 
 

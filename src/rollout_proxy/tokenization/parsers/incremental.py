@@ -3,10 +3,11 @@
 Only what the final parse (``OutputParser.parse`` of the whole text) is sure to contain is
 released, so the pieces concatenate to exactly the non-streamed message:
 
-- ``<think>`` reasoning streams once the text opened with ``<think>``; a trailing newline or
-  part of ``</think>`` waits for what follows. Text that does not open with ``<think>`` may
-  still be reasoning (templates that put the tag in the prompt) until the text ends without a
-  ``</think>``: it is held until one of the two happens.
+- ``<think>`` reasoning streams once the text opened with ``<think>``, or from the first
+  character when the turn's prompt left a ``<think>`` block open (``opened``: the proxy rendered
+  the prompt, so it knows); a trailing newline or part of ``</think>`` waits for what follows.
+  Text that does neither is content from its first character (only leading whitespace, or a
+  prefix of ``<think>``, waits to see which it is).
 - Content streams, except: a trailing whitespace run (stripped if a tool call follows), a
   suffix that may be the start of ``<tool_call>``, and content that starts with whitespace
   before any ``<tool_call>`` was seen (whether it is stripped depends on the rest).
@@ -56,7 +57,9 @@ def _partial_suffix(text: str, tag: str) -> int:
 class IncrementalParser:
     """Feed the text as it comes (``feed``), then reconcile with the final parse (``finish``)."""
 
-    def __init__(self, parser: OutputParser) -> None:
+    def __init__(self, parser: OutputParser, *, opened: bool = False) -> None:
+        """``opened``: the turn's prompt left a ``<think>`` block open (``ReasoningParser.opened_by``), as the
+        final parse is told too."""
         self._parser = parser
         known_reasoning = isinstance(parser.reasoning, ThinkReasoningParser | NoReasoning)
         known_tools = isinstance(parser.tools, HermesToolParser | NoTools)
@@ -64,12 +67,11 @@ class IncrementalParser:
         self._think = isinstance(parser.reasoning, ThinkReasoningParser)
         self._hermes = isinstance(parser.tools, HermesToolParser)
         self._in_reasoning = self._think
+        self._prompt_opened = opened and self._think
         # reasoning phase
         self._buffer = ""  # all text of the reasoning phase
         self._scanned = 0  # where the search for </think> resumes
-        self._opened = False  # the text opened with <think>
-        self._unopened = False  # the text began with something else
-        self._body_start = -1  # where the reasoning text starts (after <think> and newlines); -1: not yet
+        self._body_start = -1  # where the reasoning text starts (after <think> if any); -1: not known yet
         self._reasoning_end = -1  # end of the reasoning released so far
         # content phase
         self._strip_newlines = False  # drop the newlines right after </think>
@@ -112,28 +114,30 @@ class IncrementalParser:
         return delta
 
     def _feed_reasoning(self, text: str, delta: ViewDelta) -> str:
-        """Consume reasoning-phase text; returns what follows ``</think>`` once it came (else "")."""
+        """Consume reasoning-phase text; returns what belongs to the content phase once it is known: what
+        follows ``</think>``, or the whole text when it turns out to be a plain answer (else "")."""
         buffer = self._buffer = self._buffer + text
+        if self._body_start < 0:
+            stripped = buffer.lstrip()
+            if not stripped or OPEN.startswith(stripped):
+                return ""  # only whitespace, or maybe the start of <think>: the next text tells
+            if stripped.startswith(OPEN):
+                self._body_start = len(buffer) - len(stripped) + len(OPEN)
+            elif self._prompt_opened:
+                self._body_start = len(buffer) - len(stripped)
+            else:  # a plain answer (the prompt left no <think> open): all content, from its first character
+                self._in_reasoning = False
+                self._buffer = ""
+                return buffer
         close = buffer.find(CLOSE, max(0, self._scanned - len(CLOSE) + 1))
         self._scanned = len(buffer)
         if close >= 0:
-            reasoning, _ = ThinkReasoningParser().split(buffer[: close + len(CLOSE)])
+            reasoning, _ = self._parser.reasoning.split(buffer[: close + len(CLOSE)], opened=self._prompt_opened)
             self._release_reasoning(reasoning or "", delta)
             self._in_reasoning = False
             self._strip_newlines = True
             self._buffer = ""
             return buffer[close + len(CLOSE) :]
-        if not self._opened:
-            if self._unopened:
-                return ""
-            stripped = buffer.lstrip()
-            if not stripped.startswith(OPEN):
-                if stripped and not OPEN.startswith(stripped):
-                    self._unopened = True  # it will not open: held until </think> or the end
-                return ""  # not opened yet
-            self._opened = True
-            self._body_start = len(buffer) - len(stripped) + len(OPEN)
-            self._reasoning_end = -1
         start = self._reasoning_start(buffer)
         if start < 0:
             return ""
