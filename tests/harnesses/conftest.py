@@ -3,7 +3,7 @@
 Every run is checked against what the engine received and sampled (``assert_exact``): each engine call's
 prompt is the trajectory so far, token for token (nothing the policy sampled was re-tokenized), the tokens
 it sampled follow with loss weight 1 and their logprobs, everything else has weight 0, and the task
-reaches the policy once. Subprocess harnesses run with a clean environment and, where strace is there
+reaches the policy once (the proxy's one-token routing probe of a new engine is not a turn). Subprocess harnesses run with a clean environment and, where strace is there
 (scripts/lib.sh installs it), are traced to show they connect to nothing but 127.0.0.1.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from rollout_proxy.engines.vllm_http import is_routing_probe
 from tests.conftest import TEMPLATES, TEMPLATES_DIR
 from tests.harness import ProxyHarness
 
@@ -58,16 +59,17 @@ def assert_exact(trajectory: dict[str, Any], fake: FakeEngine, *, task: str, tur
     """The trajectory is what the engine was given and sampled, call by call, and the task is in it once."""
     total = trajectory["total_token_ids"]
     weights, logprobs = trajectory["total_loss_weight"], trajectory["total_token_logprobs"]
-    assert len(fake.generations) == turns
+    calls = [generation for generation in fake.generations if not is_routing_probe(generation.payload)]
+    assert len(calls) == turns
     expected = [0.0] * len(total)
-    for generation in fake.generations:
+    for generation in calls:
         prompt, sampled = generation.prompt, generation.tokens
         assert total[: len(prompt)] == prompt  # the prompt is the trajectory so far, token for token
         assert total[len(prompt) : len(prompt) + len(sampled)] == sampled
         for offset, logprob in enumerate(generation.logprobs):
             expected[len(prompt) + offset] = 1.0
             assert logprobs[len(prompt) + offset] == pytest.approx(logprob, abs=1e-6)
-    last = fake.generations[-1]
+    last = calls[-1]
     assert len(total) == len(last.prompt) + len(last.tokens)
     assert weights == expected
     assert fake.decode(total).count(task) == 1

@@ -78,7 +78,7 @@ async def test_codex_exec_tool_round_trip_is_recorded_exactly(proxy: ProxyHarnes
     roles = [message["role"] for message in trajectory["messages"]]
     assert roles[:4] == ["developer", "developer", "user", "user"]
     assert roles[4:] == ["assistant", "tool", "assistant"]
-    first_prompt = fake.decode(fake.generations[0].prompt)
+    first_prompt = fake.decode(fake.prompts[0])
     assert first_prompt.startswith("<|im_start|>system\nYou are a coding agent running in the Codex CLI")
     assert "<skills_instructions>" in first_prompt  # the second developer message: rendered, not dropped
     assert trajectory["messages"][4]["reasoning_content"] == "I should read the marker file first."
