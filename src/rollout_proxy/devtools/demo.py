@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import signal
 import sys
@@ -49,6 +50,8 @@ JOBS = {"short-answer": "short_answer_job.yaml", "weather": "weather_job.yaml", 
 ENGINES = ("vllm", "fake")
 #: tokens of context the engine gets: Codex's first prompt alone is ~7k tokens (instructions and tools)
 CONTEXT = {"codex": 8192}
+#: what `codex exec` is given on vLLM: its sub-agent tools and web search left out of its requests (~6.8k tokens)
+CODEX_ON_VLLM = '-c features.multi_agent=false -c web_search="disabled"'
 
 
 def log(message: str) -> None:
@@ -229,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             demo_on(engine_url, job, Path(args.out), keep_running=args.keep_running)
         log(f"done in {time.monotonic() - started:.0f}s")
         return 0
+    if args.job == "codex":  # Codex's whole default prompt (~9.4k tokens) does not fit SmolLM2's 8k context
+        os.environ.setdefault("ROLLOUT_PROXY_CODEX_ARGS", CODEX_ON_VLLM)
     log("checking the engine venv and the checkpoints (first run: a few minutes)")
     engine_env.setup()
     server = VLLMServer(

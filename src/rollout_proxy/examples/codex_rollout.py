@@ -15,13 +15,17 @@ accepted by a session's default ``client_sampling: refuse``; a job whose harness
 ``proxy.client_sampling: ignore`` (the job's values are used, Codex's recorded).
 
 Codex is found as ``$ROLLOUT_PROXY_CODEX``, else on ``PATH``, else where the project's scripts install
-it (``python -m rollout_proxy.devtools.harnesses setup``).
+it (``python -m rollout_proxy.devtools.harnesses setup``). ``$ROLLOUT_PROXY_CODEX_ARGS`` adds arguments to
+``codex exec`` (shell words), e.g. ``-c features.multi_agent=false -c web_search="disabled"`` to leave its
+sub-agent tools and web search out of its requests (its first prompt is then ~6.8k tokens instead of ~9.4k,
+which a model with an 8k context needs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -108,6 +112,7 @@ async def run_codex(task: str, *, base_url: str, api_key: str, workdir: Path, ho
     process = await asyncio.create_subprocess_exec(
         codex_executable(),
         "exec",
+        *shlex.split(os.environ.get("ROLLOUT_PROXY_CODEX_ARGS", "")),
         "--skip-git-repo-check",
         "--ephemeral",
         "--color",
