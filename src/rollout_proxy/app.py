@@ -30,6 +30,7 @@ from rollout_proxy.proxy.auth import SessionTokens
 from rollout_proxy.proxy.handlers import chat, docs, fleet_admin, meta, responses, sessions, trajectories, ui, viewer
 from rollout_proxy.proxy.handlers import distill as distill_handlers
 from rollout_proxy.proxy.handlers import feed as feed_handlers
+from rollout_proxy.proxy.known_input import KnownInputs
 from rollout_proxy.proxy.known_messages import KnownMessages
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.proxy.telemetry import telemetry_middleware
@@ -150,6 +151,7 @@ def create_app(
     )
     app[keys.TOKENS] = SessionTokens(settings.token_secret)
     app[keys.KNOWN_MESSAGES] = KnownMessages()
+    app[keys.KNOWN_INPUTS] = KnownInputs()
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         app[keys.STORE] = store if store is not None else await open_store(settings.store, redis_options(settings))
