@@ -15,6 +15,7 @@ import pytest
 
 from rollout_proxy.devtools.fake_engine import FakeEngine
 from rollout_proxy.devtools.harnesses import ensure_codex
+from rollout_proxy.engines.vllm_http import is_routing_probe
 from rollout_proxy.examples.codex_rollout import codex_environment, codex_home
 from rollout_proxy.proxy import keys
 from tests.harness import ProxyHarness
@@ -34,8 +35,9 @@ def codex() -> Path:
 
 
 async def run_codex(
-    codex: Path, session: dict, tmp_path: Path, *, wrap: list[str] | None = None
+    codex: Path, session: dict, tmp_path: Path, *, wrap: list[str] | None = None, config: tuple[str, ...] = ()
 ) -> tuple[int, str, str]:
+    """``codex exec TASK`` against the session; ``config``: ``-c key=value`` overrides of its config."""
     workdir = tmp_path / "work"
     workdir.mkdir()
     (workdir / "marker.txt").write_text("rollout-proxy-codex-marker\n")
@@ -44,6 +46,7 @@ async def run_codex(
         *(wrap or []),
         str(codex),
         "exec",
+        *(arg for item in config for arg in ("-c", item)),
         "--strict-config",  # every key of the documented config.toml is one this version knows
         "--skip-git-repo-check",
         "--ephemeral",
@@ -110,3 +113,33 @@ async def test_codex_connects_to_nothing_but_loopback(proxy: ProxyHarness, fake:
     assert code == 0, stderr
     addresses = connected_addresses(trace)
     assert addresses and addresses <= {"127.0.0.1"}, addresses
+
+
+async def test_codex_compacting_its_history_is_one_rollout_with_every_token_trained_once(
+    proxy: ProxyHarness, fake: FakeEngine, codex, tmp_path
+):
+    """A low auto-compact limit makes Codex summarize its history mid-task (a request of its own) and go on
+    from the summary: a rewrite of its first conversation. The export trains every token sampled once."""
+    session = await open_session(proxy)
+    summary = "<think>\nSummarize.\n</think>\n\nSummary: the marker file was read with cat."
+    fake.queue(THINK_AND_CALL, summary, ANSWER)
+    limits = ("model_auto_compact_token_limit=7500", "model_context_window=16000")
+    code, stdout, stderr = await run_codex(codex, session, tmp_path, config=limits)
+    assert code == 0, stderr
+    assert "The file says: rollout-proxy-codex-marker" in stdout
+    status, export = await proxy.request("GET", f"/v1/sessions/{session['session_id']}/rollout")
+    assert status == 200, export
+    calls = [generation for generation in fake.generations if not is_routing_probe(generation.payload)]
+    assert len(calls) == 3
+    assert "CONTEXT CHECKPOINT COMPACTION" in fake.decode(calls[1].prompt)  # Codex's own compaction request
+    sampled = sum(len(generation.tokens) for generation in calls)
+    assert export["sampled_tokens"] == export["trained_tokens"] == sampled and export["dropped_tokens"] == 0
+    assert sum(sum(sequence["total_loss_weight"]) for sequence in export["sequences"]) == sampled
+    main, before = export["sequences"]
+    assert main["main"] and main["branch"]["kind"] == "rewrite"
+    assert main["branch"]["at_message"] == 4 and main["branch"]["from"] == before["response_ids"][0]
+    assert before["branch"]["kind"] == "new_conversation"
+    # each sequence is what the engine was given and sampled for its last call
+    assert main["total_token_ids"] == calls[2].prompt + calls[2].tokens
+    assert before["total_token_ids"] == calls[1].prompt + calls[1].tokens
+    assert "Summary: the marker file was read with cat." in fake.decode(calls[2].prompt)
