@@ -14,6 +14,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rollout_proxy import __version__
 from rollout_proxy.logs import LOG_FORMATS, configure_logging
 from rollout_proxy.proxy.workers import WORKER_HEADER
 from rollout_proxy.settings import DEFAULT_ENGINE, PROMPT_ECHO_MODES, Settings
@@ -501,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rollout-proxy",
         description="Token-exact OpenAI-compatible proxy between RL rollout plugins and vLLM engines.",
     )
+    parser.add_argument("--version", action="version", version=f"rollout-proxy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(commands)
     _run_parser(commands)
