@@ -94,7 +94,7 @@ class TurnRunner:
         engines: Fleet,
         parser: OutputParser,
         metrics: Metrics,
-        renderers: Renderers | None = None,
+        renderers: Renderers,
         require_prompt_echo: bool = True,
     ) -> None:
         """``require_prompt_echo``: an engine answer without the prompt it consumed is an ``EngineError``;
@@ -104,7 +104,7 @@ class TurnRunner:
         self._engines = engines
         self._parser = parser
         self._metrics = metrics
-        self._renderers = renderers or Renderers()
+        self._renderers = renderers
 
     @property
     def parser(self) -> OutputParser:

@@ -48,6 +48,7 @@ from rollout_proxy.errors import (
     TemplateRenderError,
 )
 from rollout_proxy.records import TopLogprobs
+from rollout_proxy.settings import default
 from rollout_proxy.wire.json_bytes import value_at
 
 log = structlog.get_logger(__name__)
@@ -215,13 +216,13 @@ class VLLMEngine:
         url: str,
         *,
         session: aiohttp.ClientSession | None = None,
-        request_timeout: float = 600.0,
-        connect_timeout: float = 5.0,
+        request_timeout: float = default("engine_timeout"),
+        connect_timeout: float = default("engine_connect_timeout"),
         first_byte_timeout: float | None = None,
-        health_timeout: float = 0.5,
+        health_timeout: float = default("engine_health_timeout"),
         bound_completions: bool = True,
-        max_connections: int = 1024,
-        pool_timeout: float = 300.0,
+        max_connections: int = default("engine_max_connections"),
+        pool_timeout: float = default("engine_pool_timeout"),
         hang_timeout: float | None = None,
     ) -> None:
         """Timeouts in seconds: ``request_timeout`` bounds a whole call, ``connect_timeout`` the TCP
