@@ -43,10 +43,15 @@ class TinyFleet:
     answers: dict[str, str]
 
 
-def short_answer_job(*, samples: int, generations: int, steps: int, training_loop: dict[str, Any]) -> JobConfig:
-    """The demo's job at the given sizes, its steps tied to the trainer."""
+def short_answer_job(
+    *, samples: int, generations: int, steps: int, training_loop: dict[str, Any], grader: str | None = None
+) -> JobConfig:
+    """The demo's job at the given sizes, its steps tied to the trainer (``grader``: another one's python_func)."""
     with resources.as_file(resources.files("rollout_proxy.examples") / "short_answer_job.yaml") as job_file:
         job = JobConfig.load(job_file)
+    if grader is not None:
+        job.custom_rl_pipeline.graders[0].plugin.python_func = grader
+        job.custom_rl_pipeline.graders[0].plugin.name = None
     job.hyperparameters.batch_size = samples
     job.hyperparameters.num_generations = generations
     job.hyperparameters.num_steps = steps
@@ -73,7 +78,7 @@ async def tiny_fleet(tokenizer_dir: Path, tiny_checkpoint: Path) -> AsyncIterato
 
 
 async def run_loop(
-    fleet: TinyFleet,
+    proxy: ProxyHarness,
     redis_url: str,
     job: JobConfig,
     learner: Learner,
@@ -85,9 +90,9 @@ async def run_loop(
     """The runner and the reference trainer together on a fresh Redis stream, until both are done."""
     stream = f"train-{secrets.token_hex(4)}"
     feed = await open_feed(redis_url, stream=stream)
-    runner = JobRunner(job, proxy_url=fleet.proxy.url, admin_key=ADMIN_KEY, feed=feed, progress=False)
+    runner = JobRunner(job, proxy_url=proxy.url, admin_key=ADMIN_KEY, feed=feed, progress=False)
     async with (
-        ProxyClient(fleet.proxy.url, ADMIN_KEY) as admin,
+        ProxyClient(proxy.url, ADMIN_KEY) as admin,
         TrajectoryConsumer(redis_url, stream=stream, block_ms=100) as consumer,
     ):
         driver = FleetDriver(admin)

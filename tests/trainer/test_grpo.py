@@ -51,13 +51,13 @@ def test_the_loss_is_ppo_clip_with_the_importance_weight_truncated():
     loss, sums = policy_loss(logprobs, old, advantages, torch.ones(5), config)
     # per token: -min(rA, clip(r)A), with the negative side bounded by C*A
     expected = [-1.0, -1.2, 0.8, 3.0, -1.2]
-    assert float(loss) == pytest.approx(sum(expected))
+    assert float(loss.detach()) == pytest.approx(sum(expected))
     loss.backward()
     # the gradient flows only where the unclipped, untruncated ratio is what counts
     assert logprobs.grad.tolist() == pytest.approx([-1.0, 0.0, 0.0, 0.0, 0.0])
     assert sums["clipped"] == 3.0 and sums["capped"] == 1.0
     masked, _ = policy_loss(logprobs, old, advantages, torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0]), config)
-    assert float(masked) == pytest.approx(-1.0)  # untrained tokens count for nothing
+    assert float(masked.detach()) == pytest.approx(-1.0)  # untrained tokens count for nothing
 
 
 def test_the_kl_term_is_k3_to_the_reference():
@@ -111,3 +111,15 @@ def test_zero_advantages_move_nothing_but_every_token_is_still_checked(tiny_chec
 def test_a_config_that_cannot_train_is_refused(bad):
     with pytest.raises(ValueError, match="required"):
         GRPOConfig(**bad)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_tied_embedding_is_kept_unless_asked(tiny_checkpoint, freeze):
+    """vLLM 0.32's in-place reload keeps a tied lm_head's old copy, so by default the trainer does not train it."""
+    learner = GRPOLearner(tiny_checkpoint, GRPOConfig(learning_rate=1e-2, freeze_tied_embeddings=freeze))
+    embedding = learner.model.get_input_embeddings().weight
+    assert learner.model.get_output_embeddings().weight is embedding  # tied
+    before, body = embedding.detach().clone(), learner.model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    learner.train_step([rollout(0, [1, 10, 11, 300, 2], 3, 1.0), rollout(1, [1, 10, 11, 400, 2], 3, -1.0)])
+    assert torch.equal(embedding.detach(), before) == freeze and learner.frozen_embeddings == freeze
+    assert not torch.equal(learner.model.model.layers[0].mlp.up_proj.weight.detach(), body)

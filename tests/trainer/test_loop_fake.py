@@ -7,6 +7,7 @@ sequence alone: any wrong token, loss mask or version on the way shows as a mism
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from rollout_proxy.trainer.batch import Rollout, TrainSequence, rollouts_of
 from rollout_proxy.trainer.grpo import GRPOConfig, GRPOLearner
 from rollout_proxy.trainer.mismatch import mismatch_report
+from tests.runner.test_summary_plot import png_size
 from tests.trainer.conftest import run_loop, short_answer_job
 
 pytest.importorskip("torch")
@@ -26,7 +28,7 @@ async def test_every_trained_token_matches_the_engine_bit_for_bit_and_follows_ea
 ):
     job = short_answer_job(samples=4, generations=4, steps=3, training_loop={"max_staleness": 0})
     learner = GRPOLearner(tiny_checkpoint, GRPOConfig(learning_rate=3e-2, micro_batch_tokens=1))
-    run = await run_loop(tiny_fleet, redis_url, job, learner, tmp_path, steps=3)
+    run = await run_loop(tiny_fleet.proxy, redis_url, job, learner, tmp_path, steps=3)
 
     records = run.trainer.records
     assert [(r["step"], r["trained_version"], r["version"], r["groups"]) for r in records] == [
@@ -56,13 +58,24 @@ async def test_every_trained_token_matches_the_engine_bit_for_bit_and_follows_ea
     again = GRPOLearner(Path(records[1]["weights"]), GRPOConfig(micro_batch_tokens=1)).score(step2)
     assert mismatch_report(again, trainer_version=2, threshold=1e-2).current.max_abs == 0.0
 
+    # what it wrote: a line per step, the metrics of the last, the plot, its state, the newest two checkpoints
+    assert [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()] == records
+    metrics = (tmp_path / "metrics.prom").read_text()
+    assert (
+        "rollout_trainer_step 2.0" in metrics
+        and 'rollout_trainer_mismatch_max_abs{kind="current",version="2"} 0.0' in metrics
+    )
+    assert png_size(tmp_path / "steps.png") == (800, 600)
+    assert json.loads((tmp_path / "state.json").read_text())["version"] == 3
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000002", "v000003"]
+
 
 async def test_padded_micro_batches_agree_to_float32_rounding(tiny_fleet, redis_url, tiny_checkpoint, tmp_path):
     """Several sequences per forward (the default): padding changes the matrix shapes the same weights are
     multiplied in, so the sums round differently: within a few float32 ulps of |logprob| ≈ 10-20 (2e-6)."""
     job = short_answer_job(samples=4, generations=4, steps=1, training_loop={"max_staleness": 0})
     learner = GRPOLearner(tiny_checkpoint, GRPOConfig(learning_rate=3e-2, micro_batch_tokens=4096))
-    run = await run_loop(tiny_fleet, redis_url, job, learner, tmp_path, steps=1)
+    run = await run_loop(tiny_fleet.proxy, redis_url, job, learner, tmp_path, steps=1)
     [record] = run.trainer.records
     assert record["metrics"]["micro_batches"] == 1  # all 16 sequences in one padded batch
     assert record["mismatch"]["current"]["tokens"] == record["trained_tokens"] > 0
@@ -74,7 +87,7 @@ async def test_a_shifted_loss_mask_is_caught(tiny_fleet, redis_url, tiny_checkpo
     nearly every trained token is far over the threshold."""
     job = short_answer_job(samples=4, generations=2, steps=1, training_loop={"max_staleness": 0})
     learner = GRPOLearner(tiny_checkpoint, GRPOConfig(learning_rate=0.0, micro_batch_tokens=1))
-    run = await run_loop(tiny_fleet, redis_url, job, learner, tmp_path, steps=1)
+    run = await run_loop(tiny_fleet.proxy, redis_url, job, learner, tmp_path, steps=1)
     rollouts = [r for group in await run.groups(redis_url) for r in rollouts_of(group)]
     honest = mismatch_report(learner.score(rollouts), trainer_version=0, threshold=1e-2)
     assert honest.current.max_abs == 0.0 and honest.current.tokens > 0
@@ -112,7 +125,7 @@ async def test_an_engine_that_kept_its_old_weights_is_caught(tiny_fleet, redis_u
     tiny_fleet.weights.frozen = True
     job = short_answer_job(samples=4, generations=4, steps=2, training_loop={"max_staleness": 0})
     learner = GRPOLearner(tiny_checkpoint, GRPOConfig(learning_rate=3e-2, micro_batch_tokens=1))
-    run = await run_loop(tiny_fleet, redis_url, job, learner, tmp_path, steps=2)
+    run = await run_loop(tiny_fleet.proxy, redis_url, job, learner, tmp_path, steps=2)
     first, second = run.trainer.records
     assert first["mismatch"]["current"]["max_abs"] == 0.0  # version 0: the weights both started from
     assert second["mismatch"]["by_version"].keys() == {"1"}  # recorded as version 1 ...
@@ -125,7 +138,7 @@ async def test_tokens_of_an_older_version_are_counted_apart(tiny_fleet, redis_ur
     step 1) scores version-0 tokens: counted apart, not as a mismatch, while its own version's are exact."""
     job = short_answer_job(samples=4, generations=4, steps=3, training_loop={"max_staleness": 1})
     learner = SlowLearner(tiny_checkpoint, GRPOConfig(learning_rate=3e-2, micro_batch_tokens=1))
-    run = await run_loop(tiny_fleet, redis_url, job, learner, tmp_path, steps=3)
+    run = await run_loop(tiny_fleet.proxy, redis_url, job, learner, tmp_path, steps=3)
     records = run.trainer.records
     assert [r["trained_version"] for r in records] == [0, 1, 2]
     other = sum(r["mismatch"]["other_version"]["tokens"] for r in records)

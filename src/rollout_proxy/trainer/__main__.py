@@ -11,7 +11,8 @@ paused engine, resume at the next policy version. Run it beside a job with
         --feed redis://127.0.0.1:6379/0 --out out/trainer [--model DIR] [--steps N] [--lr 2e-5]
 
 Writes OUT/steps.jsonl (a JSON line per step: rewards, loss, the mismatch report, timings),
-OUT/metrics.prom (Prometheus text), OUT/weights/v<version>/ (the newest --keep-weights
+OUT/metrics.prom (Prometheus text), OUT/steps.png (reward and mismatch per step),
+OUT/weights/v<version>/ (the newest --keep-weights
 checkpoints) and OUT/state.json (what a restarted trainer resumes from). Needs
 ``pip install 'rollout-proxy[train]'`` (torch, transformers).
 """
@@ -87,6 +88,12 @@ def parser() -> argparse.ArgumentParser:
         default=4096,
         help="rows x longest row per forward/backward (memory; default 4096)",
     )
+    learn.add_argument(
+        "--train-tied-embeddings",
+        action="store_true",
+        help="train a tied input/output embedding too (off by default: vLLM 0.32's in-place reload keeps the "
+        "tied lm_head's old copy, which the mismatch report shows on every token; docs/training.md)",
+    )
     learn.add_argument("--seed", type=int, default=0)
     learn.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's choice)")
     check = parse.add_argument_group("the mismatch report and the fleet")
@@ -116,6 +123,7 @@ async def train(args: argparse.Namespace) -> int:
         max_grad_norm=args.max_grad_norm,
         micro_batch_tokens=args.micro_batch_tokens,
         temperature=args.temperature,
+        freeze_tied_embeddings=not args.train_tied_embeddings,
         seed=args.seed,
     )
     out = Path(args.out)
@@ -166,15 +174,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser().error("--admin-key (or $ROLLOUT_PROXY_ADMIN_KEY) is required: pause and resume are admin calls")
     if args.steps is not None and args.steps < 1:
         parser().error("--steps must be at least 1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the checkpoint is on disk: nothing is downloaded
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         import torch
-        import transformers  # noqa: F401
+        import transformers
     except ImportError as exc:
         say(
             f"the trainer needs torch and transformers ({exc}): pip install 'rollout-proxy[train]' (a CPU build: "
             "docs/training.md says how to pick CPU or CUDA)"
         )
         return 2
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars at every load and save
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -10,7 +10,11 @@ logprob μ = the old policy), with the trainer's logprob π = log π_θ(token t 
     loss_t     = −surrogate + β·(exp(ρ − π) − (ρ − π) − 1)    optional k3 KL to the reference ρ (β > 0)
     loss       = Σ_t w·loss_t / Σ_t w                          a mean over the step's trained tokens
 
-then one AdamW step (gradients clipped to ``max_grad_norm``). The same forward gives the mismatch
+then one AdamW step (gradients clipped to ``max_grad_norm``). A tied input/output embedding (SmolLM2's)
+is not trained by default: vLLM 0.32's in-place ``reload_weights`` loads the new embedding but keeps
+the tied ``lm_head``'s old copy (its log says ``ParallelLMHead: Failed to load weights``), which the
+mismatch report showed as 0.02-0.04 nats on every token after the first reload
+(``freeze_tied_embeddings=False`` trains it, for engines that reload it). The same forward gives the mismatch
 report's trainer logprobs: ``π`` before the update, for every trained token. Temperature: the
 logits are divided by it, as the engine did before reporting processed logprobs (at 1, raw and
 processed are the same); top-p / top-k truncation is not reproduced (run them at 1 / 0).
@@ -60,6 +64,8 @@ class GRPOConfig:
     weight_decay: float = 0.0
     micro_batch_tokens: int = 4096  # rows × longest row per forward/backward
     temperature: float = 1.0  # the sampling temperature (processed logprobs divide the logits by it)
+    #: keep a tied input/output embedding as it is: vLLM 0.32's in-place reload does not update a tied lm_head
+    freeze_tied_embeddings: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -140,6 +146,12 @@ class GRPOLearner:
         self.reference = load_policy(model_dir) if self.config.kl_coef > 0 else None
         if self.reference is not None:
             self.reference.requires_grad_(False)
+        #: the tied embedding is not trained: the engine would keep serving its old copy as its lm_head
+        self.frozen_embeddings = bool(getattr(self.model.config, "tie_word_embeddings", False)) and (
+            self.config.freeze_tied_embeddings
+        )
+        if self.frozen_embeddings:
+            self.model.get_input_embeddings().weight.requires_grad_(False)
         model_config = self.model.config
         pad = getattr(model_config, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else getattr(model_config, "eos_token_id", 0) or 0)

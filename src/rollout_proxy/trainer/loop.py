@@ -8,8 +8,8 @@ Per job step it:
 3. writes the new weights (``OUT/weights/v<version>/``, an HF checkpoint), then pauses the fleet,
    reloads them into every paused vLLM and resumes at the next ``policy_version``
    (``FleetDriver``): the runner, waiting for that version (``max_staleness``), starts its next step;
-4. records the step (``OUT/steps.jsonl``, ``OUT/metrics.prom``, ``OUT/state.json``), then
-   acknowledges the groups.
+4. records the step (``OUT/steps.jsonl``, ``OUT/metrics.prom``, ``OUT/steps.png``,
+   ``OUT/state.json``), then acknowledges the groups.
 
 A trainer killed anywhere before 4 gets the step's groups again (they stay pending in the
 feed's consumer group: redelivered to the same consumer name, claimed by another after
@@ -39,6 +39,7 @@ from rollout_proxy.trainer.batch import Rollout, rollouts_of, trained_tokens
 from rollout_proxy.trainer.consumer import TrajectoryConsumer
 from rollout_proxy.trainer.fleet import FleetDriver
 from rollout_proxy.trainer.mismatch import DEFAULT_THRESHOLD, MetricsFile, ScoredSequence, mismatch_report
+from rollout_proxy.trainer.plot import PLOT_NAME, write_training_plot
 from rollout_proxy.wire.feed import FeedEntry
 
 STEP_LOG = "steps.jsonl"
@@ -218,6 +219,10 @@ class ReferenceTrainer:
         numbers = {f"reward_{k}": v for k, v in record["reward"].items()}
         numbers.update({k: float(v) for k, v in record["metrics"].items()})
         self._metrics.write(record["step"], self.version, report, numbers)
+        try:
+            write_training_plot([*self.records, record], self.out_dir / PLOT_NAME)
+        except Exception as exc:  # a plot that cannot be drawn never stops training
+            self.log(f"could not draw {PLOT_NAME}: {exc!r}")
 
     def _prune(self) -> None:
         """Keep the newest ``keep_weights`` checkpoints (the one the fleet serves among them)."""
