@@ -8,7 +8,7 @@ paused engine, resume at the next policy version. Run it beside a job with
 ``training_loop.max_staleness`` (docs/training.md):
 
     python -m rollout_proxy.trainer --proxy http://127.0.0.1:8080 --admin-key KEY \\
-        --feed redis://127.0.0.1:6379/0 --out out/trainer [--model DIR] [--steps N] [--lr 2e-5]
+        --feed redis://127.0.0.1:6379/0 --model CHECKPOINT --out out/trainer [--steps N] [--lr 2e-5]
 
 Writes OUT/steps.jsonl (a JSON line per step: rewards, loss, the mismatch report, timings),
 OUT/metrics.prom (Prometheus text), OUT/steps.png (reward and mismatch per step),
@@ -26,8 +26,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollout_proxy.devtools import paths
-from rollout_proxy.sdk.transport import ProxyClient
+from rollout_proxy.errors import StoreUnavailable
+from rollout_proxy.sdk.transport import ProxyClient, ProxyRequestError
+from rollout_proxy.trainer.batch import BatchError
 from rollout_proxy.trainer.consumer import TrajectoryConsumer
 from rollout_proxy.trainer.fleet import FleetDriver, FleetUpdateFailed
 from rollout_proxy.trainer.loop import STATE, ReferenceTrainer, TrainerState, say, weights_dir
@@ -58,9 +59,10 @@ def parser() -> argparse.ArgumentParser:
     )
     where.add_argument(
         "--model",
-        default=str(paths.model_dir("dense")),
-        help="the HF checkpoint the fleet serves now (default: the dense SmolLM2-135M the scripts build); a "
-        "restarted trainer starts from OUT/weights/v<fleet version> instead when it wrote that one",
+        required=True,
+        help="the HF checkpoint the fleet serves now (the scripts' dense SmolLM2-135M: model_dense in `python -m "
+        "rollout_proxy.devtools.engine_env paths`); a restarted trainer starts from OUT/weights/v<fleet version> "
+        "instead when it wrote that one",
     )
     where.add_argument("--out", required=True, help="output directory: step log, metrics, weights, state")
     where.add_argument("--steps", type=int, help="stop after this many updates (default: run until stopped)")
@@ -159,11 +161,7 @@ async def train(args: argparse.Namespace) -> int:
             keep_weights=args.keep_weights,
             state=state,
         )
-        try:
-            await trainer.run(args.steps)
-        except FleetUpdateFailed as exc:
-            say(str(exc))
-            return 1
+        await trainer.run(args.steps)
     say(f"done: {len(trainer.records)} update(s), fleet at version {trainer.version}; step log {out / 'steps.jsonl'}")
     return 0
 
@@ -193,6 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(train(args))
     except KeyboardInterrupt:
         return 130
+    except (ProxyRequestError, StoreUnavailable, BatchError, FleetUpdateFailed) as exc:
+        # the proxy refused or is unreachable, Redis is down, a group cannot be trained on, an engine did not
+        # reload: said in words; whatever was not acknowledged stays on the feed for the next start
+        say(f"stopped: {exc}")
+        return 1
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def write_training_plot(records: Sequence[dict[str, Any]], path: Path, *, title:
     thresholds = {record["mismatch"]["threshold"] for record in records}
     for threshold in sorted(thresholds):
         mismatch_axes.axhline(threshold, color="red", linewidth=1, alpha=0.6, label=f"threshold {threshold:g}")
-    mismatch_axes.set_yscale("symlog", linthresh=1e-7)
+    mismatch_axes.set_yscale("symlog", linthresh=1e-12)  # k3 is about delta**2 / 2
     mismatch_axes.set_ylim(bottom=0.0)  # all of them are >= 0
     mismatch_axes.set_ylabel("trainer − sampling logprob (nats)")
     mismatch_axes.set_xlabel("step")
