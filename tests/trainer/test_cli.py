@@ -91,3 +91,9 @@ async def test_a_proxy_that_refuses_or_is_not_there_stops_it_in_words(tiny_fleet
         str(tmp_path),
     )
     assert code == 2 and "no checkpoint in" in said and "engine_env setup" in said
+
+
+def test_a_feed_that_is_not_redis_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["--proxy", "p", "--admin-key", "k", "--feed", "jsonl:out/feed.jsonl", "--model", "m", "--out", "x"])
+    assert "the trainer reads a Redis feed" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from rollout_proxy.errors import StoreUnavailable
 from rollout_proxy.sdk.transport import ProxyClient, ProxyRequestError
+from rollout_proxy.state.connection import is_redis_url
 from rollout_proxy.trainer.batch import BatchError
 from rollout_proxy.trainer.consumer import TrajectoryConsumer
 from rollout_proxy.trainer.fleet import FleetDriver, FleetUpdateFailed
@@ -151,6 +152,7 @@ async def train(args: argparse.Namespace) -> int:
             return 2
         say(f"loading {model} (fp32) for the fleet's version {version}")
         learner = await asyncio.to_thread(GRPOLearner, model, config)
+        say(f"reading graded groups from {args.feed}, stream {args.stream!r}, as consumer {args.consumer!r}")
         trainer = ReferenceTrainer(
             learner,
             feed,
@@ -172,6 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser().error("--admin-key (or $ROLLOUT_PROXY_ADMIN_KEY) is required: pause and resume are admin calls")
     if args.steps is not None and args.steps < 1:
         parser().error("--steps must be at least 1")
+    if not is_redis_url(args.feed):
+        parser().error(
+            f"--feed {args.feed!r}: the trainer reads a Redis feed (redis://HOST:PORT/DB), as the job publishes"
+        )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the checkpoint is on disk: nothing is downloaded
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rollout_proxy.trainer.batch import Rollout, rollouts_of, trained_tokens
+from rollout_proxy.trainer.batch import BatchError, Rollout, rollouts_of, trained_tokens
 from rollout_proxy.trainer.consumer import TrajectoryConsumer
 from rollout_proxy.trainer.fleet import FleetDriver
 from rollout_proxy.trainer.mismatch import DEFAULT_THRESHOLD, MetricsFile, ScoredSequence, mismatch_report
@@ -135,7 +135,9 @@ class ReferenceTrainer:
                 await self.feed.ack(entry)
                 continue
             if group.step_groups is None:
-                raise ValueError(f"{group.group_id}: no step_groups; publish with a runner that sets it")
+                raise BatchError(
+                    f"{group.group_id}: no step_groups (how many groups its step has); publish with a runner that sets it"
+                )
             waiting = pending[group.step]
             waiting[entry.id] = entry
             if len(waiting) >= group.step_groups:
