@@ -97,3 +97,16 @@ def test_a_feed_that_is_not_redis_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--proxy", "p", "--admin-key", "k", "--feed", "jsonl:out/feed.jsonl", "--model", "m", "--out", "x"])
     assert "the trainer reads a Redis feed" in capsys.readouterr().err
+
+
+def test_the_package_and_the_loop_never_import_torch():
+    """Only the learner needs torch (rollout-proxy[train]): a trainer of its own uses the rest without it."""
+    code = (
+        "import sys; import rollout_proxy.trainer, rollout_proxy.trainer.loop, rollout_proxy.trainer.batch, "
+        "rollout_proxy.trainer.mismatch, rollout_proxy.trainer.fleet, rollout_proxy.trainer.plot; "
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONPATH": f"{ROOT / 'src'}"}
+    )
+    assert done.stdout.strip() == "False"
