@@ -479,6 +479,24 @@ class VLLMEngine:
     async def resume(self, *, within: float) -> None:
         await self._request("POST", "/resume", limits=self._control_limits(within))
 
+    async def collective_rpc(self, method: str, *, kwargs: dict[str, str] | None = None, within: float) -> list[Any]:
+        """``POST /collective_rpc`` (dev mode): run a worker method on every worker (vLLM passes strings
+        only); one result per worker."""
+        body = {"method": method, "args": [], "kwargs": kwargs or {}, "timeout": within}
+        answer = await self._request("POST", "/collective_rpc", body, limits=self._control_limits(within + 5.0))
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list):
+            raise self._failed(
+                EngineError("the engine's /collective_rpc answer has no results list"), "/collective_rpc"
+            )
+        return results
+
+    async def reload_weights(self, weights_path: str, *, within: float) -> None:
+        """Load a checkpoint of the same architecture in place (vLLM's ``reload_weights``, as the trainer
+        does between ``pause`` and ``resume``). The prefix cache is not cleared: the proxy's per-version
+        ``cache_salt`` keeps KV computed under the old weights from being reused."""
+        await self.collective_rpc("reload_weights", kwargs={"weights_path": weights_path}, within=within)
+
     async def is_paused(self) -> bool | None:
         try:
             answer = await self._request("GET", "/is_paused", limits=self._health_timeout, expected=NOT_SERVED)
