@@ -262,12 +262,20 @@ def use_real_ids(case: schemathesis.Case, fresh: Callable[[], Fresh]) -> None:
 
 
 def openai_error_body(ctx: Any, response: schemathesis.Response, case: schemathesis.Case) -> bool | None:
-    """Every error is ``{"error": {"message", "type", "param", "code"}}`` as application/json."""
+    """Every error is ``{"error": {"message", "type", "param", "code"}}`` as application/json; on the
+    Anthropic Messages routes, Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
     if response.status_code < 400 or case.operation.path == "/readyz":  # not ready is an answer, not an error
         return None
     content_type = (response.headers.get("content-type") or [""])[0]
     assert content_type.startswith("application/json"), f"{response.status_code} with Content-Type {content_type!r}"
     body = response.json()
+    if case.operation.path.startswith("/v1/messages"):
+        assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+        error = body["error"]
+        assert isinstance(error, dict) and {"type", "message"} <= set(error) <= {"type", "message", "param", "code"}
+        assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str), error
+        assert response.headers.get("x-should-retry"), "an Anthropic error says whether to retry"
+        return True
     assert isinstance(body, dict) and set(body) == {"error"}, body
     error = body["error"]
     assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, error

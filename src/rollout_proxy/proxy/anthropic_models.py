@@ -1,0 +1,230 @@
+"""The Anthropic Messages API's request bodies at the edge (pydantic, strict: no coercion).
+
+Open to unknown fields (``cache_control``, ``citations``, ``context_management``, ``container``… are
+accepted; what the proxy does with each is in docs/messages.md) and exact where the proxy reads: content
+blocks by their ``type``, tools, ``tool_choice``, the generation parameters' types. Messages and tools are
+kept as sent, for the wire normalizers (``wire.anthropic``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from rollout_proxy.proxy.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOLS
+from rollout_proxy.proxy.validation import field_error, sent_as, sent_as_items, tag
+from rollout_proxy.wire.anthropic import ASSISTANT_BLOCKS, CUSTOM_TOOL, TEXT_ONLY, USER_BLOCKS
+from rollout_proxy.wire.messages import describe
+
+OPEN = ConfigDict(extra="allow", strict=True)
+
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+JsonObject = dict[str, Any]
+#: stop sequences a request may give (vLLM checks each against the text at every step)
+MAX_STOP_SEQUENCES = 64
+
+
+class TextBlock(BaseModel):
+    model_config = OPEN
+
+    type: Literal["text"]
+    text: str
+
+
+class ThinkingBlock(BaseModel):
+    """Reasoning the policy produced; its ``signature`` (issued by the proxy) names the node it came from."""
+
+    model_config = OPEN
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(BaseModel):
+    model_config = OPEN
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+class ToolUseBlock(BaseModel):
+    model_config = OPEN
+
+    type: Literal["tool_use"]
+    id: Name
+    name: Name
+    input: JsonObject
+
+
+def _block_kind(allowed: frozenset[str]) -> Any:
+    def kind(value: Any) -> str:
+        found = value.get("type") if isinstance(value, dict) else None
+        if isinstance(found, str) and found in allowed:
+            return f"<{found}>"
+        raise PydanticCustomError(
+            "content_block",
+            "unsupported content block {kind}: this message takes {allowed} blocks (the policy reads text only)",
+            {
+                "kind": describe(found) if isinstance(value, dict) else describe(value),
+                "allowed": ", ".join(sorted(allowed)),
+            },
+        )
+
+    return kind
+
+
+ResultBlocks = Annotated[
+    list[Annotated[Annotated[TextBlock, tag("text")], Discriminator(_block_kind(TEXT_ONLY))]],
+    Field(max_length=MAX_CONTENT_PARTS),
+]
+
+
+class ToolResultBlock(BaseModel):
+    model_config = OPEN
+
+    type: Literal["tool_result"]
+    tool_use_id: Name
+    content: str | ResultBlocks | None = None
+    is_error: bool | None = None
+
+
+UserBlock = Annotated[
+    Annotated[TextBlock, tag("text")] | Annotated[ToolResultBlock, tag("tool_result")],
+    Discriminator(_block_kind(USER_BLOCKS)),
+]
+AssistantBlock = Annotated[
+    Annotated[TextBlock, tag("text")]
+    | Annotated[ThinkingBlock, tag("thinking")]
+    | Annotated[RedactedThinkingBlock, tag("redacted_thinking")]
+    | Annotated[ToolUseBlock, tag("tool_use")],
+    Discriminator(_block_kind(ASSISTANT_BLOCKS)),
+]
+SystemBlocks = Annotated[
+    list[Annotated[Annotated[TextBlock, tag("text")], Discriminator(_block_kind(TEXT_ONLY))]],
+    Field(max_length=MAX_CONTENT_PARTS),
+]
+
+
+class UserMessage(BaseModel):
+    model_config = OPEN
+
+    role: Literal["user"]
+    content: str | Annotated[list[UserBlock], Field(max_length=MAX_CONTENT_PARTS)]
+
+
+class AssistantMessage(BaseModel):
+    model_config = OPEN
+
+    role: Literal["assistant"]
+    content: str | Annotated[list[AssistantBlock], Field(max_length=MAX_CONTENT_PARTS)]
+
+
+class SystemMessage(BaseModel):
+    """A system turn inside the conversation (Claude Code sends them); it stays where it is."""
+
+    model_config = OPEN
+
+    role: Literal["system"]
+    content: str | SystemBlocks
+
+
+def _role(value: Any) -> str:
+    role = value.get("role") if isinstance(value, dict) else None
+    if role in ("user", "assistant", "system"):
+        return f"<{role}>"
+    raise PydanticCustomError("message_role", "unknown message role {role}: user, assistant or system",
+                              {"role": describe(role)})  # fmt: skip
+
+
+Message = Annotated[
+    Annotated[UserMessage, tag("user")] | Annotated[AssistantMessage, tag("assistant")]
+    | Annotated[SystemMessage, tag("system")],
+    Discriminator(_role),
+]  # fmt: skip
+
+
+class CustomTool(BaseModel):
+    """A tool the client runs, rendered for the policy as a function with ``input_schema``."""
+
+    model_config = OPEN
+
+    type: Literal["custom"] = "custom"
+    name: Name
+    description: str | None = None
+    input_schema: JsonObject | None = None
+    defer_loading: bool | None = None
+
+
+class ServerTool(BaseModel):
+    """An Anthropic server tool or versioned client tool (``web_search_20250305``, ``bash_20250124``…):
+    accepted, left out of the prompt and recorded."""
+
+    model_config = ConfigDict(
+        extra="allow", strict=True, json_schema_extra={"not": {"properties": {"type": {"const": "custom"}}}}
+    )
+
+    type: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+    name: Name
+
+
+def _tool_kind(value: Any) -> str:
+    if not isinstance(value, dict):
+        raise PydanticCustomError("tool_type", "a tool must be an object")
+    return "<custom>" if value.get("type", CUSTOM_TOOL) == CUSTOM_TOOL else "<left_out>"
+
+
+Tool = Annotated[
+    Annotated[CustomTool, tag("custom")] | Annotated[ServerTool, tag("left_out")], Discriminator(_tool_kind)
+]
+
+
+class ToolChoice(BaseModel):
+    model_config = OPEN
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: Name | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_needs_a_name(self) -> ToolChoice:
+        if self.type == "tool" and self.name is None:
+            raise field_error("name", "tool_choice of type 'tool' needs the tool's name")
+        return self
+
+
+Messages = Annotated[list[JsonObject], sent_as_items(Message, min_length=1, max_length=MAX_MESSAGES)]
+Tools = Annotated[list[JsonObject], sent_as(Annotated[list[Tool], Field(max_length=MAX_TOOLS)])]
+#: kept as sent too (a string, or text blocks as JSON objects)
+System = Annotated[str | list[JsonObject], sent_as(str | SystemBlocks)]
+
+
+class CountTokensRequest(BaseModel):
+    """``POST /v1/messages/count_tokens``: what the prompt of this request would be, counted."""
+
+    model_config = OPEN
+
+    model: Name
+    messages: Messages
+    system: System | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: JsonObject | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """``POST /v1/messages``. The generation parameters are checked against the session's
+    (``client_sampling``) once the session is read; here only their types."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_SEQUENCES)] | None
+    ) = None
+    stream: bool | None = False
+    metadata: JsonObject | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    output_config: JsonObject | None = None
