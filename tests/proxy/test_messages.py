@@ -180,8 +180,9 @@ async def test_claude_codes_generation_parameters_are_recorded_when_the_session_
         {"type": "web_search_20250305", "name": "web_search"},
         {"name": "DeferredToolPlaceholder", "input_schema": {"type": "object"}, "defer_loading": True},
     ]
-    async with client(proxy, created["api_key"]) as sdk:
-        async with sdk.messages.stream(  # 128000 tokens: the SDK streams only
+    async with (
+        client(proxy, created["api_key"]) as sdk,
+        sdk.messages.stream(  # 128000 tokens: the SDK streams only
             model="claude-opus-5-5",
             messages=[{"role": "user", "content": QUESTION}],
             tools=[TOOL, *server_tools],
@@ -189,8 +190,9 @@ async def test_claude_codes_generation_parameters_are_recorded_when_the_session_
             extra_body=extra,
             extra_headers={"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"},
             **asked,
-        ) as stream:
-            answer = await stream.get_final_message()
+        ) as stream,
+    ):
+        answer = await stream.get_final_message()
     assert answer.model == "claude-opus-5-5"
     (node,) = await proxy.app[keys.STORE].get_nodes(created["session_id"]) or []
     assert node.meta["client_sampling"] == {**asked, "temperature": 0.7}
