@@ -75,3 +75,6 @@ class DeveloperRole:
 
     async def tokenize_text(self, text: str) -> np.ndarray:
         return await self._source.tokenize_text(text)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await self._source.detokenize(token_ids)
