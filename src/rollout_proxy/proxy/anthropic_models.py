@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from rollout_proxy.proxy.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOLS
@@ -59,27 +59,54 @@ class ToolUseBlock(BaseModel):
     input: JsonObject
 
 
-def _block_kind(allowed: frozenset[str]) -> Any:
-    def kind(value: Any) -> str:
+def _only(allowed: frozenset[str]) -> BeforeValidator:
+    """Refuse a block of another type where it is (raised by the discriminator, the error would lose its
+    location)."""
+
+    def check(value: Any) -> Any:
         found = value.get("type") if isinstance(value, dict) else None
-        if isinstance(found, str) and found in allowed:
-            return f"<{found}>"
-        raise PydanticCustomError(
-            "content_block",
-            "unsupported content block {kind}: this message takes {allowed} blocks (the policy reads text only)",
-            {
-                "kind": describe(found) if isinstance(value, dict) else describe(value),
-                "allowed": ", ".join(sorted(allowed)),
-            },
-        )
+        if not (isinstance(found, str) and found in allowed):
+            raise PydanticCustomError(
+                "content_block",
+                "unsupported content block {kind}: this message takes {allowed} blocks (the policy reads text only)",
+                {
+                    "kind": describe(found) if isinstance(value, dict) else describe(value),
+                    "allowed": ", ".join(sorted(allowed)),
+                },
+            )
+        return value
 
-    return kind
+    return BeforeValidator(check)
 
 
-ResultBlocks = Annotated[
-    list[Annotated[Annotated[TextBlock, tag("text")], Discriminator(_block_kind(TEXT_ONLY))]],
-    Field(max_length=MAX_CONTENT_PARTS),
-]
+#: a block union's branch, by its ``type`` (checked first by ``_only``)
+BY_TYPE = Discriminator(lambda value: f"<{value.get('type')}>" if isinstance(value, dict) else None)
+TextOnly = Annotated[Annotated[TextBlock, tag("text")], BY_TYPE, _only(TEXT_ONLY)]
+
+
+def _content_kind(value: Any) -> str | None:
+    if value is None:
+        return "<null>"
+    return "<string>" if isinstance(value, str) else "<list>" if isinstance(value, list) else None
+
+
+def content_of(block: Any, *, nullable: bool = False) -> Any:
+    """A content: a string or a list of ``block``s (or null), the branch chosen by the JSON kind."""
+    blocks = Annotated[list[block], Field(max_length=MAX_CONTENT_PARTS), tag("list")]  # type: ignore[valid-type]
+    kinds: Any = Annotated[str, tag("string")] | blocks
+    if nullable:
+        kinds = kinds | Annotated[None, tag("null")]
+    return Annotated[
+        kinds,
+        Discriminator(
+            _content_kind,
+            custom_error_type="invalid_content",
+            custom_error_message="content must be a string or a list of content blocks",
+        ),
+    ]
+
+
+ResultContent = content_of(TextOnly, nullable=True)
 
 
 class ToolResultBlock(BaseModel):
@@ -87,39 +114,38 @@ class ToolResultBlock(BaseModel):
 
     type: Literal["tool_result"]
     tool_use_id: Name
-    content: str | ResultBlocks | None = None
+    content: ResultContent = None  # type: ignore[valid-type]
     is_error: bool | None = None
 
 
 UserBlock = Annotated[
     Annotated[TextBlock, tag("text")] | Annotated[ToolResultBlock, tag("tool_result")],
-    Discriminator(_block_kind(USER_BLOCKS)),
+    BY_TYPE,
+    _only(USER_BLOCKS),
 ]
 AssistantBlock = Annotated[
     Annotated[TextBlock, tag("text")]
     | Annotated[ThinkingBlock, tag("thinking")]
     | Annotated[RedactedThinkingBlock, tag("redacted_thinking")]
     | Annotated[ToolUseBlock, tag("tool_use")],
-    Discriminator(_block_kind(ASSISTANT_BLOCKS)),
+    BY_TYPE,
+    _only(ASSISTANT_BLOCKS),
 ]
-SystemBlocks = Annotated[
-    list[Annotated[Annotated[TextBlock, tag("text")], Discriminator(_block_kind(TEXT_ONLY))]],
-    Field(max_length=MAX_CONTENT_PARTS),
-]
+SystemContent = content_of(TextOnly)
 
 
 class UserMessage(BaseModel):
     model_config = OPEN
 
     role: Literal["user"]
-    content: str | Annotated[list[UserBlock], Field(max_length=MAX_CONTENT_PARTS)]
+    content: content_of(UserBlock)  # type: ignore[valid-type]
 
 
 class AssistantMessage(BaseModel):
     model_config = OPEN
 
     role: Literal["assistant"]
-    content: str | Annotated[list[AssistantBlock], Field(max_length=MAX_CONTENT_PARTS)]
+    content: content_of(AssistantBlock)  # type: ignore[valid-type]
 
 
 class SystemMessage(BaseModel):
@@ -128,21 +154,23 @@ class SystemMessage(BaseModel):
     model_config = OPEN
 
     role: Literal["system"]
-    content: str | SystemBlocks
+    content: SystemContent  # type: ignore[valid-type]
 
 
-def _role(value: Any) -> str:
+def _known_role(value: Any) -> Any:
     role = value.get("role") if isinstance(value, dict) else None
-    if role in ("user", "assistant", "system"):
-        return f"<{role}>"
-    raise PydanticCustomError("message_role", "unknown message role {role}: user, assistant or system",
-                              {"role": describe(role)})  # fmt: skip
+    if role not in ("user", "assistant", "system"):
+        raise PydanticCustomError(
+            "message_role", "unknown message role {role}: user, assistant or system", {"role": describe(role)}
+        )
+    return value
 
 
 Message = Annotated[
     Annotated[UserMessage, tag("user")] | Annotated[AssistantMessage, tag("assistant")]
     | Annotated[SystemMessage, tag("system")],
-    Discriminator(_role),
+    Discriminator(lambda value: f"<{value.get('role')}>" if isinstance(value, dict) else None),
+    BeforeValidator(_known_role),
 ]  # fmt: skip
 
 
@@ -198,7 +226,7 @@ class ToolChoice(BaseModel):
 Messages = Annotated[list[JsonObject], sent_as_items(Message, min_length=1, max_length=MAX_MESSAGES)]
 Tools = Annotated[list[JsonObject], sent_as(Annotated[list[Tool], Field(max_length=MAX_TOOLS)])]
 #: kept as sent too (a string, or text blocks as JSON objects)
-System = Annotated[str | list[JsonObject], sent_as(str | SystemBlocks)]
+System = Annotated[str | list[JsonObject], sent_as(SystemContent)]
 
 
 class CountTokensRequest(BaseModel):
