@@ -92,7 +92,7 @@ def _content_kind(value: Any) -> str | None:
 
 def content_of(block: Any, *, nullable: bool = False) -> Any:
     """A content: a string or a list of ``block``s (or null), the branch chosen by the JSON kind."""
-    blocks = Annotated[list[block], Field(max_length=MAX_CONTENT_PARTS), tag("list")]  # type: ignore[valid-type]
+    blocks = Annotated[list[block], Field(max_length=MAX_CONTENT_PARTS), tag("list")]
     kinds: Any = Annotated[str, tag("string")] | blocks
     if nullable:
         kinds = kinds | Annotated[None, tag("null")]
