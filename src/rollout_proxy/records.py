@@ -76,6 +76,9 @@ class SessionRecord:
     #: what a request's own generation parameters meet: "refuse" (a 400 unless a no-op) or "ignore" (the
     #: session's are used, the client's recorded on the node); ``proxy.client_sampling``
     client_sampling: str = "refuse"
+    #: which of the nodes retrying one input a rollout trains (``core.branches``): "drop" all but those the
+    #: conversation went on from, or "keep" them all
+    retry: str = "drop"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +96,7 @@ class SessionRecord:
             "result": self.result,
             "concurrency": self.concurrency,
             "client_sampling": self.client_sampling,
+            "retry": self.retry,
         }
 
     @classmethod

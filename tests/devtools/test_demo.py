@@ -34,7 +34,7 @@ def test_help_names_the_options(capsys):
         demo.main(["--help"])
     assert exited.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--keep-running", "--job", "--samples", "--generations", "--steps", "--out"):
+    for option in ("--keep-running", "--job", "--engine", "--samples", "--generations", "--steps", "--out"):
         assert option in text
     assert "viewer" in text and "Ctrl-C" in text
 
@@ -48,6 +48,27 @@ def test_bundled_jobs_load_with_the_command_line_sizes():
         2,
     )
     assert demo.load_job("weather", samples=None, generations=None, steps=None).name == "weather-demo"
+    assert demo.load_job("codex", samples=None, generations=None, steps=None).name == "codex-demo"
+
+
+def test_the_codex_job_runs_codex_on_the_fake_engine(tmp_path, capsys):
+    """`./scripts/demo.sh --job codex --engine fake`: Codex CLI per sample, a scripted shell agent as the policy;
+    every rollout reads its file with Codex's tool and answers, and the grader rewards it."""
+    assert (
+        demo.main(
+            ["--job", "codex", "--engine", "fake", "--samples", "2", "--generations", "1", "--out", str(tmp_path)]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "2 graded, 0 dropped" in printed and "mean reward   1.0000" in printed
+    (run,) = [path for path in tmp_path.iterdir() if path.name.startswith("codex-demo-")]
+    lines = [json.loads(line) for line in (run / "trajectories.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(line["reward"] == 1.0 for line in lines)
+    for line in lines:
+        roles = [message["role"] for message in line["messages"]]
+        assert roles[:2] == ["developer", "developer"] and roles[-3:] == ["assistant", "tool", "assistant"]
+        assert line["extra"]["final_message"].startswith("The file says: ")
 
 
 def test_keep_running_serves_the_viewer_and_feed_until_ctrl_c(engine, tmp_path, capsys):

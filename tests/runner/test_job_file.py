@@ -53,12 +53,26 @@ def test_a_valid_job_loads(job_path):
         ),
         (lambda d: d["data"]["training_set"].update(local_files=["missing.jsonl"]), "no such file"),
         (lambda d: d.pop("data"), "data: Field required"),
+        (lambda d: d.setdefault("proxy", {}).update(client_sampling="allow"), "proxy.client_sampling"),
     ],
 )
 def test_problems_are_reported_with_their_path(job_path, change, expected):
     with pytest.raises(JobError) as raised:
         JobConfig.load(edit(job_path, change))
     assert expected in str(raised.value)
+
+
+def test_client_sampling_is_a_job_setting(job_path):
+    assert JobConfig.load(job_path).proxy.client_sampling == "refuse"  # the seed's rule by default
+    job = JobConfig.load(edit(job_path, lambda d: d.setdefault("proxy", {}).update(client_sampling="ignore")))
+    assert job.proxy.client_sampling == "ignore"
+
+
+def test_samples_may_leave_out_messages(job_path, tmp_path):
+    """A harness owns its prompt: the sample carries only what the rollout and the grader need."""
+    job = JobConfig.load(job_path)
+    sample = job.sample({"extra": {"task": "Read marker.txt."}})
+    assert sample.messages == [] and sample.extra == {"task": "Read marker.txt."}
 
 
 def test_several_problems_are_reported_together(job_path):

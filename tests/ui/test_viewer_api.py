@@ -150,6 +150,16 @@ async def test_a_sessions_tree_has_every_node_its_fork_and_its_injected_messages
     }
     assert body["session"]["status"] == "finished" and "engine" not in body["session"]
     assert body["summary"]["nodes"] == 5
+    # the branches: how each node relates to the tree, and which sequence trains it
+    assert nodes[first]["branch"]["kind"] == "new_conversation"
+    assert nodes[second]["branch"] == {"kind": "continuation", "label": None, "from": first, "at_message": None}
+    assert nodes[recorded.forked]["branch"] == {"kind": "rewrite", "label": None, "from": first, "at_message": 1}
+    sequences = body["sequences"]
+    assert [sequence["leaf"] for sequence in sequences] == [recorded.forked, third]  # the latest leaf first
+    assert sequences[0]["main"] and sequences[0]["trained"] == [recorded.forked]
+    assert sequences[1]["trained"] == [first, second, third] and sequences[1]["branch"]["kind"] == "new_conversation"
+    sampled = sum(nodes[rid]["output_tokens"] for rid in nodes)
+    assert body["tokens"] == {"sampled": sampled, "trained": sampled, "dropped": 0}
 
 
 async def test_a_trajectorys_tokens_are_the_trainers_with_pieces_nodes_and_grade(viewer, feed_path, engine):

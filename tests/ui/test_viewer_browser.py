@@ -157,6 +157,12 @@ async def test_the_viewer_shows_a_recorded_trajectory_token_by_token(engine, bro
         injected = page.locator(f'li[data-node="{recorded.injected}"]')
         assert "injected" in await injected.get_attribute("class")
         assert "Thanks!" in await injected.inner_text()
+        # its branches: the fork is a rewrite, trained in the main sequence; the first turn in sequence 2
+        assert "rewrite of" in await fork.locator(".badge.branch").inner_text()
+        assert "sequence 1 (main)" in await fork.locator(".badge.trained").inner_text()
+        first_node = page.locator(f'li[data-node="{recorded.turns[0]}"]')
+        assert "sequence 2" in await first_node.locator(":scope > .card > header .badge.trained").inner_text()
+        assert await page.locator("table.sequences tbody tr").count() == 2
         await shot(page, "viewer-tree.png")
 
         # the trajectory's tokens: each token its piece, coloured by loss weight

@@ -16,11 +16,12 @@ from typing import Any
 import orjson
 
 from rollout_proxy.core.streaming import StreamEvent, TurnStreamer
-from rollout_proxy.core.tree import Placement, ResponseTree, place_sample
+from rollout_proxy.core.tree import Placement, ResponseTree, SamplePlacement, place_sample
 from rollout_proxy.core.turns import TurnResult, TurnRunner
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.records import ResponseNode, SessionRecord
 from rollout_proxy.state.store import Idempotency
+from rollout_proxy.tokenization.messages import canonical_key, path_hashes_of_keys
 
 MAX_IDEMPOTENCY_KEY = 255
 
@@ -57,7 +58,9 @@ class ResponsesService:
         previous_response_id: str | None,
         instructions: str | None,
         api: str,
+        keys: Sequence[bytes] | None = None,
     ) -> Placement:
+        """``keys``: the messages' ``canonical_key``s when the caller has them (a resent input keyed once)."""
         if previous_response_id is not None:
             placement = await self._tree.after(session, previous_response_id, messages)
             if instructions is not None and instructions != root_instructions(placement.parent):
@@ -68,9 +71,12 @@ class ResponsesService:
                 )
             return placement
         if instructions:  # the instructions are the conversation's first message, as the client's system prompt
-            messages = [{"role": "system", "content": instructions}, *messages]
-        conversation, sample = place_sample(session.messages, messages)
-        placement = await self._tree.locate(session, conversation, api=api)
+            system = {"role": "system", "content": instructions}
+            messages = [system, *messages]
+            keys = None if keys is None else [canonical_key(system), *keys]
+        conversation, sample = place_sample(session.messages, messages, keys=keys)
+        hashes = None if keys is None or sample is SamplePlacement.INSERTED else path_hashes_of_keys(keys)
+        placement = await self._tree.locate(session, conversation, api=api, hashes=hashes)
         placement.sample = sample
         return placement
 
@@ -84,6 +90,7 @@ class ResponsesService:
         tools: list[dict[str, Any]] | None,
         store: bool,
         meta: dict[str, Any] | None = None,
+        keys: Sequence[bytes] | None = None,
     ) -> tuple[TurnResult, list[ResponseNode]]:
         """Generate one response; returns it and the path it extends. ``meta``: what the node records of the
         request beyond its messages and the Responses fields."""
@@ -95,6 +102,7 @@ class ResponsesService:
             tools=tools,
             store=store,
             meta=meta,
+            keys=keys,
         )
         result = await self._turns.generate(
             session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
@@ -111,6 +119,7 @@ class ResponsesService:
         tools: list[dict[str, Any]] | None,
         store: bool,
         meta: dict[str, Any] | None = None,
+        keys: Sequence[bytes] | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         """``create``, streamed (``core.streaming``): the same node is recorded at the end."""
         placement, meta = await self._placed(
@@ -121,6 +130,7 @@ class ResponsesService:
             tools=tools,
             store=store,
             meta=meta,
+            keys=keys,
         )
         events = TurnStreamer(self._turns).stream(
             session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
@@ -139,10 +149,16 @@ class ResponsesService:
         tools: list[dict[str, Any]] | None,
         store: bool,
         meta: dict[str, Any] | None,
+        keys: Sequence[bytes] | None,
     ) -> tuple[Placement, dict[str, Any]]:
         """Where the response goes, and the node's metadata."""
         placement = await self._place(
-            session, messages, previous_response_id=previous_response_id, instructions=instructions, api="responses"
+            session,
+            messages,
+            previous_response_id=previous_response_id,
+            instructions=instructions,
+            api="responses",
+            keys=keys,
         )
         meta = {
             **(meta or {}),

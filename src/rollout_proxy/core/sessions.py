@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_proxy.core import branches
 from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.teacher import teacher_fields
 from rollout_proxy.core.trajectory import AssembledTrajectory, assemble
@@ -24,6 +25,32 @@ from rollout_proxy.errors import (
 from rollout_proxy.ids import new_session_id, session_of_response
 from rollout_proxy.records import GenerationConfig, SessionRecord, SessionStatus
 from rollout_proxy.state.store import ReadAhead, StateStore
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutExport:
+    """A session's tree as the trainer gets it (``core.branches``): every sequence, the main one first."""
+
+    session_id: str
+    retry: str
+    sequences: list[AssembledTrajectory]
+    sampled_tokens: int
+    trained_tokens: int
+    dropped_tokens: int
+
+    @property
+    def main(self) -> AssembledTrajectory | None:
+        return self.sequences[0] if self.sequences and self.sequences[0].main else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "retry": self.retry,
+            "sequences": [{"leaf": sequence.response_id, **sequence.to_json()} for sequence in self.sequences],
+            "sampled_tokens": self.sampled_tokens,
+            "trained_tokens": self.trained_tokens,
+            "dropped_tokens": self.dropped_tokens,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +81,7 @@ class SessionService:
         n_sample: int | None = None,
         concurrency: dict[str, Any] | None = None,
         client_sampling: str = "refuse",
+        retry: str = "drop",
     ) -> SessionRecord:
         """Store a new session, once its engine's template renders the sample (one engine call).
 
@@ -93,6 +121,7 @@ class SessionService:
             n_sample=n_sample,
             concurrency=concurrency,
             client_sampling=client_sampling,
+            retry=retry,
         )
         await self._store.create_session(session)
         return session
@@ -140,12 +169,26 @@ class SessionService:
 
         Every response id must be in the session; a group session (``n_sample``) that
         succeeds must name exactly ``n_sample``. A single rollout that names none emits
-        its latest response.
+        the whole rollout (``core.branches``): its main sequence, the others as its ``branches``.
         """
         session = await self.get_open(session_id)
-        if responses is None:
-            latest = await self._store.latest(session_id, "*") if session.n_sample is None else None
-            responses = [{"id": latest, "extra": None}] if latest is not None and status == "success" else []
+        if responses is None and session.n_sample is None and status == "success":
+            result: dict[str, Any] = {
+                "status": status,
+                "error": error,
+                "extra": extra,
+                "responses": None,
+                "config": config,
+            }
+            finished = dataclasses.replace(session, status=SessionStatus.FINISHED, result=result)
+            whole = await self._rollout(finished)
+            main = whole.main
+            if main is None:
+                return FinishPlan(session_id=session_id, result=result, trajectories=[])
+            result["responses"] = [{"id": main.response_id, "extra": None}]
+            main.branches = [sequence for sequence in whole.sequences[1:] if not sequence.dropped]
+            return FinishPlan(session_id=session_id, result=result, trajectories=[main])
+        responses = responses if responses is not None else []
         ids = [response["id"] for response in responses]
         if session.n_sample is not None and status == "success" and len(ids) != session.n_sample:
             raise InvalidRequest(
@@ -197,6 +240,41 @@ class SessionService:
             session_id, status=status, error=error, extra=extra, responses=responses, config=config
         )
         return await self.commit_finish(plan), plan.trajectories
+
+    async def rollout(self, session_id: str) -> RolloutExport:
+        """Every sequence of the session's tree (``core.branches``), in one read of its nodes."""
+        return await self._rollout(await self.get(session_id))
+
+    async def _rollout(self, session: SessionRecord) -> RolloutExport:
+        nodes = await self._store.get_nodes(session.id, routing=True)
+        if nodes is None:
+            raise SessionNotFound(f"session {session.id!r} not found (unknown or expired)", param="session_id")
+        # a group session's siblings with one input are its samples, not retries: all of them are trained
+        policy = "keep" if session.n_sample is not None else session.retry
+        plan = branches.rollout(nodes, retry=policy)
+        main = plan.main
+        scores = (
+            await self._store.get_teacher_scores(session.id, main.leaf.id) if main is not None and main.main else None
+        )
+        sequences = []
+        for sequence in plan.sequences:
+            trajectory = assemble(
+                session.id, sequence.path, extra=_result_extra(session, sequence.leaf.id), trained=sequence.trained
+            )
+            trajectory.response_ids = [node.id for node in sequence.path]
+            trajectory.branch = sequence.branch.to_json()
+            trajectory.main, trajectory.dropped = sequence.main, sequence.dropped
+            if sequence.main and scores is not None:  # a teacher pass is of the main sequence (the runner's)
+                trajectory = dataclasses.replace(trajectory, **teacher_fields(scores))
+            sequences.append(trajectory)
+        return RolloutExport(
+            session_id=session.id,
+            retry=policy,
+            sequences=sequences,
+            sampled_tokens=plan.sampled_tokens,
+            trained_tokens=plan.trained_tokens,
+            dropped_tokens=plan.dropped_tokens,
+        )
 
     async def latest_trajectory(self, session_id: str, api: str = "*") -> AssembledTrajectory:
         """The trajectory of the session's latest response (``api``: of that API only; ``"*"``: any)."""

@@ -6,9 +6,11 @@ parse), with the arrays serialized as they are.
 
 Loss weight is 1.0 exactly on tokens the policy sampled and 0.0 elsewhere (prompt,
 bridge, injected messages); the logprob is the sampling logprob where the weight is
-1 and 0.0 elsewhere. ``policy_versions`` says which policy version sampled each of those
-tokens: half-open spans over ``total_token_ids``, adjacent spans of one version merged;
-prompt, bridge and injected tokens are in none.
+1 and 0.0 elsewhere. A rollout's sequence (``core.branches``) trains only some of its
+generated nodes: the tokens of the others (trained in another sequence, or dropped) are
+weighted 0 with logprob 0.0 too. ``policy_versions`` says which policy version sampled each
+generated token (trained here or not): half-open spans over ``total_token_ids``, adjacent
+spans of one version merged; prompt, bridge and injected tokens are in none.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ class AssembledTrajectory:
     teacher_topk: dict[str, Any] | None = None
     critic: dict[str, Any] | None = None  # {"token_ids", "n_tokens_injected"}: the critic_context view
     student_topk: TopLogprobs | None = None  # the policy's top-k per trained token, when its session recorded it
+    # as one of a rollout's sequences (``core.branches``; None for a trajectory fetched by its response id)
+    response_ids: list[str] | None = None  # root to leaf
+    branch: dict[str, Any] | None = None  # where the sequence leaves the tree: kind, label, from, at_message
+    main: bool | None = None
+    dropped: bool | None = None  # a retry the conversation did not go on from: nothing in it is trained
+    #: the rollout's other sequences (not dropped), on the main one a finish emits for a whole rollout
+    branches: list[AssembledTrajectory] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -74,12 +83,23 @@ class AssembledTrajectory:
             "student_topk": None
             if self.student_topk is None
             else {"ids": encode_array(self.student_topk.ids), "logprobs": encode_array(self.student_topk.logprobs)},
+            "response_ids": self.response_ids,
+            "branch": self.branch,
+            "main": self.main,
+            "dropped": self.dropped,
+            "branches": [branch.to_json() for branch in self.branches],
         }
 
 
 def assemble(
-    session_id: str, path: Sequence[ResponseNode], *, extra: dict[str, Any] | None = None
+    session_id: str,
+    path: Sequence[ResponseNode],
+    *,
+    extra: dict[str, Any] | None = None,
+    trained: frozenset[str] | None = None,
 ) -> AssembledTrajectory:
+    """``trained``: the generated nodes whose tokens this trajectory trains (a rollout's sequence,
+    ``core.branches``); the others' tokens keep their logprobs and versions with weight 0. None: all."""
     ids, weights, logprobs, messages = [], [], [], []
     forks = []
     spans = []
@@ -91,9 +111,12 @@ def assemble(
         position += len(node.output_ids)
         weights.append(np.zeros(len(node.prompt_ids), dtype=np.float32))
         logprobs.append(np.zeros(len(node.prompt_ids), dtype=np.float32))
-        if node.kind is NodeKind.GENERATED:
+        if node.kind is NodeKind.GENERATED and (trained is None or node.id in trained):
             weights.append(np.ones(len(node.output_ids), dtype=np.float32))
             logprobs.append(node.output_logprobs)
+        else:
+            weights.append(np.zeros(len(node.output_ids), dtype=np.float32))
+            logprobs.append(np.zeros(len(node.output_ids), dtype=np.float32))
         messages += node.messages
         if node.fork:
             forks.append({"response_id": node.id, **node.fork})
@@ -121,12 +144,14 @@ def assemble(
         routing_disagreements=sum(node.meta.get("routing_disagreements", 0) for node in path),
         policy_versions=merge_spans(spans),
         trace_ids=[node.meta.get("trace_id") for node in generated],
-        student_topk=_student_topk(generated),
+        student_topk=_student_topk(
+            generated if trained is None else [node for node in generated if node.id in trained]
+        ),
     )
 
 
 def _student_topk(generated: Sequence[ResponseNode]) -> TopLogprobs | None:
-    """The rows of every generated turn, in order (the trained tokens'); None unless every turn has them."""
+    """The rows of every trained turn, in order (the trained tokens'); None unless every one has them."""
     present = [node.output_topk for node in generated if node.output_topk is not None]
     if not present or len(present) != len(generated) or len({row.k for row in present}) != 1:
         return None

@@ -28,7 +28,7 @@ import structlog
 
 from rollout_proxy import tracing
 from rollout_proxy.core.rendering import Renderers
-from rollout_proxy.core.tree import Placement
+from rollout_proxy.core.tree import Placement, SamplePlacement
 from rollout_proxy.core.turn_routing import align_routing
 from rollout_proxy.engines.base import Engine, EngineInfo, PieceSink, SamplingParams
 from rollout_proxy.engines.fleet import Fleet
@@ -378,7 +378,7 @@ class TurnRunner:
         """How the session's sample stands in a conversation placed from the root: counted, and on the node
         when the proxy added it or the conversation does not hold all of it (``core.tree.SamplePlacement``)."""
         placed = placement.sample
-        if placed is None:
+        if placed is None or placed is SamplePlacement.NO_SAMPLE:
             return
         self._metrics.inc("sample_placements_total", api=api, placement=placed.value)
         if placed.flagged:

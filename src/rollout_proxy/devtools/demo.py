@@ -9,21 +9,28 @@ under OUT/<run>/, prints a summary, and stops everything it started, or, with
 --keep-running, keeps the proxy and vLLM up so the trajectories just recorded can be
 browsed in the proxy's viewer (the URL and admin key are printed; Ctrl-C stops).
 
-    python -m rollout_proxy.devtools.demo [--job short-answer|weather|FILE] [--samples N]
-        [--generations N] [--steps N] [--out DIR] [--keep-running]
+    python -m rollout_proxy.devtools.demo [--job short-answer|weather|codex|FILE] [--engine vllm|fake]
+        [--samples N] [--generations N] [--steps N] [--out DIR] [--keep-running]
+
+``--job codex`` runs Codex CLI (``codex exec``, installed into the cache on first use) as the rollout
+harness on small file-reading tasks; ``--engine fake`` runs any job on the in-process fake engine instead
+of vLLM (seconds, no engine venv: the codex job's fake policy is a scripted shell agent, other jobs get
+the fake's default sentences).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import secrets
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from types import FrameType
@@ -33,11 +40,18 @@ from rollout_proxy.devtools import engine_env
 from rollout_proxy.devtools.vllm_server import VLLMServer
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from rollout_proxy.runner.job import JobConfig
 
 TEMPLATE = Path(__file__).parent / "templates" / "qwen3_style.jinja"
 #: the bundled jobs, by the name ``--job`` takes
-JOBS = {"short-answer": "short_answer_job.yaml", "weather": "weather_job.yaml"}
+JOBS = {"short-answer": "short_answer_job.yaml", "weather": "weather_job.yaml", "codex": "codex_job.yaml"}
+ENGINES = ("vllm", "fake")
+#: tokens of context the engine gets: Codex's first prompt alone is ~7k tokens (instructions and tools)
+CONTEXT = {"codex": 8192}
+#: what `codex exec` is given on vLLM: its sub-agent tools and web search left out of its requests (~6.8k tokens)
+CODEX_ON_VLLM = '-c features.multi_agent=false -c web_search="disabled"'
 
 
 def log(message: str) -> None:
@@ -185,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a bundled job (short-answer, the default: a learning signal; weather: the seed's tool-calling "
         "agent) or a job file",
     )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="vllm",
+        help="vllm (the default: a real vLLM on CPU, set up on first use) or fake (the in-process fake engine: "
+        "seconds; the codex job's fake policy is a scripted shell agent)",
+    )
     parser.add_argument("--samples", type=int, help="samples per step (default: the job's batch_size, 8)")
     parser.add_argument("--generations", type=int, help="rollouts per sample (default: the job's, 4)")
     parser.add_argument("--steps", type=int, help="steps (default: the job's num_steps, 2)")
@@ -201,9 +222,27 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
     job = load_job(args.job, samples=args.samples, generations=args.generations, steps=args.steps)
     started = time.monotonic()
+    if args.job == "codex":
+        from rollout_proxy.devtools.harnesses import ensure_codex
+
+        log("checking Codex CLI (first run: installs it from the npm registry)")
+        ensure_codex()
+    if args.engine == "fake":
+        with fake_engine(scripted=args.job == "codex") as engine_url:
+            demo_on(engine_url, job, Path(args.out), keep_running=args.keep_running)
+        log(f"done in {time.monotonic() - started:.0f}s")
+        return 0
+    if args.job == "codex":  # Codex's whole default prompt (~9.4k tokens) does not fit SmolLM2's 8k context
+        os.environ.setdefault("ROLLOUT_PROXY_CODEX_ARGS", CODEX_ON_VLLM)
     log("checking the engine venv and the checkpoints (first run: a few minutes)")
     engine_env.setup()
-    server = VLLMServer("dense", chat_template=TEMPLATE, tool_parser="hermes", die_with_parent=True)
+    server = VLLMServer(
+        "dense",
+        chat_template=TEMPLATE,
+        tool_parser="hermes",
+        die_with_parent=True,
+        max_model_len=CONTEXT.get(args.job, 2048),
+    )
     try:
         log("starting vLLM (about a minute)")
         engine_url = server.start(timeout=600)
@@ -212,6 +251,26 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         log(f"stopped vLLM; done in {time.monotonic() - started:.0f}s")
     return 0
+
+
+@contextlib.contextmanager
+def fake_engine(*, scripted: bool) -> Iterator[str]:
+    """The fake engine (SmolLM2's tokenizer, the template vLLM would get) served on a thread; its URL."""
+    from rollout_proxy.devtools.fake_engine import FakeEngine
+    from rollout_proxy.devtools.scripted_agent import shell_agent
+    from rollout_proxy.embedded import BackgroundServer
+
+    tokenizer = engine_env.ensure_checkpoints()["dense"]
+
+    def app() -> web.Application:
+        engine = FakeEngine(tokenizer, chat_template=TEMPLATE.read_text(), max_model_len=32768)
+        if scripted:
+            engine.policy = shell_agent(engine)
+        return engine.app()
+
+    log("starting the fake engine")
+    with BackgroundServer(app) as server:
+        yield server.url
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pydantic_core import PydanticCustomError
 
 from rollout_proxy.proxy.limits import MAX_MESSAGES
 from rollout_proxy.proxy.message_models import OPEN, Arguments, Content, Name, Role, json_kind
-from rollout_proxy.proxy.validation import field_error, sent_as, tag
+from rollout_proxy.proxy.validation import field_error, sent_as_with_items, tag
 from rollout_proxy.wire.messages import describe
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -99,5 +99,6 @@ ResponsesInput = Annotated[
     ),
 ]
 
-#: ``input`` as sent (``input_to_messages`` reads it) once it has one of these shapes.
-Input = Annotated[Any, sent_as(ResponsesInput)]
+#: ``input`` as sent (``input_to_messages`` reads it) once it has one of these shapes; a resent history's
+#: items are not checked again (``proxy.known_input``)
+Input = Annotated[Any, sent_as_with_items(ResponsesInput, InputItem, max_length=MAX_MESSAGES)]

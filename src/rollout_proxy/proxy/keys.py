@@ -13,6 +13,7 @@ from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
+from rollout_proxy.proxy.known_input import KnownInputs
 from rollout_proxy.proxy.known_messages import KnownMessages
 from rollout_proxy.settings import Settings
 from rollout_proxy.state.feed import Feed
@@ -26,6 +27,7 @@ METRICS = web.AppKey("metrics", Metrics)
 TELEMETRY = web.AppKey("telemetry", Telemetry)
 TOKENS = web.AppKey("tokens", SessionTokens)
 KNOWN_MESSAGES = web.AppKey("known_messages", KnownMessages)  # messages checked once (``known_messages``)
+KNOWN_INPUTS = web.AppKey("known_inputs", KnownInputs)  # Responses inputs checked once (``known_input``)
 STORE = web.AppKey("store", StateStore)
 FEED = web.AppKey("feed", Feed)
 ENGINES = web.AppKey("engines", Fleet)

@@ -127,6 +127,8 @@ class MessageIntake:
     """One request's messages against the app's ``KnownMessages``: which need checking, then the normal
     forms and path hashes of all of them (only the new ones computed, and remembered once they passed)."""
 
+    key = "messages"  # the body's list it takes in
+
     def __init__(self, known: KnownMessages) -> None:
         self._known = known
         self._resent: tuple[list[Any], Conversation] | None = None  # what ``load`` spliced: (messages, from)

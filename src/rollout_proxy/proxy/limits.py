@@ -65,21 +65,21 @@ def load_json_object(body: bytes) -> dict[str, Any]:
     return payload
 
 
-def check_json_limits(payload: Any, *, messages_to_check: Sequence[int] | None = None) -> None:
-    """Depth and string lengths (object keys too) over the whole value; of ``messages``, only those at
-    ``messages_to_check`` when given (the others were checked whole before, at this same depth). 400
-    naming where."""
+def check_json_limits(payload: Any, *, messages_to_check: Sequence[int] | None = None, key: str = "messages") -> None:
+    """Depth and string lengths (object keys too) over the whole value; of the list under ``key``
+    (``messages``; a Responses body's ``input``), only the items at ``messages_to_check`` when given (the
+    others were checked whole before, at this same depth). 400 naming where."""
     try:
-        messages = payload.get("messages") if messages_to_check is not None and type(payload) is dict else None
+        messages = payload.get(key) if messages_to_check is not None and type(payload) is dict else None
         if type(messages) is not list or messages_to_check is None:
             _walk(payload, 1)
             return
-        _walk({key: value for key, value in payload.items() if key != "messages"}, 1)
+        _walk({name: value for name, value in payload.items() if name != key}, 1)
         try:
             for index in messages_to_check:
                 _check(index, messages[index], 2)
         except _Refused as refused:
-            refused.loc.append("messages")
+            refused.loc.append(key)
             raise
     except _Refused as refused:
         raise InvalidRequest(refused.message, param=format_param(refused.loc[::-1])) from None

@@ -170,6 +170,8 @@ OPERATIONS: tuple[Operation, ...] = (
               examples=examples.FINISH, errors=(404, 409, 503), parameters=(SESSION_ID,)),
     Operation("get", "/v1/sessions/{session_id}/trajectory", "The session's latest trajectory",
               "trainer", Access.EITHER, Trajectory, errors=(404, 503), parameters=(SESSION_ID,)),
+    Operation("get", "/v1/sessions/{session_id}/rollout", "Every branch of the session's tree, each token trained once",
+              "trainer", Access.EITHER, answers.RolloutExport, errors=(404, 503), parameters=(SESSION_ID,)),
     Operation("get", "/v1/feed", "Graded trajectory groups, paged by cursor",
               "trainer", Access.ADMIN, answers.FeedPage, errors=(400, 404, 503), parameters=FEED_QUERY),
     Operation("get", "/v1/admin/counters", "The proxy's counters",

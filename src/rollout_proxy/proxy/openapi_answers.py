@@ -215,6 +215,39 @@ class SessionInfo(TypedDict):
     concurrency: dict[str, Any] | None
 
 
+#: How a node relates to the tree: ``kind`` (continuation, rewrite, new_conversation, retry), the client's
+#: ``label`` (``X-Rollout-Branch`` or ``metadata.rollout_branch``), ``from`` (the node it extends, diverged
+#: from or retries) and ``at_message`` (a rewrite's first differing message); "from" is a keyword, hence
+#: the functional form
+BranchInfo = TypedDict(
+    "BranchInfo",
+    {
+        "kind": Literal["continuation", "rewrite", "new_conversation", "retry"],
+        "label": str | None,
+        "from": str | None,
+        "at_message": int | None,
+    },
+)
+
+
+class RolloutSequenceInfo(Trajectory):
+    """A sequence of the rollout: its trajectory (loss weight 1 only on the tokens it trains)."""
+
+    leaf: str
+
+
+class RolloutExport(TypedDict):
+    """Every sequence of a session's tree, the main one first; every sampled token trained in exactly one."""
+
+    session_id: str
+    retry: Literal["keep", "drop"]
+    sequences: list[RolloutSequenceInfo]
+    sampled_tokens: int
+    trained_tokens: int
+    #: retries the conversation did not go on from (``retry: drop``): sampled, not trained
+    dropped_tokens: int
+
+
 class MessagesAppended(TypedDict):
     response_id: str
     session_id: str
@@ -370,6 +403,8 @@ class TreeNode(TypedDict):
     model: str | None
     meta: dict[str, Any]
     policy_versions: list[str]
+    #: how the node relates to the tree (``docs/rollouts.md``)
+    branch: BranchInfo | None
 
 
 class GradeInfo(TypedDict):
@@ -382,13 +417,32 @@ class GradeInfo(TypedDict):
     advantage_kind: str
 
 
+class SequenceInfo(TypedDict):
+    """One sequence of the session's rollout: its leaf, its nodes, the nodes it trains."""
+
+    leaf: str
+    response_ids: list[str]
+    branch: BranchInfo
+    main: bool
+    dropped: bool
+    trained: list[str]
+
+
+class TokenCounts(TypedDict):
+    sampled: int
+    trained: int
+    dropped: int
+
+
 class SessionTree(TypedDict):
-    """A session's record, every node of its response tree, and its graded responses."""
+    """A session's record, every node of its response tree, its sequences, and its graded responses."""
 
     session: dict[str, Any]
     #: the tree as it is now (an open session's too)
     summary: SessionSummary
     nodes: list[TreeNode]
+    sequences: list[SequenceInfo]
+    tokens: TokenCounts
     grades: dict[str, GradeInfo]
     feed: bool
     grades_error: str | None

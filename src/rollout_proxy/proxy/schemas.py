@@ -124,6 +124,9 @@ class SessionCreate(BaseModel):
     #: "ignore" them (the session's values are used, the client's recorded on the node); see
     #: ``proxy.client_sampling``
     client_sampling: Literal["refuse", "ignore"] = "refuse"
+    #: of the nodes that retried one input, train only those the conversation went on from ("drop"), or all
+    #: ("keep"): ``core.branches``
+    retry: Literal["keep", "drop"] = "drop"
 
 
 class ChatRequest(BaseModel):

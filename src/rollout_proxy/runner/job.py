@@ -101,6 +101,9 @@ class ProxySection(Strict):
     #: some): "refuse" them (a 400 unless the value changes nothing) or "ignore" them (the job's values are
     #: used, the client's recorded on each node)
     client_sampling: Literal["refuse", "ignore"] = "refuse"
+    #: of the requests a harness retried (the same input again), train only the answer the conversation went
+    #: on from ("drop") or every one ("keep")
+    retry: Literal["keep", "drop"] = "drop"
 
 
 class RaySection(Strict):

@@ -68,7 +68,12 @@ class GradedGroup:
 
 def version_range(trajectories: Sequence[Trajectory]) -> tuple[int | None, int | None]:
     """(oldest, newest) policy version over the trajectories' spans; (None, None) without any."""
-    versions = [span.version for trajectory in trajectories for span in trajectory.policy_versions]
+    versions = [
+        span.version
+        for trajectory in trajectories
+        for sequence in trajectory.sequences()
+        for span in sequence.policy_versions
+    ]
     return (min(versions), max(versions)) if versions else (None, None)
 
 

@@ -41,12 +41,14 @@ class Rollouts:
         topk: int = 0,
         student_topk: int = 0,
         client_sampling: str = "refuse",
+        retry: str = "drop",
     ) -> None:
         """``topk``: the teacher's top-k recorded per trained token by a teacher pass (``runner.distill``);
         ``student_topk``: the policy's own top-k recorded at sampling (OPD ``topk_type: student``);
         ``client_sampling``: the sessions' setting for the generation parameters a harness sends."""
         runtime = plugin.spec.runtime
         self._client_sampling = client_sampling
+        self._retry = retry
         self._topk = topk
         self._student_topk = student_topk
         self.plugin = plugin
@@ -90,6 +92,7 @@ class Rollouts:
             context=context.model_dump(),
             concurrency=self._concurrency,
             client_sampling=self._client_sampling,
+            retry=self._retry,
             **(
                 {"generation": {**sample.generation(), "top_logprobs": self._student_topk}}
                 if self._student_topk

@@ -112,6 +112,7 @@ class JobRunner:
                 topk=self.job.opd.topk if self.job.opd is not None else 0,
                 student_topk=self.job.opd.student_topk if self.job.opd is not None else 0,
                 client_sampling=self.job.proxy.client_sampling,
+                retry=self.job.proxy.retry,
             ),
             graders=Graders(self.graders, on_failed_attempt=progress.attempt_failed, executor=self.executor),
             publisher=StepPublisher(self._feed, self.job_id, on_published=progress.published),

@@ -197,7 +197,7 @@ class MemoryStore:
         state = self._state(session_id)
         return None if state is None else state.latest.get(api)
 
-    async def get_nodes(self, session_id: str) -> list[ResponseNode] | None:
+    async def get_nodes(self, session_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
         state = self._state(session_id)
         return None if state is None else sorted(state.nodes.values(), key=lambda node: node.created_at)
 

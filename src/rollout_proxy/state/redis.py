@@ -775,14 +775,18 @@ class RedisStore:
         return None if value is None else _text(value)
 
     @_store_call
-    async def get_nodes(self, session_id: str) -> list[ResponseNode] | None:
+    async def get_nodes(self, session_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.exists(keys.session_key(session_id))
             pipe.hgetall(keys.nodes_key(session_id))
-            exists, blobs = await pipe.execute()
+            if routing:
+                pipe.hgetall(keys.routing_key(session_id))
+            exists, blobs, *rows = await pipe.execute()
         if not exists:
             return None
-        return sorted((self._decode(_bytes(blob)) for blob in blobs.values()), key=lambda node: node.created_at)
+        by_node = {_text(node_id): _bytes(blob) for node_id, blob in rows[0].items()} if rows else {}
+        nodes = (self._decode(_bytes(blob), by_node.get(_text(node_id))) for node_id, blob in blobs.items())
+        return sorted(nodes, key=lambda node: node.created_at)
 
     @_store_call
     async def list_sessions(self, where: Where, *, cursor: str | None = None, limit: int = 50) -> SessionPage:

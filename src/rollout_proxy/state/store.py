@@ -156,8 +156,9 @@ class StateStore(Protocol):
 
     async def latest(self, session_id: str, api: str) -> str | None: ...
 
-    async def get_nodes(self, session_id: str) -> list[ResponseNode] | None:
-        """Every node of the session's tree (no routing rows), oldest first; None if the session is gone."""
+    async def get_nodes(self, session_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
+        """Every node of the session's tree, oldest first (MoE routing rows only when ``routing``), in one
+        round trip; None if the session is gone."""
         ...
 
     async def list_sessions(self, where: Where, *, cursor: str | None = None, limit: int = 50) -> SessionPage:

@@ -57,5 +57,15 @@ def path_hashes(messages: Iterable[dict[str, Any]], start: str = EMPTY_PATH_HASH
     return hashes
 
 
+def path_hashes_of_keys(keys: Iterable[bytes], start: str = EMPTY_PATH_HASH) -> list[str]:
+    """``path_hashes`` of messages whose ``canonical_key``s are already known."""
+    hashes = []
+    current = start
+    for key in keys:
+        current = extend_path_hash_by_key(current, key)
+        hashes.append(current)
+    return hashes
+
+
 def same_messages(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> bool:
     return len(a) == len(b) and all(canonical_key(x) == canonical_key(y) for x, y in zip(a, b, strict=True))

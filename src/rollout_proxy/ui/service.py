@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rollout_proxy.core import branches
+from rollout_proxy.core.branches import Branch
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.engines.base import Engine
 from rollout_proxy.errors import NotFound, ProxyError, SessionNotFound, StoreUnavailable
@@ -66,9 +68,10 @@ class SessionFilter:
         return any(grade.reward is not None and low <= grade.reward <= high for grade in grades.values())
 
 
-def node_json(node: ResponseNode) -> dict[str, Any]:
-    """One node of the tree as the viewer draws it (its tokens counted, not listed)."""
+def node_json(node: ResponseNode, branch: Branch | None = None) -> dict[str, Any]:
+    """One node of the tree as the viewer draws it (its tokens counted, not listed), with its branch."""
     return {
+        "branch": None if branch is None else branch.to_json(),
         "id": node.id,
         "parent_id": node.parent_id,
         "kind": node.kind.value,
@@ -146,10 +149,28 @@ class Viewer:
         grades_error = await self._grades.refresh()
         info = record.to_dict()
         info.pop("engine", None)  # the viewer has no use for it
+        plan = branches.rollout(nodes, retry="keep" if record.n_sample is not None else record.retry)
         return {
             "session": info,
             "summary": listing.summarize(record, nodes).to_dict(),
-            "nodes": [node_json(node) for node in nodes],
+            "nodes": [node_json(node, plan.branches.get(node.id)) for node in nodes],
+            # which sequence trains which nodes (``core.branches``), as GET /v1/sessions/{id}/rollout exports it
+            "sequences": [
+                {
+                    "leaf": sequence.leaf.id,
+                    "response_ids": [node.id for node in sequence.path],
+                    "branch": sequence.branch.to_json(),
+                    "main": sequence.main,
+                    "dropped": sequence.dropped,
+                    "trained": [node.id for node in sequence.path if node.id in sequence.trained],
+                }
+                for sequence in plan.sequences
+            ],
+            "tokens": {
+                "sampled": plan.sampled_tokens,
+                "trained": plan.trained_tokens,
+                "dropped": plan.dropped_tokens,
+            },
             "grades": {
                 response_id: grade.to_json() for response_id, grade in self._grades.of_session(session_id).items()
             },

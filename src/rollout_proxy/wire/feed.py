@@ -39,6 +39,14 @@ class FeedGroup(BaseModel):
     #: kept although its oldest token was more than ``max_staleness`` versions old when published
     stale: bool = False
 
+    def sequences(self) -> list[tuple[int, Trajectory]]:
+        """(rollout index, sequence) for every sequence of every rollout of the group: a rollout's reward and
+        advantage (``rewards[i]``, ``advantages[i]``) are those of each of its sequences, and every sampled
+        token is trained (loss weight 1) in exactly one of them (``Trajectory.branches``)."""
+        return [
+            (index, sequence) for index, rollout in enumerate(self.trajectories) for sequence in rollout.sequences()
+        ]
+
 
 class FeedEntry(BaseModel):
     """One entry of the feed as a trainer reads it: its id (the cursor, what to ack) and the group."""

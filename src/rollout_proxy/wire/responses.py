@@ -9,6 +9,7 @@ answer stands for.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_proxy.wire.errors import WireFormatError
@@ -45,29 +46,53 @@ def input_to_messages(value: Any, *, param: str = "input") -> list[dict[str, Any
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
         raise WireFormatError("input must be a string or a list of items", param=param)
-    messages: list[dict[str, Any]] = []
-    reasoning: str | None = None
+    fold = InputFold()
     for index, item in enumerate(value):
-        where = f"{param}[{index}]"
+        fold.add(item, f"{param}[{index}]")
+    return fold.messages
+
+
+@dataclass(slots=True)
+class InputFold:
+    """Input items folded into messages one by one (``input_to_messages``), so a resent input's items are
+    folded once: ``extended()`` goes on from here without changing what this fold holds. A
+    ``function_call`` joins the assistant message before it (a copy of it), a ``reasoning`` item waits for
+    the assistant message or call it belongs to."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str | None = None
+
+    @property
+    def settled(self) -> int:
+        """How many of ``messages`` no item added later can change (a last assistant message can take calls)."""
+        return (
+            len(self.messages) - 1 if self.messages and self.messages[-1]["role"] == "assistant" else len(self.messages)
+        )
+
+    def extended(self) -> InputFold:
+        return InputFold(list(self.messages), self.reasoning)
+
+    def add(self, item: Any, where: str) -> None:
         if not isinstance(item, dict):
             raise WireFormatError("an input item must be an object", param=where)
+        messages = self.messages
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
             message = normalize_message({"role": item.get("role"), "content": item.get("content")}, param=where)
-            if message["role"] == "assistant" and reasoning:
-                message["reasoning_content"], reasoning = reasoning, None
+            if message["role"] == "assistant" and self.reasoning:
+                message["reasoning_content"], self.reasoning = self.reasoning, None
             messages.append(message)
         elif kind == "reasoning":
-            reasoning = _reasoning_text(item, where) or None
+            self.reasoning = _reasoning_text(item, where) or None
         elif kind == "function_call":
             call = _function_call(item, where)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
+                messages[-1] = {**last, "tool_calls": [*(last.get("tool_calls") or []), call]}
             else:
                 message = {"role": "assistant", "content": None, "tool_calls": [call]}
-                if reasoning:
-                    message["reasoning_content"], reasoning = reasoning, None
+                if self.reasoning:
+                    message["reasoning_content"], self.reasoning = self.reasoning, None
                 messages.append(normalize_message(message, param=where))
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
@@ -76,7 +101,6 @@ def input_to_messages(value: Any, *, param: str = "input") -> list[dict[str, Any
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output or ""})
         else:
             raise WireFormatError(f"unsupported input item type {describe(kind)}", param=f"{where}.type")
-    return messages
 
 
 def as_dict(value: Any) -> dict[str, Any]:

@@ -62,6 +62,21 @@ class Trajectory(BaseModel):
     student_topk: dict[str, Any] | None = None
     #: the critic's view (``critic_context`` inserted): ``{"token_ids", "n_tokens_injected"}``
     critic: dict[str, Any] | None = None
+    #: as one sequence of a rollout (a session's tree: subagents, compactions, retries; the server's
+    #: ``core.branches``): its nodes root to leaf, where it leaves the tree (``kind``: continuation, rewrite,
+    #: new_conversation or retry; the client's ``label``; ``from``; ``at_message``), whether it is the
+    #: rollout's main sequence, whether it was dropped (a retry the conversation did not go on from)
+    response_ids: list[str] | None = None
+    branch: dict[str, Any] | None = None
+    main: bool | None = None
+    dropped: bool | None = None
+    #: the rollout's other sequences, on the main one (a finish that named no responses): every sampled token
+    #: of the rollout has loss weight 1 in exactly one of ``[self, *branches]``
+    branches: list[Trajectory] = Field(default_factory=list)
+
+    def sequences(self) -> list[Trajectory]:
+        """This trajectory and its branches: what a trainer trains for one rollout, each token once."""
+        return [self, *self.branches]
 
     def token_ids(self) -> np.ndarray:
         return np.asarray(self.total_token_ids or [], dtype=np.int32)

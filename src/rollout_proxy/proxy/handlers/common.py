@@ -5,17 +5,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic
+from typing import Any, Generic, Protocol
 
 import structlog
 from aiohttp import web
 
-from rollout_proxy.errors import AuthenticationFailed
+from rollout_proxy.core.branches import BRANCH_HEADER, BRANCH_METADATA_KEY, branch_label
+from rollout_proxy.errors import AuthenticationFailed, InvalidRequest
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import Caller, authenticate
 from rollout_proxy.proxy.client_sampling import SamplingField, check_client_sampling
 from rollout_proxy.proxy.http import read_body
-from rollout_proxy.proxy.known_messages import MessageIntake
 from rollout_proxy.proxy.limits import check_json_limits, load_json_object
 from rollout_proxy.proxy.validation import CHECK_ITEMS, M, validate
 from rollout_proxy.records import SessionRecord
@@ -41,6 +41,17 @@ async def plugin_session(request: web.Request, *, read_ahead: ReadAhead | None =
     return await request.app[keys.SESSIONS].get_open(found.session_id, read_ahead=read_ahead)
 
 
+class BodyIntake(Protocol):
+    """How a body's long list (``key``: Chat's ``messages``, Responses' ``input``) is read: the parts a
+    session sent before are not checked again (``proxy.known_messages``, ``proxy.known_input``)."""
+
+    key: str
+
+    def load(self, body: bytes, *, session_id: str | None = None) -> dict[str, Any]: ...
+
+    def look_up(self, items: Any, *, session_id: str | None = None) -> tuple[int, ...] | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class PluginCall(Generic[M]):
     """A plugin's generation request, read and checked: its open session, its body, and the generation
@@ -57,7 +68,7 @@ async def plugin_request(
     *,
     sampling: tuple[SamplingField, ...],
     read_ahead: Callable[[M], ReadAhead | None] | None = None,
-    intake: MessageIntake | None = None,
+    intake: BodyIntake | None = None,
 ) -> PluginCall[M]:
     """A plugin's generation request: its open session, the body, and what the client asked of the
     generation parameters (``sampling``: the API's table, ``proxy.client_sampling``), checked against the
@@ -84,15 +95,28 @@ async def plugin_request(
 
 
 async def _plugin_body(
-    request: web.Request, model: type[M], intake: MessageIntake | None = None, session_id: str | None = None
+    request: web.Request, model: type[M], intake: BodyIntake | None = None, session_id: str | None = None
 ) -> tuple[dict[str, Any], M]:
-    """The request's body as parsed and as ``model``; with ``intake``, the messages it knows are not
-    checked again (the limits walk and the shape check skip them)."""
+    """The request's body as parsed and as ``model``; with ``intake``, the items of its list it knows are
+    not checked again (the limits walk and the shape check skip them)."""
     body = await read_body(request)
     payload = load_json_object(body) if intake is None else intake.load(body, session_id=session_id)
-    to_check = None if intake is None else intake.look_up(payload.get("messages"), session_id=session_id)
-    check_json_limits(payload, messages_to_check=to_check)
+    key = "messages" if intake is None else intake.key
+    to_check = None if intake is None else intake.look_up(payload.get(key), session_id=session_id)
+    check_json_limits(payload, messages_to_check=to_check, key=key)
     return payload, validate(model, payload, context=None if to_check is None else {CHECK_ITEMS: to_check})
+
+
+def _branch_label(request: web.Request, body: Any) -> str | None:
+    """The label a request gives its branch (``core.branches``): the ``X-Rollout-Branch`` header, or the
+    ``rollout_branch`` key of the body's ``metadata``; a bad one is a 400."""
+    extra = getattr(body, "model_extra", None) or {}
+    metadata = getattr(body, "metadata", None) or extra.get("metadata")
+    try:
+        return branch_label(request.headers.get(BRANCH_HEADER), metadata)
+    except ValueError as exc:
+        param = BRANCH_HEADER if BRANCH_HEADER in request.headers else f"metadata.{BRANCH_METADATA_KEY}"
+        raise InvalidRequest(str(exc), param=param) from None
 
 
 def turn_meta(request: web.Request, api: str, call: PluginCall[Any], tools: ToolSet) -> dict[str, Any]:
@@ -101,6 +125,9 @@ def turn_meta(request: web.Request, api: str, call: PluginCall[Any], tools: Tool
     which rendered functions belong to a namespace (``tool_namespaces``: their calls go back with it)."""
     metrics = request.app[keys.METRICS]
     meta: dict[str, Any] = {}
+    label = _branch_label(request, call.body)
+    if label is not None:
+        meta["branch_label"] = label
     if call.client_sampling:
         meta["client_sampling"] = call.client_sampling
         for name in call.client_sampling:

@@ -12,6 +12,7 @@ from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.client_sampling import RESPONSES_FIELDS
 from rollout_proxy.proxy.handlers.common import plugin_request, request_caller, turn_meta
 from rollout_proxy.proxy.http import json_response
+from rollout_proxy.proxy.known_input import InputIntake
 from rollout_proxy.proxy.openai_responses import response_body
 from rollout_proxy.proxy.responses_stream import ResponseEvents
 from rollout_proxy.proxy.schemas import ResponsesRequest
@@ -22,14 +23,17 @@ from rollout_proxy.wire.responses import input_to_messages
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
+    intake = InputIntake(request.app[keys.KNOWN_INPUTS])  # a resent input's items are checked once
     call = await plugin_request(
         request,
         ResponsesRequest,
         sampling=RESPONSES_FIELDS,
         read_ahead=lambda body: ReadAhead(response_id=body.previous_response_id),
+        intake=intake,
     )
     session, body = call.session, call.body
-    messages = input_to_messages(body.input)
+    folded = intake.messages(body.input)
+    messages, message_keys = (input_to_messages(body.input), None) if folded is None else folded
     toolset = split_tools(body.tools)
     tools, meta = toolset.functions, turn_meta(request, "responses", call, toolset)
     if body.stream:
@@ -41,6 +45,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             tools=tools,
             store=body.store,
             meta=meta,
+            keys=message_keys,
         )
         return await serve_stream(
             request,
@@ -55,6 +60,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         tools=tools,
         store=body.store,
         meta=meta,
+        keys=message_keys,
     )
     structlog.contextvars.bind_contextvars(response_id=result.node.id)
     return json_response(

@@ -30,6 +30,7 @@ async def create_session(request: web.Request) -> web.Response:
         n_sample=body.n_sample,
         concurrency=body.concurrency.model_dump() if body.concurrency else None,
         client_sampling=body.client_sampling,
+        retry=body.retry,
     )
     structlog.contextvars.bind_contextvars(session_id=session.id)
     request.app[keys.METRICS].sessions.opened(session.id, session.expires_at)

@@ -17,6 +17,13 @@ async def response_trajectory(request: web.Request) -> web.Response:
     return json_response(trajectory.to_json())
 
 
+async def session_rollout(request: web.Request) -> web.Response:
+    """``GET /v1/sessions/{id}/rollout``: every sequence of the session's tree, each sampled token trained once."""
+    session_id = request.match_info["session_id"]
+    request_caller(request).require_session(session_id)
+    return json_response((await request.app[keys.SESSIONS].rollout(session_id)).to_json())
+
+
 async def session_trajectory(request: web.Request) -> web.Response:
     session_id = request.match_info["session_id"]
     request_caller(request).require_session(session_id)

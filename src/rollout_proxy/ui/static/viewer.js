@@ -194,7 +194,24 @@ function messageView(message, place) {
     calls);
 }
 
-function nodeView(node, children, grades) {
+function branchBadge(branch) {
+  if (!branch || branch.kind === "continuation") return branch && branch.label ? el("span", { class: "badge branch", text: branch.label }) : "";
+  const where = branch.kind === "rewrite" ? ` of ${shortId(branch.from)} at message ${branch.at_message}`
+    : branch.kind === "retry" ? ` of ${shortId(branch.from)}` : "";
+  return el("span", { class: `badge branch ${branch.kind}`, title: branch.from || "" },
+    `${branch.kind.replace("_", " ")}${where}${branch.label ? ` · ${branch.label}` : ""}`);
+}
+
+function trainedIn(node, sequences) {
+  if (node.kind !== "generated") return "";
+  const index = sequences.findIndex((s) => s.trained.includes(node.id));
+  if (index < 0) return el("span", { class: "badge fork", text: "not trained (a dropped retry)" });
+  const s = sequences[index];
+  return el("span", { class: "badge trained", title: `the sequence ending at ${s.leaf}` },
+    "trained in ", el("a", { href: `#seq-${index + 1}`, text: `sequence ${index + 1}${s.main ? " (main)" : ""}` }));
+}
+
+function nodeView(node, children, grades, sequences = []) {
   const grade = grades[node.id];
   const fork = node.fork
     ? el("span", { class: "badge fork" }, "fork: diverged from ",
@@ -213,6 +230,8 @@ function nodeView(node, children, grades) {
         node.policy_versions.length ? el("span", { class: "badge", text: `policy ${node.policy_versions.join(", ")}` }) : "",
         node.meta.routing_disagreements ? el("span", { class: "badge fork", text: `${node.meta.routing_disagreements} routing disagreements` }) : "",
         grade ? el("span", { class: "badge", text: `reward ${number(grade.reward, 3)}, advantage ${number(grade.advantage, 3)}` }) : "",
+        branchBadge(node.branch),
+        trainedIn(node, sequences),
         fork,
         el("span", { class: "note", text: when(node.created_at) })),
       node.messages.map((message, index) => messageView(message, place(index)))));
@@ -230,7 +249,13 @@ async function showSession(sessionId) {
     if (!kids.has(key)) kids.set(key, []);
     kids.get(key).push(node);
   }
-  const build = (parent) => (kids.get(parent) || []).map((node) => nodeView(node, build(node.id), body.grades));
+  const sequences = body.sequences || [];
+  const build = (parent) => (kids.get(parent) || []).map((node) => nodeView(node, build(node.id), body.grades, sequences));
+  const sequenceRows = sequences.map((s, index) => el("tr", { id: `seq-${index + 1}` },
+    el("td", { text: `${index + 1}${s.main ? " (main)" : ""}` }),
+    el("td", {}, el("a", { class: "mono", href: `#/tokens/${s.leaf}`, text: shortId(s.leaf) })),
+    el("td", {}, branchBadge(s.branch) || "continuation"),
+    el("td", { text: s.dropped ? "dropped (a retry not gone on from)" : `${s.trained.length} of ${s.response_ids.length} nodes` })));
   const result = session.result;
   view().replaceChildren(
     el("div", { class: "card" },
@@ -247,6 +272,11 @@ async function showSession(sessionId) {
       ...notes(body),
       el("details", {}, el("summary", { text: "context, sample extra, rollout result" }),
         el("pre", { text: JSON.stringify({ context: session.context, extra: session.extra, n_sample: session.n_sample, result }, null, 2) }))),
+    el("h2", { text: "Sequences" }),
+    el("p", { class: "note", text: `One per generated leaf; every sampled token is trained in exactly one of them (${body.tokens ? `${body.tokens.trained} of ${body.tokens.sampled} sampled tokens trained, ${body.tokens.dropped} dropped` : ""}).` }),
+    el("table", { class: "sessions sequences" },
+      el("thead", {}, el("tr", {}, ...["sequence", "leaf", "branch", "trains"].map((name) => el("th", { text: name })))),
+      el("tbody", {}, ...sequenceRows)),
     el("h2", { text: "Response tree" }),
     el("p", { class: "note", text: "Each node is one model call (generated) or one batch of messages from outside the policy (injected). Its messages are the ones it added: inputs, then its output. Click a node's id for the trajectory ending there." }),
     el("ul", { class: "tree" }, build("")));
