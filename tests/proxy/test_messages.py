@@ -282,3 +282,62 @@ async def test_a_system_message_inside_the_conversation_and_redacted_thinking(pr
     assert trajectory["messages"][1]["content"] == f"<reminder/>\n{QUESTION}"
     assert "opaque" not in fake.decode(trajectory["total_token_ids"])
     assert (await nodes(proxy, session.session_id, second.id))[0].id == first.id
+
+
+@one_config
+async def test_the_sdks_beta_tool_runner_runs_its_loop_against_a_session(proxy: ProxyHarness):
+    """``client.beta.messages.tool_runner``: the SDK calls the tool itself and sends the result back
+    (``POST /v1/messages?beta=true`` with ``anthropic-beta``) on a server-held thread: the first request
+    ``thread: {"type": "create"}``, the next only the tool result, ``thread: {"type": "continue",
+    "previous_message_id"}``, without its system and tools (the thread's)."""
+    fake = proxy.fake
+    fake.queue(THINK_AND_CALL, ANSWER)
+    session = await proxy.create_session([{"role": "user", "content": QUESTION}])
+    called: list[str] = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """Current weather for a city."""
+        called.append(city)
+        return RESULT
+
+    def run() -> list[Any]:
+        with anthropic.Anthropic(base_url=proxy.url, api_key=session.api_key, max_retries=0) as sdk:
+            runner = sdk.beta.messages.tool_runner(
+                model="policy",
+                max_tokens=256,
+                system=SYSTEM,
+                messages=[{"role": "user", "content": QUESTION}],
+                tools=[get_weather],
+                betas=["interleaved-thinking-2025-05-14"],
+            )
+            return list(runner)
+
+    answers = await asyncio.to_thread(run)
+    assert called == ["Paris"]
+    assert [answer.stop_reason for answer in answers] == ["tool_use", "end_turn"]
+    path = await nodes(proxy, session.session_id, answers[-1].id)
+    assert [node.id for node in path] == [answers[0].id, answers[1].id] and path[1].fork is None
+    trajectory = await proxy.trajectory(answers[-1].id)
+    assert_exact(trajectory, fake, turns=2)
+    assert trajectory["messages"][3] == {"role": "tool", "tool_call_id": answers[0].content[1].id, "content": RESULT}
+    assert trajectory["messages"][0] == {"role": "system", "content": SYSTEM}
+    second_prompt = fake.decode(sampled(fake)[1].prompt)
+    assert second_prompt.count("get_weather") == fake.decode(sampled(fake)[0].prompt).count("get_weather") + 1
+    assert "thread_tools" in path[0].meta  # the thread's tools: its later turns render with them
+
+    # a thread's system cannot change, and a message it does not know is a 404
+    async with client(proxy, session.api_key) as sdk:
+        for thread, system, error in (
+            ({"type": "continue", "previous_message_id": answers[0].id}, "Another system.", anthropic.BadRequestError),
+            ({"type": "continue", "previous_message_id": "resp_nope"}, SYSTEM, anthropic.NotFoundError),
+        ):
+            with pytest.raises(error) as caught:
+                await sdk.messages.create(
+                    model="policy",
+                    max_tokens=256,
+                    system=system,
+                    messages=[tool_result(answers[0].content[1].id)],
+                    extra_body={"thread": thread},
+                )
+            assert caught.value.body["error"]["param"] in ("system", "thread.previous_message_id")

@@ -229,6 +229,31 @@ Tools = Annotated[list[JsonObject], sent_as(Annotated[list[Tool], Field(max_leng
 System = Annotated[str | list[JsonObject], sent_as(SystemContent)]
 
 
+class ThreadCreate(BaseModel):
+    """``thread: {"type": "create"}``: every answer is kept under its ``id`` already; the turn's tools are
+    recorded for the thread's later turns."""
+
+    model_config = OPEN
+
+    type: Literal["create"]
+
+
+class ThreadContinue(BaseModel):
+    """``thread: {"type": "continue", "previous_message_id"}``: only the new turn's messages are sent; the
+    parent is that message's node (as ``previous_response_id`` names one), its system and tools the thread's."""
+
+    model_config = OPEN
+
+    type: Literal["continue"]
+    previous_message_id: Name
+
+
+Thread = Annotated[
+    Annotated[ThreadCreate, tag("create")] | Annotated[ThreadContinue, tag("continue")],
+    Discriminator(lambda value: f"<{value.get('type')}>" if isinstance(value, dict) else None),
+]
+
+
 class CountTokensRequest(BaseModel):
     """``POST /v1/messages/count_tokens``: what the prompt of this request would be, counted."""
 
@@ -256,3 +281,8 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     output_config: JsonObject | None = None
+    thread: Thread | None = None
+
+    @property
+    def previous_message_id(self) -> str | None:
+        return self.thread.previous_message_id if isinstance(self.thread, ThreadContinue) else None

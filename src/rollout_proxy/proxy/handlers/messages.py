@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from rollout_proxy.core.messages import API
+from rollout_proxy.core.messages import API, THREAD_TOOLS, Thread
 from rollout_proxy.core.tree import match_window
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.ids import session_of_response
@@ -27,7 +27,7 @@ from rollout_proxy.proxy.messages_stream import MessageEvents
 from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
 from rollout_proxy.tokenization.messages import path_hashes
-from rollout_proxy.wire.anthropic import Conversation, conversation, split_tools, stop_sequences
+from rollout_proxy.wire.anthropic import Conversation, conversation, split_tools, stop_sequences, system_message
 
 
 class _Read:
@@ -38,7 +38,9 @@ class _Read:
         self.hashes: list[str] = []
 
     def __call__(self, body: CountTokensRequest) -> ReadAhead:
-        self.conversation = conversation(body.system, body.messages)
+        previous = body.previous_message_id if isinstance(body, MessagesRequest) else None
+        # on a thread, the system is the thread's (checked against it), not a new message
+        self.conversation = conversation(None if previous else body.system, body.messages)
         messages = self.conversation.messages
         if messages[-1]["role"] == "assistant":
             raise InvalidRequest(
@@ -46,6 +48,8 @@ class _Read:
                 "supported; end the conversation with a user message or tool results",
                 param=f"messages[{len(body.messages) - 1}]",
             )
+        if previous is not None:
+            return ReadAhead(response_id=previous)  # the node the thread continues from, with the session
         self.hashes = path_hashes(messages)
         return ReadAhead(hashes=match_window(self.hashes))  # what the tree looks up first
 
@@ -76,11 +80,18 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     meta = turn_meta(request, API, call, toolset)
     if body.tool_choice is not None and body.tool_choice.type != "auto":  # asked for, not enforced: recorded
         meta["tool_choice"] = body.tool_choice.model_dump(exclude_none=True)
+    thread = None
+    if body.previous_message_id is not None:
+        system = system_message(body.system)
+        thread = Thread(body.previous_message_id, None if system is None else system["content"])
+    if body.thread is not None and toolset.functions is not None:  # a thread's later turns may leave them out
+        meta[THREAD_TOOLS] = toolset.functions
     arguments: dict[str, Any] = {
         "tools": toolset.functions,
         "stop": stop_sequences(body.stop_sequences),
-        "hashes": read.hashes,
+        "hashes": read.hashes or None,
         "signed": signed,
+        "thread": thread,
         "meta": meta,
     }
     service = request.app[keys.MESSAGES]
