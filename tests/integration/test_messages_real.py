@@ -45,3 +45,24 @@ async def test_a_messages_tool_round_trip_has_zero_drift(
         assert message.usage.input_tokens == len(prompt) and message.usage.output_tokens == len(output)
     assert second.model_extra["token_ids"] == turns[1][1]
     assert all(request["max_tokens"] == 24 for request, _ in relay.completions)
+
+
+async def test_a_turn_ended_by_a_stop_sequence_says_which_and_the_next_turn_extends_it(
+    real_proxy: ProxyHarness, relay: RecordingRelay, audit: TokenAudit
+):
+    """vLLM reports the stop string that ended a completion (``stop_reason``): the message says
+    ``stop_sequence`` and which one; the tokens are vLLM's (the turn is not closed by an end-of-turn token,
+    so the next turn's bridge closes it) and the next prompt extends them exactly."""
+    question = [{"role": "user", "content": "Describe the weather in Paris in two sentences."}]
+    session = await real_proxy.create_session(question, max_new_tokens=24, temperature=1.0, top_p=0.95, seed=7)
+    async with anthropic.AsyncAnthropic(base_url=real_proxy.url, api_key=session.api_key, max_retries=0) as sdk:
+        first = await sdk.messages.create(model="smollm2", max_tokens=24, messages=question, stop_sequences=[" "])
+        history = [*question, {"role": "assistant", "content": first.content or "…"}]
+        history.append({"role": "user", "content": "Go on."})
+        last = await sdk.messages.create(model="smollm2", max_tokens=24, messages=history)
+    (request, response), _ = relay.completions
+    assert request["stop"] == [" "]
+    assert response["choices"][0]["stop_reason"] == " " and response["choices"][0]["finish_reason"] == "stop"
+    assert (first.stop_reason, first.stop_sequence) == ("stop_sequence", " ")
+    turns = check_turns(relay, audit)
+    check_trajectory(await real_proxy.trajectory(last.id), turns, audit)

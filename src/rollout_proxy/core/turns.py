@@ -265,6 +265,8 @@ class TurnRunner:
         self._note_sample(placement, api, node_meta)
         if completion.nonfinite_logprobs:
             node_meta["nonfinite_logprobs"] = completion.nonfinite_logprobs
+        if isinstance(completion.stop_reason, str) and completion.finish_reason == "stop":
+            node_meta["stop_sequence"] = completion.stop_reason  # the stop string that ended the turn
         if disagreements:
             node_meta["routing_disagreements"] = disagreements
         if completion.prompt_ids is None:  # only with --prompt-echo count: the drift check could not run

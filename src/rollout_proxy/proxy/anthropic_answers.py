@@ -112,7 +112,15 @@ def stop_reason(node: ResponseNode) -> StopReason:
         return "tool_use"
     if node.finish_reason == "length":
         return "max_tokens"
+    if isinstance(node.meta.get("stop_sequence"), str):
+        return "stop_sequence"
     return "end_turn"
+
+
+def stop_sequence(node: ResponseNode) -> str | None:
+    """The stop string that ended the turn (the engine says which), for ``stop_sequence``."""
+    value = node.meta.get("stop_sequence")
+    return value if isinstance(value, str) and node.finish_reason == "stop" else None
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
@@ -158,7 +166,7 @@ def message_body(result: TurnResult, *, model: str | None, key: bytes) -> dict[s
         "model": model or node.model,
         "content": content_blocks(node, key),
         "stop_reason": stop_reason(node),
-        "stop_sequence": None,
+        "stop_sequence": stop_sequence(node),
         "usage": usage(len(result.prompt_ids), len(node.output_ids)),
         "prompt_token_ids": result.prompt_ids,
         "token_ids": node.output_ids,

@@ -19,7 +19,7 @@ import orjson
 
 from rollout_proxy.core.streaming import StreamEvent, TurnDelta, TurnDone, TurnStarted
 from rollout_proxy.errors import ProxyError
-from rollout_proxy.proxy.anthropic_answers import error_body, sign, stop_reason, tool_input, usage
+from rollout_proxy.proxy.anthropic_answers import error_body, sign, stop_reason, stop_sequence, tool_input, usage
 from rollout_proxy.proxy.sse import Frame
 
 
@@ -73,7 +73,7 @@ class MessageEvents:
             return frames
         if isinstance(event, TurnDone):
             node = event.result.node
-            delta = {"stop_reason": stop_reason(node), "stop_sequence": None}
+            delta = {"stop_reason": stop_reason(node), "stop_sequence": stop_sequence(node)}
             return [
                 *self._close_block(),
                 self._event(
