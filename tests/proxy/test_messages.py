@@ -105,7 +105,10 @@ async def test_a_tool_round_trip_over_create_is_recorded_token_for_token(proxy: 
     assert [m["role"] for m in trajectory["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
     assert trajectory["messages"][0]["content"] == SYSTEM
     assert trajectory["messages"][3] == {"role": "tool", "tool_call_id": call.id, "content": RESULT}
-    assert proxy.app[keys.METRICS].value("turns_total", api="messages") == 2
+    metrics = proxy.app[keys.METRICS]
+    assert metrics.value("turns_total", api="messages") == 2
+    assert metrics.value("turn_seconds", api="messages") == 2 and metrics.value("overhead_seconds", api="messages") == 2
+    assert metrics.value("requests_total", route="/v1/messages", status="200") == 2
 
 
 @one_config
