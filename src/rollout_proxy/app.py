@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from rollout_proxy.core.chat import ChatService
 from rollout_proxy.core.distill import Distillation, parse_teacher_templates, parse_teachers
+from rollout_proxy.core.messages import MessagesService
 from rollout_proxy.core.rendering import Renderers, RenderingConfig
 from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
@@ -27,12 +28,24 @@ from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import SessionTokens
-from rollout_proxy.proxy.handlers import chat, docs, fleet_admin, meta, responses, sessions, trajectories, ui, viewer
+from rollout_proxy.proxy.handlers import (
+    chat,
+    docs,
+    fleet_admin,
+    messages,
+    meta,
+    responses,
+    sessions,
+    trajectories,
+    ui,
+    viewer,
+)
 from rollout_proxy.proxy.handlers import distill as distill_handlers
 from rollout_proxy.proxy.handlers import feed as feed_handlers
 from rollout_proxy.proxy.known_input import KnownInputs
 from rollout_proxy.proxy.known_messages import KnownMessages
 from rollout_proxy.proxy.middleware import request_middleware
+from rollout_proxy.proxy.openapi import MESSAGES_ALIAS_PREFIXES
 from rollout_proxy.proxy.telemetry import telemetry_middleware
 from rollout_proxy.settings import Settings, part
 from rollout_proxy.state.connection import RedisOptions, is_redis_url
@@ -196,6 +209,7 @@ def create_app(
         app[keys.TREE] = tree
         app[keys.CHAT] = ChatService(tree=tree, turns=turns)
         app[keys.RESPONSES] = ResponsesService(tree=tree, turns=turns)
+        app[keys.MESSAGES] = MessagesService(tree=tree, turns=turns)
         yield
         await renderers.close()
 
@@ -244,6 +258,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", responses.create_response)
     app.router.add_get("/v1/responses/{response_id}", responses.get_response)
     app.router.add_get("/v1/responses/{response_id}/trajectory", trajectories.response_trajectory)
+    # the Anthropic Messages API, at the root and under the session's base_url (``openapi.ALIASES``)
+    for prefix in ("", *MESSAGES_ALIAS_PREFIXES):
+        app.router.add_post(f"{prefix}/v1/messages", messages.create_message)
+        app.router.add_post(f"{prefix}/v1/messages/count_tokens", messages.count_tokens)
     # the trajectory viewer: its page, and the admin read API it calls
     app.router.add_get("/ui", ui.page)
     app.router.add_get("/ui/static/{name}", ui.static_file)

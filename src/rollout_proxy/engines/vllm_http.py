@@ -76,6 +76,12 @@ def is_routing_probe(payload: dict[str, Any]) -> bool:
     return str(payload.get("request_id") or "").startswith(ROUTING_PROBE_ID)
 
 
+def _stop_reason(choice: dict[str, Any]) -> str | int | None:
+    """vLLM's ``stop_reason`` (the stop string or token id that ended the completion), if it is one."""
+    value = choice.get("stop_reason")
+    return value if isinstance(value, str | int) and not isinstance(value, bool) else None
+
+
 def _loads(body: bytes) -> Any:
     try:
         return orjson.loads(body)
@@ -773,4 +779,5 @@ class VLLMEngine:
             nonfinite_logprobs=nonfinite,
             routed_experts=routed_experts,
             output_topk=topk,
+            stop_reason=_stop_reason(choice),
         )
