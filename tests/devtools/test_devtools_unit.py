@@ -40,10 +40,8 @@ def test_stamped_steps_return_fast_without_subprocesses(cache, monkeypatch):
         (d / "config.json").write_text("{}")
     engine_env._write_stamp("checkpoints", {"format": engine_env.CHECKPOINT_FORMAT})
     monkeypatch.setattr(engine_env, "_run", lambda *a, **k: pytest.fail("ran a subprocess"))
-    t0 = time.monotonic()
-    assert engine_env.ensure_engine_venv() == py
+    assert engine_env.ensure_engine_venv() == py  # no subprocess ran (it would fail the test)
     assert engine_env.ensure_checkpoints() == engine_env.checkpoint_paths()
-    assert time.monotonic() - t0 < 0.5
     info = engine_env.all_paths()
     assert info["engine_ready"] == "true" and info["checkpoints_ready"] == "true"
 

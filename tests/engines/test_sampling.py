@@ -71,8 +71,9 @@ async def test_a_hung_call_fails_over_after_the_call_timeout(fakes: FakeFleet):
         fakes.engines[0].set_fault("hang")
         started_at = time.monotonic()
         result = await sample(fleet, fleet.engines[0], PROMPT, PARAMS)
-        assert 0.4 <= time.monotonic() - started_at < 2.0
+        assert time.monotonic() - started_at >= 0.4  # it waited the call timeout out (timers never fire early)
         assert result.engine.url != fakes.urls[0]
+        assert fakes.engines[0].completions and fakes.engines[0].generations == []  # the hung call, given up
         answered_by(fakes, result)
     finally:
         await fleet.close()
@@ -116,7 +117,9 @@ async def test_the_turn_deadline_bounds_every_try_together(fakes: FakeFleet):
         started_at = time.monotonic()
         with pytest.raises(EngineTimeout) as raised:
             await sample(fleet, fleet.engines[0], PROMPT, PARAMS)
-        assert 0.5 <= time.monotonic() - started_at < 1.5
+        assert time.monotonic() - started_at >= 0.5
+        # the deadline, not the 5 retries, ended it: 0.3 s calls fit twice in 0.5 s, never six times
+        assert sum(len(engine.completions) for engine in fakes.engines) == 2
         assert raised.value.status == 504 and raised.value.retry_after
     finally:
         await fleet.close()

@@ -20,7 +20,7 @@ import structlog
 
 from rollout_proxy.core.teacher import CANONICAL_TEXT, PromptScorer, TeacherScores, View, check_topk, render_view, score
 from rollout_proxy.core.trajectory import assemble
-from rollout_proxy.engines.base import Engine
+from rollout_proxy.engines.base import GenerationEngine
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.health import EngineState
 from rollout_proxy.errors import EngineTimeout, EngineUnavailable, InvalidRequest, NotFound
@@ -159,7 +159,7 @@ class Distillation:
 
     async def _view(
         self,
-        engine: Engine,
+        engine: GenerationEngine,
         session: SessionRecord,
         path: Sequence[ResponseNode],
         ids: np.ndarray,
@@ -178,13 +178,13 @@ class Distillation:
             param=param,
         )
 
-    async def _teacher_renderer(self, teacher: str, engine: Engine) -> ChatRenderer | None:
+    async def _teacher_renderer(self, teacher: str, engine: GenerationEngine) -> ChatRenderer | None:
         """The teacher's own template, loaded once (None: its engine renders)."""
         if teacher not in self._templates:
             return None
         return await _once(self._local, teacher, lambda: self._load_template(teacher, engine))
 
-    async def _load_template(self, teacher: str, engine: Engine) -> ChatRenderer:
+    async def _load_template(self, teacher: str, engine: GenerationEngine) -> ChatRenderer:
         root = None if self._tokenizer else (await engine.info()).root
         directory = tokenizer_dir(self._tokenizer or root)
         if directory is None:
@@ -198,12 +198,12 @@ class Distillation:
         return ChatRenderer(local)
 
     @staticmethod
-    async def _route(fleet: Fleet, sticky: str | None = None) -> Engine:
+    async def _route(fleet: Fleet, sticky: str | None = None) -> GenerationEngine:
         engine = await fleet.route_now(sticky)
         return engine
 
     @staticmethod
-    async def _route_teacher(fleet: Fleet) -> Engine:
+    async def _route_teacher(fleet: Fleet) -> GenerationEngine:
         """A healthy engine of the teacher's group; its weight version is not the policy's, so one the fleet
         calls stale (another version, or a name such as "teacher-v2") serves as well."""
         try:

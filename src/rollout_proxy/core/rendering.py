@@ -36,7 +36,7 @@ import numpy as np
 import structlog
 
 from rollout_proxy.core.tree import Placement
-from rollout_proxy.engines.base import Engine
+from rollout_proxy.engines.base import GenerationEngine
 from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable, InvalidRequest
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind
@@ -101,7 +101,7 @@ class Renderers:
         decided = self._by_engine.get(engine_url)
         return decided.source if decided is not None else None
 
-    def warm(self, engines: Iterable[Engine]) -> None:
+    def warm(self, engines: Iterable[GenerationEngine]) -> None:
         """Decide for each engine in the background, so the first turn finds it done."""
         for engine in engines:
             task = asyncio.create_task(self._warm(engine))
@@ -116,7 +116,7 @@ class Renderers:
 
     async def render(
         self,
-        engine: Engine,
+        engine: GenerationEngine,
         messages: Sequence[dict[str, Any]],
         *,
         tools: Sequence[dict[str, Any]] | None,
@@ -143,7 +143,7 @@ class Renderers:
 
     async def delta(
         self,
-        engine: Engine,
+        engine: GenerationEngine,
         placement: Placement,
         *,
         tools: Sequence[dict[str, Any]] | None,
@@ -193,7 +193,7 @@ class Renderers:
         self._fall_back(engine, decided, reason="live_check")
         return reference
 
-    async def generation_prompt_text(self, engine: Engine, prompt_end: np.ndarray) -> str:
+    async def generation_prompt_text(self, engine: GenerationEngine, prompt_end: np.ndarray) -> str:
         """The text of the generation prompt that ends ``prompt_end`` (``ChatRenderer.generation_prompt_text``),
         decoded by the renderer this engine's renders come from."""
         decided = await self._decided(engine)
@@ -201,7 +201,7 @@ class Renderers:
 
     # -- deciding per engine ---------------------------------------------------------------------
 
-    async def _decided(self, engine: Engine) -> _EngineRendering:
+    async def _decided(self, engine: GenerationEngine) -> _EngineRendering:
         decided = self._by_engine.get(engine.url)
         if decided is not None:
             return decided
@@ -218,13 +218,13 @@ class Renderers:
         if not task.cancelled():
             task.exception()  # a failed decision is retried by the next caller; nothing is left unretrieved
 
-    async def _warm(self, engine: Engine) -> None:
+    async def _warm(self, engine: GenerationEngine) -> None:
         try:
             await self._decided(engine)
         except Exception as exc:  # the engine is not up yet: the first turn decides
             log.info("render_source_undecided", engine=engine.url, error=str(exc))
 
-    async def _decide(self, engine: Engine) -> _EngineRendering:
+    async def _decide(self, engine: GenerationEngine) -> _EngineRendering:
         through_engine = DeveloperRole(engine, name=engine.url)  # developer messages never dropped
         by_engine = ChatRenderer(through_engine)
         engine_only = _EngineRendering(RenderSource.ENGINE, by_engine, by_engine)
@@ -260,11 +260,11 @@ class Renderers:
         )
         return self._keep(engine, _EngineRendering(RenderSource.LOCAL, ChatRenderer(local), by_engine, local))
 
-    def _keep(self, engine: Engine, decided: _EngineRendering) -> _EngineRendering:
+    def _keep(self, engine: GenerationEngine, decided: _EngineRendering) -> _EngineRendering:
         self._by_engine[engine.url] = decided
         return decided
 
-    async def _local(self, engine: Engine) -> LocalTemplate | None:
+    async def _local(self, engine: GenerationEngine) -> LocalTemplate | None:
         """The engine's tokenizer and template as files here, or None (said in the log)."""
         given = self._config.tokenizer
         root = None if given else getattr(await engine.info(), "root", None)
@@ -291,13 +291,13 @@ class Renderers:
 
     # -- when local and engine disagree ----------------------------------------------------------
 
-    def _fall_back(self, engine: Engine, decided: _EngineRendering, *, reason: str) -> None:
+    def _fall_back(self, engine: GenerationEngine, decided: _EngineRendering, *, reason: str) -> None:
         self._metrics.inc("render_fallbacks_total", reason=reason)
         log.warning("local_rendering_off", engine=engine.url, reason=reason)
         self._by_engine[engine.url] = _EngineRendering(RenderSource.ENGINE, decided.by_engine, decided.by_engine)
 
     async def _confirm_failure(
-        self, engine: Engine, decided: _EngineRendering, exc: Exception, by_engine: Awaitable[np.ndarray]
+        self, engine: GenerationEngine, decided: _EngineRendering, exc: Exception, by_engine: Awaitable[np.ndarray]
     ) -> np.ndarray:
         """A local render failed: the engine's answer decides (its error, or its tokens and a fallback)."""
         try:

@@ -30,7 +30,7 @@ from rollout_proxy import tracing
 from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.tree import Placement, SamplePlacement
 from rollout_proxy.core.turn_routing import align_routing
-from rollout_proxy.engines.base import Engine, EngineInfo, PieceSink, SamplingParams
+from rollout_proxy.engines.base import EngineInfo, GenerationEngine, PieceSink, SamplingParams
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.sampling import Sampled
 from rollout_proxy.engines.sampling import sample as sample_on_fleet
@@ -65,7 +65,7 @@ class TurnResult:
 class PreparedTurn:
     """Everything a turn sends to its engine, decided before the call."""
 
-    engine: Engine
+    engine: GenerationEngine
     info: EngineInfo
     delta: np.ndarray  # bridge tokens for the new messages, then the generation prompt
     prompt: np.ndarray  # the parent's exact tokens, then ``delta``
@@ -153,7 +153,7 @@ class TurnRunner:
         *,
         tools: Sequence[dict[str, Any]] | None,
         stop: Sequence[str],
-        engine: Engine | None = None,
+        engine: GenerationEngine | None = None,
     ) -> PreparedTurn:
         """The engine (the session's while it serves, unless given), the whole prompt (parent's tokens +
         bridge) and the sampling settings."""
@@ -200,7 +200,7 @@ class TurnRunner:
         generation prompt), rendered on the session's engine or another; no engine call, nothing stored, no
         context check (a count of tokens, e.g. the Messages API's ``count_tokens``)."""
 
-        async def render(engine: Engine) -> np.ndarray:
+        async def render(engine: GenerationEngine) -> np.ndarray:
             return await self._renderers.delta(
                 engine,
                 placement,
@@ -321,7 +321,7 @@ class TurnRunner:
         """Append messages the policy did not generate, as a node with loss weight 0
         (the earlier node instead, when ``idempotency`` repeats a key already used)."""
 
-        async def render(engine: Engine) -> tuple[EngineInfo, np.ndarray]:
+        async def render(engine: GenerationEngine) -> tuple[EngineInfo, np.ndarray]:
             info = await engine.info()
             delta = await self._renderers.delta(
                 engine,
@@ -362,7 +362,7 @@ class TurnRunner:
 
     # -- the steps' parts -------------------------------------------------------------------------
 
-    async def _on_an_engine(self, session: SessionRecord, step: Callable[[Engine], Awaitable[T]]) -> T:
+    async def _on_an_engine(self, session: SessionRecord, step: Callable[[GenerationEngine], Awaitable[T]]) -> T:
         """``step`` on the session's engine while it serves, else another; a step that fails because its
         engine failed (unreachable, too slow) is counted against that engine and done on the next one."""
         tried: set[str] = set()
@@ -387,7 +387,7 @@ class TurnRunner:
             meta["sample_placement"] = placed.value
             log.info("sample_placement", placement=placed.value, api=api)
 
-    def _follow(self, session: SessionRecord, engine: Engine) -> None:
+    def _follow(self, session: SessionRecord, engine: GenerationEngine) -> None:
         """The session's later turns go where this one ended (a failover moved it; stored with the node)."""
         if engine.url == session.engine:
             return

@@ -90,8 +90,10 @@ class PieceSink(Protocol):
     async def piece(self, piece: CompletionPiece) -> None: ...
 
 
-class Engine(Protocol):
-    """One inference engine (a vLLM server, or the fake one in tests)."""
+class GenerationEngine(Protocol):
+    """What a turn needs of an engine: its model card, its chat template's renders, and samples.
+
+    ``core`` depends on this alone; a scripted one in the tests' own process stands in for it there."""
 
     url: str
     #: whether completions carry MoE routing; None until the first completion tells
@@ -127,6 +129,13 @@ class Engine(Protocol):
         exactly (else nothing goes there: the caller relays the completion); the completion is the same."""
         ...
 
+
+class EngineControl(Protocol):
+    """What the fleet needs of an engine besides generation: health, the weight version, pause and resume
+    (vLLM's dev mode), and closing its connections."""
+
+    url: str
+
     async def healthy(self) -> bool: ...
 
     async def health(self) -> None:
@@ -150,3 +159,7 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class Engine(GenerationEngine, EngineControl, Protocol):
+    """One engine of the fleet: generation and control (a vLLM server's HTTP client, or a test's double)."""

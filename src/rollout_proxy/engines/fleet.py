@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 
 from rollout_proxy.engines import shared as sharing
-from rollout_proxy.engines.base import Engine, EngineInfo
+from rollout_proxy.engines.base import Engine, EngineInfo, GenerationEngine
 from rollout_proxy.engines.gate import PauseGate
 from rollout_proxy.engines.health import (
     Breaker,
@@ -294,11 +294,11 @@ class Fleet:
 
     # -- outcomes ---------------------------------------------------------------------------------
 
-    def member_of(self, engine: Engine) -> Member | None:
+    def member_of(self, engine: GenerationEngine) -> Member | None:
         member = self.members.get(engine.url)
         return member if member is not None and member.client is engine else None
 
-    def report_failure(self, engine: Engine, error: BaseException, *, what: str = "call") -> None:
+    def report_failure(self, engine: GenerationEngine, error: BaseException, *, what: str = "call") -> None:
         """A call failed: count it against the engine if it says something about the engine."""
         member = self.member_of(engine)
         if member is None or not counts_against(error):
@@ -309,7 +309,7 @@ class Fleet:
         if member.breaker.failed(definite=is_definite(error), by_call=True):
             self.mark_down(member, reason)
 
-    def report_success(self, engine: Engine) -> None:
+    def report_success(self, engine: GenerationEngine) -> None:
         member = self.member_of(engine)
         if member is not None:
             member.heard()

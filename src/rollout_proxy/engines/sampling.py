@@ -33,7 +33,14 @@ from typing import Any
 import numpy as np
 import structlog
 
-from rollout_proxy.engines.base import CompletionPiece, Engine, EngineCompletion, PieceSink, SamplingParams
+from rollout_proxy.engines.base import (
+    CompletionPiece,
+    Engine,
+    EngineCompletion,
+    GenerationEngine,
+    PieceSink,
+    SamplingParams,
+)
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.gate import Deadline
 from rollout_proxy.engines.health import counts_against, describe
@@ -123,7 +130,12 @@ class _Kept:
 
 
 async def sample(
-    fleet: Fleet, engine: Engine, prompt: np.ndarray, params: SamplingParams, *, sink: PieceSink | None = None
+    fleet: Fleet,
+    engine: GenerationEngine,
+    prompt: np.ndarray,
+    params: SamplingParams,
+    *,
+    sink: PieceSink | None = None,
 ) -> Sampled:
     """Sample one turn: ``engine`` first (the session's, if it is routable), failing over as the module says.
     With a ``sink``, every call streams its pieces there (``core.streaming`` decides what a retry means)."""
