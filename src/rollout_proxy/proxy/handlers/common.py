@@ -53,11 +53,11 @@ async def plugin_request(
     are not checked again (``proxy.known_messages``)."""
     if read_ahead is None:
         session = await plugin_session(request)
-        return session, await _plugin_body(request, model, intake, session.id)
+        return session, await _plugin_body(request, model, intake, session.id, session.expires_at)
     found = request_caller(request)
     if found.session_id is None:
         raise AuthenticationFailed("this endpoint needs a session token, not the admin key")
-    body = await _plugin_body(request, model, intake, found.session_id)
+    body = await _plugin_body(request, model, intake, found.session_id, found.expires_at)
     ahead = read_ahead(body)
     if found.bound is not None:
         ahead = dataclasses.replace(ahead or ReadAhead(), bound=found.bound)
@@ -65,13 +65,22 @@ async def plugin_request(
 
 
 async def _plugin_body(
-    request: web.Request, model: type[M], intake: MessageIntake | None = None, session_id: str | None = None
+    request: web.Request,
+    model: type[M],
+    intake: MessageIntake | None = None,
+    session_id: str | None = None,
+    expires_at: float = 0.0,
 ) -> M:
     """The request's body as ``model``, without the settings the session pins; with ``intake``, the messages
-    it knows are not checked again (the limits walk and the shape check skip them)."""
+    it knows are not checked again (the limits walk and the shape check skip them) and what it learns is kept
+    until the session's expiry at most."""
     body = await read_body(request)
     payload = load_json_object(body) if intake is None else intake.load(body, session_id=session_id)
-    to_check = None if intake is None else intake.look_up(payload.get("messages"), session_id=session_id)
+    to_check = (
+        None
+        if intake is None
+        else intake.look_up(payload.get("messages"), session_id=session_id, expires_at=expires_at)
+    )
     check_json_limits(payload, messages_to_check=to_check)
     refuse_pinned(payload)
     return validate(model, payload, context=None if to_check is None else {CHECK_ITEMS: to_check})
