@@ -59,18 +59,17 @@ class BoundedCache(Generic[K, V]):
         return entry.value
 
     def put(self, key: K, value: V, *, size: int, until: float) -> bool:
-        """Hold ``value`` (replacing the key's; kept until the later of both times); False when ``size``
-        alone exceeds the byte bound (nothing is held then, and the old value is gone too)."""
+        """Hold ``value`` until ``until`` (replacing the key's value and time); False when ``size`` alone
+        exceeds the byte bound (nothing is held then, and the old value is gone too)."""
         old = self._entries.pop(key, None)
         if old is not None:
             self.bytes -= old.size
-            until = max(until, old.until)
         size += ENTRY_OVERHEAD
         if size > self.max_bytes:
             return False
         self._entries[key] = _Entry(value, size, until)
         self.bytes += size
-        if old is None or until > old.until:
+        if old is None or until != old.until:  # an equal time is scheduled already
             self._schedule(until, key)
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             self.bytes -= self._entries.popitem(last=False)[1].size

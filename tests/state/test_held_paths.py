@@ -1,6 +1,6 @@
 """The Redis store's held paths: a worker keeps, per session, the path it last read or wrote, so a turn
 reads only what is new below it. Bounded by sessions and bytes, dropped when its session finishes
-here and when left unused a minute (the session expired, finished elsewhere, or waits long)."""
+here, when it expires, and when left unused a minute (finished elsewhere, or waiting long)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,14 @@ def test_a_held_path_goes_when_its_session_finishes_or_it_is_left_unused():
     grown = paths.bytes
     now[0] += 61
     assert paths.expire() == 1 and len(paths) == 0 and paths.bytes == 0 and grown > 0
+
+
+def test_a_held_path_goes_when_its_session_expires():
+    now = [1000.0]
+    paths = HeldPaths(idle=60.0, clock=lambda: now[0])
+    paths.hold("short", [node(0, None)])
+    paths.expires("short", 1010.0)  # as the session read found it
+    paths.hold("short", [node(1, None)])  # a new root keeps the session's expiry
+    paths.hold("unknown", [node(0, None)])
+    now[0] = 1010.0
+    assert paths.expire() == 1 and paths.get("short") is None and paths.get("unknown") is not None

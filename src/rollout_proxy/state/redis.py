@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import math
 import random
 import time
 import uuid
@@ -268,19 +269,20 @@ class _Ahead:
     path: list[ResponseNode] | None
 
 
-#: Held paths: their bytes (estimated, ``_footprint``) at most, and each dropped once unused this long
-#: (its session finished on another worker, expired, or waits on a long tool call: its next turn then
-#: reads its whole path, in the same one round trip) or when its session finishes here.
+#: Held paths: their bytes (estimated, ``_footprint``) at most, each dropped when its session finishes here,
+#: expires, or has left it unused this long (it finished on another worker, or waits on a long tool call:
+#: its next turn then reads its whole path, in the same one round trip).
 HELD_PATH_BYTES = 64 * 1024 * 1024
 HELD_PATH_SESSIONS = 4096
 HELD_PATH_IDLE_S = 60.0
-#: Seconds between sweeps of the held paths left unused.
+#: Seconds between sweeps of the held paths whose time is up.
 SWEEP_EVERY = 1.0
 
 
 class HeldPaths:
     """Per session, one root-to-leaf path of decoded nodes (the latest one this worker saw), bounded by
-    sessions and by bytes; the least recently used go first, and any left unused ``idle`` seconds."""
+    sessions and by bytes (the least recently used go first), each kept until its session's expiry (once a
+    read has told it) or ``idle`` seconds after its last use, whichever comes first."""
 
     def __init__(
         self,
@@ -288,9 +290,10 @@ class HeldPaths:
         max_sessions: int = HELD_PATH_SESSIONS,
         max_bytes: int = HELD_PATH_BYTES,
         idle: float = HELD_PATH_IDLE_S,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        self._paths: BoundedCache[str, tuple[list[ResponseNode], int]] = BoundedCache(  # path, its footprint
+        # path, its footprint, its session's expiry (inf: not known yet)
+        self._paths: BoundedCache[str, tuple[list[ResponseNode], int, float]] = BoundedCache(
             max_entries=max_sessions, max_bytes=max_bytes
         )
         self._idle, self._clock = idle, clock
@@ -303,8 +306,11 @@ class HeldPaths:
         return self._paths.bytes
 
     def get(self, session_id: str) -> list[ResponseNode] | None:
-        held = self._paths.get(session_id, until=self._clock() + self._idle)
-        return None if held is None else held[0]
+        held = self._paths.get(session_id)
+        if held is None:
+            return None
+        self._paths.get(session_id, until=min(held[2], self._clock() + self._idle))  # used now
+        return held[0]
 
     def hold(self, session_id: str, path: list[ResponseNode]) -> None:
         self._keep(session_id, path, _footprint(path))
@@ -315,14 +321,24 @@ class HeldPaths:
         if held is not None and below and held[0][-1].id == below[0].parent_id:
             self._keep(session_id, [*held[0], *below], held[1] + _footprint(below))
 
+    def expires(self, session_id: str, expires_at: float) -> None:
+        """The session's expiry, as a read found it: its held path is kept no longer."""
+        held = self._paths.get(session_id)
+        if held is not None and held[2] != expires_at:
+            self._keep(session_id, held[0], held[1], expires_at)
+
     def drop(self, session_id: str) -> None:
         self._paths.pop(session_id)
 
     def expire(self) -> int:
         return self._paths.expire(self._clock())
 
-    def _keep(self, session_id: str, path: list[ResponseNode], size: int) -> None:
-        self._paths.put(session_id, (path, size), size=size, until=self._clock() + self._idle)
+    def _keep(self, session_id: str, path: list[ResponseNode], size: int, expires_at: float | None = None) -> None:
+        if expires_at is None:  # the session's, as held before (a new root keeps it)
+            previous = self._paths.get(session_id)
+            expires_at = math.inf if previous is None else previous[2]
+        until = min(expires_at, self._clock() + self._idle)
+        self._paths.put(session_id, (path, size, expires_at), size=size, until=until)
 
 
 def _footprint(nodes: Sequence[ResponseNode]) -> int:
@@ -503,6 +519,8 @@ class RedisStore:
         else:
             raw, engine = await self._read_ahead(session_id, read_ahead)
         session = None if raw is None else SessionRecord.from_dict(orjson.loads(raw))
+        if session is not None and read_ahead is not None:
+            self._paths.expires(session_id, session.expires_at)
         slot = self._slot.get()
         if (
             read_ahead is not None
