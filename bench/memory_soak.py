@@ -1,31 +1,46 @@
-"""Memory soak: does a proxy give its memory back once sessions pass their TTL?
+"""Memory soak: is a proxy's memory flat under a constant load, and given back once its sessions expire?
 
-    python bench/memory_soak.py [--duration 180] [--ttl 30] [--rate 10] [--turns 3]
+    python bench/memory_soak.py [--duration 600] [--sessions 32] [--turns 10] [--ttl 120] [--out DIR]
 
-One run starts, side by side, a proxy on the memory store and a proxy on Redis (each
-its own process, so the RSS sampled is the proxy's own), a fake engine (a third
-process) and, unless ``--redis-url`` names one, a private redis-server. Every second
-``--rate`` sessions start on each proxy; each does ``--turns`` chat turns, appends a
-tool result (with an ``Idempotency-Key``) and finishes. Then nothing is sent for the
-``--drain`` seconds (default: TTL + 5), and the table says, per store:
+One run starts, side by side, a proxy on the memory store and a proxy on Redis (each its own
+process, started as ``rollout-proxy serve`` starts one: settings, app, event loop, collector; so
+the RSS sampled is the proxy's own), the fake engine (``load_tests.engine``, its fixed policy: it
+answers at once) and, unless ``--redis-url`` names one, a private redis-server. Each proxy first
+serves one rollout (what a proxy loads once, its tokenizer and template, is not growth) and its RSS
+then is the warm baseline. Then ``--sessions`` rollouts run at once on each: a rollout does
+``--turns`` chat turns resending its history, appends a tool result (with an ``Idempotency-Key``)
+and finishes, except every ``--leave-open``-th, left to expire; a new one starts in its place, until
+``--duration`` seconds have passed. Then nothing is sent for ``--drain`` seconds (default: the TTL
+and 15 s, so every session has expired and the proxy has had the time to give memory back), and each
+proxy is asked, by a route only this benchmark adds (``/_soak/stats``), what it holds.
 
-  RSS at the TTL mark (the first sessions start expiring), at the end of the load,
-  growth between the two, RSS after the drain, sessions alive at the end and after
-  the drain, RSS per open session (RSS delta over the idle baseline / sessions alive
-  at the end) and bytes stored per session (memory: a deep size of the store's
-  records; Redis: MEMORY USAGE of a session's keys).
+The table says, per store: turns answered (errors), RSS warm, at the end of the warm-up
+(``--warmup``, default twice the TTL: from one TTL on, sessions expire as fast as they start), at the
+end of the load and its growth since the warm-up, the slope of a least-squares line through the
+samples after the warm-up, the sessions alive at the end, RSS once every session has expired, glibc's
+bytes in use (``mallinfo2``) warm, at the end and after expiry, and the entries the proxy's
+per-session structures still hold after expiry (the store's sessions and request bounds, remembered
+conversations, message and path-hash memos, verified tokens, the open-session gauge, held paths:
+0 is the goal). ``--out`` writes the whole run as JSON (``memory_soak.json``: the RSS samples, each
+structure's count, threads and malloc arenas, RSS after one more ``malloc_trim(0)``).
 
-A benchmark, not a test: the numbers go in the README's "Memory" section.
+``--tracemalloc`` traces the proxies' Python allocations (much slower: choose a TTL that outlasts a
+rollout) and adds, per store, the source lines whose allocations grew most from the warm-up to the
+end, and those still held after expiry beyond the warm proxy's.
+
+A benchmark, not a test (tests/test_memory_soak_smoke.py runs it tiny): its numbers are in
+docs/operations/memory.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import ctypes.util
+import gc
+import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,15 +52,14 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+
+from load_tests.run import Services, free_port, start_engine, start_redis  # noqa: E402
+
 ADMIN_KEY = "soak-admin-key"
 STATS = "/_soak/stats"
 SAMPLE = 50  # sessions measured for bytes per session
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+TOP_LINES = 12  # --tracemalloc: source lines reported
 
 
 def rss_mib(pid: int) -> float:
@@ -55,7 +69,32 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-# -- the child processes -----------------------------------------------------------------
+# -- inside a proxy process ------------------------------------------------------------------
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def _libc() -> Any:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.mallinfo2.restype = _Mallinfo2
+    return libc
+
+
+def malloc_info(libc: Any) -> dict[str, float]:
+    """glibc's heaps, in MiB: bytes handed out (``in_use``), free but kept (``free``), mmapped chunks."""
+    info = libc.mallinfo2()
+    mib = 1024 * 1024
+    return {
+        "in_use": info.uordblks / mib,
+        "free": info.fordblks / mib,
+        "heaps": info.arena / mib,
+        "mmapped": info.hblkhd / mib,
+    }
 
 
 def deep_size(value: Any, seen: set[int] | None = None) -> int:
@@ -80,8 +119,9 @@ def deep_size(value: Any, seen: set[int] | None = None) -> int:
     return size
 
 
-async def store_stats(store: Any) -> dict[str, Any]:
-    """Sessions alive and bytes per session (a sample), read from inside the proxy process."""
+async def stored_per_session(store: Any) -> dict[str, Any]:
+    """Sessions alive and bytes per session (a sample): a deep size of the memory store's records, or
+    Redis's ``MEMORY USAGE`` of a session's keys."""
     from rollout_proxy.state import keys
     from rollout_proxy.state.memory import MemoryStore
 
@@ -101,90 +141,181 @@ async def store_stats(store: Any) -> dict[str, Any]:
     return {"sessions": len(ids), "bytes_per_session": per / min(len(ids), SAMPLE) if ids else 0}
 
 
-async def serve_proxy(store_url: str, engine_url: str, port: int, ttl: float) -> None:
+def structures(app: Any) -> dict[str, int]:
+    """Entries of every per-session structure of the proxy: after expiry each should be 0."""
+    from rollout_proxy.proxy import keys
+    from rollout_proxy.state.memory import MemoryStore
+
+    store = app[keys.STORE]
+    known = app[keys.KNOWN_MESSAGES].held()
+    held: dict[str, int] = {
+        "conversations": known["conversations"],
+        "message_memo": known["messages"],
+        "path_hash_memo": known["path_hashes"],
+        "verified_tokens": len(app[keys.TOKENS]),
+        "open_session_gauge": app[keys.METRICS].sessions.count(time.time()),
+    }
+    if isinstance(store, MemoryStore):
+        held |= {"store_sessions": len(store._sessions), "request_bounds": len(store._limits)}
+    else:
+        held |= {"held_paths": len(store._paths)}
+    return held
+
+
+def threads_and_arenas(libc: Any) -> dict[str, int]:
+    """Threads of the process, and glibc's malloc arenas (``malloc_info``: one ``<heap>`` per arena)."""
+    buffer, size = ctypes.c_char_p(), ctypes.c_size_t()
+    libc.open_memstream.restype = ctypes.c_void_p
+    stream = libc.open_memstream(ctypes.byref(buffer), ctypes.byref(size))
+    libc.malloc_info(0, ctypes.c_void_p(stream))
+    libc.fclose(ctypes.c_void_p(stream))
+    info = ctypes.string_at(buffer, size.value).decode()
+    libc.free(buffer)
+    return {"threads": len(os.listdir("/proc/self/task")), "arenas": info.count("<heap nr=")}
+
+
+def serve_proxy(args: argparse.Namespace) -> None:
+    """``rollout-proxy serve`` as it starts (settings, app, loop, collector), plus this benchmark's route."""
     from aiohttp import web
 
-    from rollout_proxy.app import create_app, open_store
-    from rollout_proxy.embedded import serve_app
+    from rollout_proxy.app import create_app
+    from rollout_proxy.cli import _run_loop
     from rollout_proxy.logs import configure_logging
+    from rollout_proxy.proxy import keys
+    from rollout_proxy.proxy.server import serve_until_stopped
     from rollout_proxy.settings import Settings
 
-    configure_logging("json", "warning")
-    store = await open_store(store_url)
-    settings = Settings(engines=(engine_url,), admin_key=ADMIN_KEY, store=store_url, session_ttl=ttl)
-    app = create_app(settings, store=store)
+    if args.tracemalloc:
+        import tracemalloc
+
+        tracemalloc.start(1)
+    libc = _libc()
+    settings = Settings.from_env(
+        engines=(args.engine,),
+        admin_key=ADMIN_KEY,
+        store=args.store,
+        session_ttl=args.ttl,
+        port=args.port,
+        log_format="json",
+        log_level="warning",
+    )
+    configure_logging(settings.log_format, settings.log_level)
+    app = create_app(settings)
+    marks: dict[str, Any] = {}
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response(await store_stats(store))
+        """What the proxy holds now; ``?trim=1``: after a full collection and ``malloc_trim(0)``;
+        ``?mark=NAME``: a tracemalloc snapshot kept under NAME; ``?since=NAME``: the lines grown since."""
+        query = request.query
+        trimmed_in = None
+        if query.get("trim"):
+            gc.collect()
+            started = time.perf_counter()
+            libc.malloc_trim(0)
+            trimmed_in = (time.perf_counter() - started) * 1000
+        answer: dict[str, Any] = {
+            "trim_ms": trimmed_in,
+            "rss": rss_mib(os.getpid()),
+            "malloc": malloc_info(libc),
+            "structures": structures(app),
+            "python_blocks": sys.getallocatedblocks(),
+            **threads_and_arenas(libc),
+        }
+        if query.get("stored"):
+            answer |= await stored_per_session(app[keys.STORE])
+        if args.tracemalloc:
+            import tracemalloc
+
+            answer["traced_mib"] = tracemalloc.get_traced_memory()[0] / 2**20
+            if "mark" in query:
+                marks[query["mark"]] = tracemalloc.take_snapshot()
+            if "since" in query and query["since"] in marks:
+                grown = tracemalloc.take_snapshot().compare_to(marks[query["since"]], "lineno")
+                answer["grown"] = [
+                    f"{stat.size_diff / 2**20:+.2f} MiB {stat.count_diff:+d} blocks "
+                    f"{stat.traceback[0].filename.split('site-packages/')[-1].split('src/')[-1]}"
+                    f":{stat.traceback[0].lineno}"
+                    for stat in grown[:TOP_LINES]
+                ]
+        return web.json_response(answer)
 
     app.router.add_get(STATS, stats)
-    await serve_app(app, port=port)
-    print("ready", flush=True)
-    await asyncio.Event().wait()
+    _run_loop(
+        serve_until_stopped(app, settings.host, settings.port, gc_threshold=settings.gc_threshold), settings.event_loop
+    )
 
 
-async def serve_engine(port: int) -> None:
-    from rollout_proxy.devtools.engine_env import ensure_checkpoints
-    from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
-
-    engine = FakeEngine(ensure_checkpoints()["dense"])
-    async with FakeEngineServer(engine, port=port):
-        print("ready", flush=True)
-        while True:
-            await asyncio.sleep(5)
-            engine.completions.clear()  # the fake keeps a log; not what is measured here
-
-
-# -- the load -----------------------------------------------------------------------------
+# -- the load -----------------------------------------------------------------------------------
 
 
 @dataclass
 class Proxy:
     name: str
     url: str
-    process: subprocess.Popen
+    pid: int
+    ttl: float
     samples: list[tuple[float, float]] = field(default_factory=list)  # (seconds into the load, RSS MiB)
+    turns: int = 0
     errors: int = 0
     sessions: int = 0
+    first_error: str | None = None
 
     def rss_at(self, t: float) -> float:
         return min(self.samples, key=lambda sample: abs(sample[0] - t))[1]
 
+    def slope_after(self, t: float) -> float:
+        """MiB per minute: the least-squares line through the samples after ``t``."""
+        points = [(x, y) for x, y in self.samples if x >= t]
+        if len(points) < 2:
+            return 0.0
+        mean_x = sum(x for x, _ in points) / len(points)
+        mean_y = sum(y for _, y in points) / len(points)
+        spread = sum((x - mean_x) ** 2 for x, _ in points)
+        return 60 * sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
 
-async def rollout(http: aiohttp.ClientSession, proxy: Proxy, index: int, turns: int) -> None:
+
+async def rollout(http: aiohttp.ClientSession, proxy: Proxy, index: int, args: argparse.Namespace) -> None:
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     messages: list[dict[str, Any]] = [{"role": "user", "content": f"Rollout {index}: think of a word and a number."}]
     body = {"sample": {"messages": messages}, "generation": {"max_new_tokens": 64}}
     try:
         async with http.post(f"{proxy.url}/v1/sessions", json=body, headers=admin) as answer:
+            assert answer.status == 201, await answer.text()
             session = await answer.json()
         plugin = {"Authorization": f"Bearer {session['api_key']}"}
         last_id = None
-        for turn in range(turns):
+        for turn in range(args.turns):
             async with http.post(
                 f"{session['base_url']}/chat/completions", json={"model": "m", "messages": messages}, headers=plugin
             ) as answer:
+                assert answer.status == 200, await answer.text()
                 reply = await answer.json()
+            proxy.turns += 1
             last_id = reply["id"]
-            messages = [*messages, reply["choices"][0]["message"], {"role": "user", "content": f"And then {turn}?"}]
-        tool = [{"role": "user", "content": "a tool said: 42"}]
+            question = {"role": "user", "content": f"Rollout {index}, turn {turn}: and then?"}
+            messages = [*messages, reply["choices"][0]["message"], question]
+        tool = [{"role": "user", "content": f"a tool said: {index}"}]
         async with http.post(
             f"{session['base_url']}/sessions/{session['session_id']}/messages",
             json={"messages": tool, "previous_response_id": last_id},
             headers={**plugin, "Idempotency-Key": str(uuid.uuid4())},
         ) as answer:
             assert answer.status == 201, await answer.text()
+        if args.leave_open and index % args.leave_open == 0:
+            proxy.sessions += 1  # left to expire
+            return
         async with http.post(
             f"{proxy.url}/v1/sessions/{session['session_id']}/finish", json={"status": "success"}, headers=admin
         ) as answer:
             assert answer.status == 200, await answer.text()
         proxy.sessions += 1
-    except Exception:
+    except Exception as exc:
         proxy.errors += 1
+        proxy.first_error = proxy.first_error or f"{type(exc).__name__}: {exc}"[:500]
 
 
-async def stats(http: aiohttp.ClientSession, proxy: Proxy) -> dict[str, Any]:
-    async with http.get(proxy.url + STATS) as answer:
+async def stats(http: aiohttp.ClientSession, proxy: Proxy, **query: str) -> dict[str, Any]:
+    async with http.get(proxy.url + STATS, params=query) as answer:
         return await answer.json()
 
 
@@ -192,137 +323,167 @@ async def soak(proxies: list[Proxy], args: argparse.Namespace) -> dict[str, dict
     results: dict[str, dict[str, Any]] = {proxy.name: {} for proxy in proxies}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as http:
+        # one rollout each first: what a proxy loads once (its tokenizer, the template) is not growth
+        await asyncio.gather(*(rollout(http, proxy, -1, args) for proxy in proxies))
         await asyncio.sleep(2)
         for proxy in proxies:
-            results[proxy.name]["idle"] = rss_mib(proxy.process.pid)
-        tasks: set[asyncio.Task] = set()
+            results[proxy.name]["at_idle"] = idle = await stats(http, proxy, mark="idle")
+            results[proxy.name]["idle"] = idle["rss"]
+            proxy.turns = proxy.sessions = 0
         started = time.monotonic()
-        next_sample, index = 0.0, 0
-        while (elapsed := time.monotonic() - started) < args.duration:
+        counter = iter(range(1 << 62))
+
+        async def worker(proxy: Proxy) -> None:
+            while time.monotonic() - started < args.duration:
+                await rollout(http, proxy, next(counter), args)
+
+        workers = [asyncio.create_task(worker(proxy)) for proxy in proxies for _ in range(args.sessions)]
+        next_sample, marked = 0.0, False
+        while not all(task.done() for task in workers):
+            elapsed = time.monotonic() - started
             if elapsed >= next_sample:
                 for proxy in proxies:
-                    proxy.samples.append((elapsed, rss_mib(proxy.process.pid)))
-                if next_sample % 10 == 0:
-                    print(f"{elapsed:5.0f}s " + "  ".join(f"{p.name} {p.samples[-1][1]:6.1f} MiB" for p in proxies))
+                    proxy.samples.append((elapsed, rss_mib(proxy.pid)))
+                if next_sample % 30 == 0:
+                    line = "  ".join(f"{p.name} {p.samples[-1][1]:6.1f} MiB {p.turns:7d} turns" for p in proxies)
+                    print(f"{elapsed:5.0f}s {line}", flush=True)
                 next_sample += 1.0
-            while index < elapsed * args.rate:
+            if not marked and elapsed >= args.warmup:
+                marked = True
                 for proxy in proxies:
-                    task = asyncio.create_task(rollout(http, proxy, index, args.turns))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                index += 1
-            await asyncio.sleep(0.01)
-        if tasks:
-            await asyncio.wait(tasks)
+                    await stats(http, proxy, mark="warmup")
+            await asyncio.sleep(0.05)
+        loaded = time.monotonic() - started
         for proxy in proxies:
             result = results[proxy.name]
-            result["ttl_mark"], result["end"] = proxy.rss_at(args.ttl), rss_mib(proxy.process.pid)
-            result.update({f"end_{k}": v for k, v in (await stats(http, proxy)).items()})
-        print(f"draining {args.drain:.0f}s (no traffic)...")
+            at_end = await stats(http, proxy, stored="1", since="warmup")
+            result |= {
+                "ttl": proxy.ttl,
+                "warmup_rss": proxy.rss_at(args.warmup),
+                "end": at_end["rss"],
+                "peak_after_warmup": max(rss for t, rss in proxy.samples if t >= args.warmup),
+                "slope": proxy.slope_after(args.warmup),
+                "at_end": at_end,
+                "turns": proxy.turns,
+                "turns_per_s": proxy.turns / loaded,
+                "sessions": proxy.sessions,
+                "errors": proxy.errors,
+                "first_error": proxy.first_error,
+                "samples": proxy.samples,
+            }
+        print(f"draining {args.drain:.0f}s (no traffic: every session expires)...", flush=True)
         await asyncio.sleep(args.drain)
         for proxy in proxies:
             result = results[proxy.name]
-            result["drained"] = rss_mib(proxy.process.pid)
-            result["drained_sessions"] = (await stats(http, proxy))["sessions"]
-            result["done"], result["errors"] = proxy.sessions, proxy.errors
+            result["drained"] = await stats(http, proxy, stored="1", since="idle")
+            result["trimmed"] = await stats(http, proxy, trim="1")
     return results
 
 
 def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     head = (
-        "| store | RSS idle | RSS at TTL mark | RSS at end | growth TTL→end | sessions alive at end "
-        "| RSS after drain | alive after drain | RSS / open session | bytes stored / session | rollouts (errors) |"
+        "| store | TTL | turns (errors) | turns/s | RSS warm | RSS at warm-up | RSS at end | growth warm-up→end "
+        "| slope after warm-up | sessions alive at end | RSS after expiry | malloc in use: warm / end / after expiry "
+        "| entries left |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for name, r in results.items():
-        growth = (r["end"] - r["ttl_mark"]) / r["ttl_mark"] * 100
-        per_open = (r["end"] - r["idle"]) * 1024 / r["end_sessions"] if r["end_sessions"] else 0.0
+        growth = (r["end"] - r["warmup_rss"]) / r["warmup_rss"] * 100
+        left = sum(r["drained"]["structures"].values())
+        in_use = " / ".join(f"{r[moment]['malloc']['in_use']:.1f}" for moment in ("at_idle", "at_end", "drained"))
         lines.append(
-            f"| {name} | {r['idle']:.1f} MiB | {r['ttl_mark']:.1f} MiB | {r['end']:.1f} MiB | {growth:+.1f}% "
-            f"| {r['end_sessions']} | {r['drained']:.1f} MiB | {r['drained_sessions']} | {per_open:.1f} KiB "
-            f"| {r['end_bytes_per_session'] / 1024:.1f} KiB | {r['done']} ({r['errors']}) |"
+            f"| {name} | {r['ttl']:g} s | {r['turns']} ({r['errors']}) | {r['turns_per_s']:.0f} | {r['idle']:.1f} MiB "
+            f"| {r['warmup_rss']:.1f} MiB | {r['end']:.1f} MiB | {growth:+.1f}% | {r['slope']:+.2f} MiB/min "
+            f"| {r['at_end']['sessions']} | {r['drained']['rss']:.1f} MiB | {in_use} MiB | {left} |"
         )
-    settings = f"{args.rate:g} sessions/s per store, {args.turns} turns each, TTL {args.ttl:g} s, {args.duration:g} s"
+    settings = (
+        f"{args.sessions} sessions at once per store, {args.turns} turns each, {args.duration:g} s of load, "
+        f"warm-up {args.warmup:g} s, then {args.drain:g} s without traffic"
+    )
     return "\n".join([settings, "", *lines])
 
 
-# -- processes ------------------------------------------------------------------------------
-
-
-def child(*argv: str) -> subprocess.Popen:
-    process = subprocess.Popen(
-        [sys.executable, __file__, *argv],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
-    )
-    assert process.stdout is not None
-    for line in process.stdout:  # set-up may print first
-        if line.strip() == "ready":
-            return process
-    process.kill()
-    raise RuntimeError(f"{argv[0]} did not start")
-
-
-def start_redis() -> tuple[subprocess.Popen, str, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed (apt-get install redis-server), or pass --redis-url")
-    port, workdir = free_port(), tempfile.mkdtemp(prefix="rp-soak-redis-")
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL,
-    )
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return process, f"redis://127.0.0.1:{port}/0", workdir
+def detail(results: dict[str, dict[str, Any]]) -> str:
+    """What each proxy held, at the end of the load and once every session had expired."""
+    out = []
+    for name, r in results.items():
+        for moment in ("at_idle", "at_end", "drained", "trimmed"):
+            m = r[moment]
+            heap = m["malloc"]
+            held = " ".join(f"{k}={v}" for k, v in m["structures"].items())
+            traced = f" python-traced {m['traced_mib']:.1f} MiB" if "traced_mib" in m else ""
+            out.append(
+                f"{name:6} {moment:8} RSS {m['rss']:6.1f} MiB  malloc in use {heap['in_use']:6.1f} free "
+                f"{heap['free']:6.1f} mmapped {heap['mmapped']:5.1f}{traced}  threads {m['threads']} arenas "
+                f"{m['arenas']}  {held}"
+            )
+        if r.get("first_error"):
+            out.append(f"{name:6} first error: {r['first_error']}")
+        for line in r["at_end"].get("grown", []):
+            out.append(f"{name:6} grown since warm-up: {line}")
+        for line in r["drained"].get("grown", []):
+            out.append(f"{name:6} held after expiry, beyond the idle proxy's: {line}")
+    return "\n".join(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=180.0, help="seconds of load (default 180)")
-    parser.add_argument("--ttl", type=float, default=30.0, help="session TTL in seconds (default 30)")
-    parser.add_argument("--rate", type=float, default=10.0, help="sessions started per second, per store (default 10)")
-    parser.add_argument("--turns", type=int, default=3, help="chat turns per session (default 3)")
-    parser.add_argument("--drain", type=float, help="seconds without traffic after the load (default TTL + 5)")
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    parser.add_argument("--sessions", type=int, default=32, help="rollouts at once, per store (default 32)")
+    parser.add_argument("--turns", type=int, default=10, help="chat turns per rollout (default 10)")
+    parser.add_argument("--ttl", type=float, default=120.0, help="session TTL in seconds (default 120)")
+    parser.add_argument("--redis-ttl", type=float, help="the Redis proxy's session TTL (default: --ttl)")
+    parser.add_argument("--leave-open", type=int, default=2, help="every Nth rollout is not finished (default 2)")
+    parser.add_argument("--warmup", type=float, help="seconds before growth is measured (default 2x the TTL)")
+    parser.add_argument("--drain", type=float, help="seconds without traffic after the load (default TTL + 15)")
     parser.add_argument("--redis-url", help="an empty Redis to use (default: a private redis-server)")
+    parser.add_argument("--tracemalloc", action="store_true", help="trace the proxies' Python allocations")
+    parser.add_argument("--out", type=Path, help="write memory_soak.json there")
     args = parser.parse_args()
-    args.drain = args.ttl + 5 if args.drain is None else args.drain
+    longest = max(args.ttl, args.redis_ttl or 0)
+    args.warmup = 2 * longest if args.warmup is None else args.warmup
+    args.drain = longest + 15 if args.drain is None else args.drain
+    if args.warmup >= args.duration:
+        raise SystemExit(f"--warmup ({args.warmup:g} s) must be shorter than --duration ({args.duration:g} s)")
 
-    processes: list[subprocess.Popen] = []
-    redis_workdir = None
+    workdir = Path(tempfile.mkdtemp(prefix="rp-soak-"))
+    services = Services(workdir)
     try:
-        redis_url = args.redis_url
-        if redis_url is None:
-            redis, redis_url, redis_workdir = start_redis()
-            processes.append(redis)
-        engine_port = free_port()
-        processes.append(child("engine", str(engine_port)))
-        engine_url = f"http://127.0.0.1:{engine_port}"
+        redis_url = args.redis_url or start_redis(services)
+        _, engine_url = start_engine(services, policy="fixed")
         proxies = []
-        for name, store in (("memory", "memory"), ("redis", redis_url)):
+        for name, store, ttl in (("memory", "memory", args.ttl), ("redis", redis_url, args.redis_ttl or args.ttl)):
             port = free_port()
-            process = child("proxy", store, engine_url, str(port), str(args.ttl))
-            processes.append(process)
-            proxies.append(Proxy(name, f"http://127.0.0.1:{port}", process))
-        print(table(asyncio.run(soak(proxies, args)), args))
+            argv = [sys.executable, __file__, "proxy", "--store", store, "--engine", engine_url, "--port", str(port)]
+            argv += ["--ttl", str(ttl), *(["--tracemalloc"] if args.tracemalloc else [])]
+            process = services.start(f"proxy-{name}", argv)
+            proxies.append(Proxy(name, f"http://127.0.0.1:{port}", process.pid, ttl))
+        for proxy in proxies:  # started together, waited for in turn
+            services.wait_http(f"proxy-{proxy.name}", f"{proxy.url}/readyz")
+        results = asyncio.run(soak(proxies, args))
     finally:
-        for process in reversed(processes):
-            process.terminate()
-            process.wait(timeout=10)
-        if redis_workdir:
-            shutil.rmtree(redis_workdir, ignore_errors=True)
+        services.stop()
+    print(table(results, args))
+    print()
+    print(detail(results))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        report = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+        (args.out / "memory_soak.json").write_text(json.dumps({**report, "results": results}, indent=1))
+
+
+def proxy_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="memory_soak.py proxy")
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--engine", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ttl", type=float, required=True)
+    parser.add_argument("--tracemalloc", action="store_true")
+    serve_proxy(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "engine":
-        asyncio.run(serve_engine(int(sys.argv[2])))
-    elif len(sys.argv) > 1 and sys.argv[1] == "proxy":
-        store_url, engine_url, port, ttl = sys.argv[2:6]
-        asyncio.run(serve_proxy(store_url, engine_url, int(port), float(ttl)))
+    if len(sys.argv) > 1 and sys.argv[1] == "proxy":
+        proxy_main(sys.argv[2:])
     else:
         main()

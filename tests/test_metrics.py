@@ -187,3 +187,17 @@ async def test_a_turn_queued_by_a_pause_is_timed_in_the_pause_queue(tokenizer_di
     assert sample(text, PREFIX + "queue_wait_seconds_count", reason="pause") == 1  # only the wait that queued
     waited = sample(text, PREFIX + "queue_wait_seconds_sum", reason="pause")
     assert waited is not None and waited >= 0.2
+
+
+def test_the_open_session_gauge_holds_only_open_sessions_whether_or_not_anyone_scrapes():
+    """Each open session is an entry until it finishes or expires: counted (the app's sweep each second, or a
+    scrape), an expired one goes; a finished one goes at once, and what it left in the heap is rebuilt away."""
+    metrics = Metrics()
+    sessions = metrics.sessions
+    for index in range(1000):
+        sessions.opened(f"s{index}", 100.0 + index)
+    for index in range(0, 1000, 2):
+        sessions.closed(f"s{index}")
+    assert len(sessions._expiry) == 500 and len(sessions._heap) <= 2 * 500 + 64
+    assert sessions.count(100.0 + 499.5) == 250
+    assert sessions.count(1e12) == 0 and sessions._expiry == {} and sessions._heap == []

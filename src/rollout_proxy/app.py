@@ -7,6 +7,7 @@ tests inject their own store or engines instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import cast
 
@@ -26,7 +27,7 @@ from rollout_proxy.engines.base import Engine
 from rollout_proxy.engines.fleet import Fleet, FleetSettings
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.metrics import Metrics
-from rollout_proxy.proxy import keys
+from rollout_proxy.proxy import keys, session_memory
 from rollout_proxy.proxy.auth import SessionTokens
 from rollout_proxy.proxy.handlers import (
     chat,
@@ -225,12 +226,20 @@ def create_app(
         )
         yield
 
+    async def session_memory_ctx(app: web.Application) -> AsyncIterator[None]:
+        """Memory kept per session comes back once the session expires, with or without traffic."""
+        sweeper = asyncio.get_running_loop().create_task(session_memory.sweep_forever(app), name="session-memory")
+        yield
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+
     async def telemetry_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         await asyncio.to_thread(app[keys.TELEMETRY].shutdown)  # the last spans flushed to the collector
 
     app.cleanup_ctx.extend([telemetry_ctx, store_ctx, feed_ctx, engines_ctx, teachers_ctx, services_ctx])
-    app.cleanup_ctx.append(viewer_ctx)
+    app.cleanup_ctx.extend([viewer_ctx, session_memory_ctx])
     add_routes(app)
     return app
 

@@ -167,7 +167,11 @@ Metric = Counter | Gauge | Histogram
 
 
 class OpenSessions:
-    """Open sessions of this process: created and neither finished nor past their expiry."""
+    """Open sessions of this process: created and neither finished nor past their expiry.
+
+    What it holds goes with its sessions: at their finish, and at their expiry when counted (every
+    scrape, and the app's expiry timer each second), so it stays the size of the open sessions whether
+    or not anyone scrapes ``/metrics``."""
 
     def __init__(self) -> None:
         self._expiry: dict[str, float] = {}
@@ -179,15 +183,15 @@ class OpenSessions:
 
     def closed(self, session_id: str) -> None:
         self._expiry.pop(session_id, None)
+        if len(self._heap) > 2 * len(self._expiry) + 64:  # finished sessions leave stale entries: drop them
+            self._heap = [(at, sid) for sid, at in self._expiry.items()]
+            heapq.heapify(self._heap)
 
     def count(self, now: float) -> int:
         while self._heap and self._heap[0][0] <= now:
             expires_at, session_id = heapq.heappop(self._heap)
             if self._expiry.get(session_id) == expires_at:
                 del self._expiry[session_id]
-        if len(self._heap) > 2 * len(self._expiry) + 64:  # finished sessions leave stale entries: drop them
-            self._heap = [(at, sid) for sid, at in self._expiry.items()]
-            heapq.heapify(self._heap)
         return len(self._expiry)
 
 

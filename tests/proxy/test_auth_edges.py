@@ -101,3 +101,18 @@ def test_a_remembered_token_still_expires_and_a_forged_one_is_never_remembered()
         other.verify(token)
     with pytest.raises(AuthenticationFailed, match="invalid"):
         other.verify(token)  # a refusal is not remembered as a pass
+
+
+def test_remembered_tokens_are_forgotten_once_their_sessions_expire():
+    """Each token remembered is held until its ``exp`` and no longer, used or not (the app sweeps each second)."""
+    import time
+
+    from rollout_proxy.proxy.auth import SessionTokens
+
+    now = float(int(time.time()))  # a token's exp is whole seconds
+    tokens = SessionTokens(b"k" * 32, clock=lambda: now)
+    for index in range(50):
+        tokens.verify(tokens.issue(f"sess_{index:016x}", expires_at=now + 60 + index))
+    assert len(tokens) == 50
+    assert tokens.expire(now + 60 + 24.5) == 25 and len(tokens) == 25
+    assert tokens.expire(now + 200) == 25 and len(tokens) == 0

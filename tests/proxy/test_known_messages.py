@@ -8,7 +8,9 @@ a bad message after known ones, a history rewritten before the lookup window, an
 
 from __future__ import annotations
 
+import gc
 import itertools
+import tracemalloc
 from typing import Any
 
 import orjson
@@ -196,3 +198,73 @@ def test_the_history_is_parsed_once_where_the_body_resends_it():
     # what it remembers is what orjson writes for the whole list: the next turn matches it again
     remembered = known.last("s")
     assert remembered is not None and remembered.encoded == orjson.dumps(payload["messages"])
+
+
+# -- what the memories hold, and for how long ------------------------------------------------------
+
+
+def sessions_talk(
+    known: KnownMessages, sessions: int, turns: int, *, expires_at: float, name: str = "s", words: int = 30
+) -> None:
+    """``sessions`` conversations of ``turns`` turns (sessions ``{name}0``...), each body parsed as the proxy
+    parses one; a turn adds a user message, the last assistant answer before it included."""
+    for session in range(sessions):
+        history: list[dict[str, Any]] = []
+        for turn in range(turns):
+            text = " ".join(f"{name}{session}t{turn}w{word}" for word in range(words))
+            history += [{"role": "user", "content": text}]
+            body = orjson.dumps({"model": "m", "messages": history})
+            intake = MessageIntake(known)
+            payload = intake.load(body, session_id=f"{name}{session}")
+            intake.look_up(payload["messages"], session_id=f"{name}{session}", expires_at=expires_at)
+            intake.normalize_and_hash(payload["messages"])
+            history += [{"role": "assistant", "content": f"Answer {turn} of session {name}{session}."}]
+
+
+def test_what_the_memories_count_is_what_they_hold():
+    """Each memory is bounded by the bytes it counts; the count must be what its entries keep alive (as
+    tracemalloc measures it), or the bound is not one. orjson's output keeps its whole buffer (4 KiB for a
+    short message): kept as it came, a memo entry held ~20x what it counted."""
+    known = KnownMessages()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        sessions_talk(known, 40, 6, expires_at=1e12)
+        gc.collect()
+        measured = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    held = known.held()
+    assert held["conversations"] == 40 and held["messages"] == 40 * 11
+    counted = held["conversation_bytes"] + held["message_bytes"] + held["path_hash_bytes"]
+    assert 0.8 * measured <= counted <= 2.5 * measured, (counted, measured)
+
+
+def test_a_session_is_forgotten_when_it_finishes_and_everything_once_it_expires():
+    known = KnownMessages()
+    sessions_talk(known, 5, 3, expires_at=100.0)
+    sessions_talk(known, 1, 2, expires_at=200.0, name="later")
+    known.forget("s3")
+    assert known.last("s3") is None and known.held()["conversations"] == 5
+    assert known.expire(99.0) == 0
+    known.expire(100.0)  # what only the first sessions sent goes; the later session's stays
+    held = known.held()
+    assert held["conversations"] == 1 and known.last("later0") is not None
+    assert held["messages"] == 3 and held["path_hashes"] == 3
+    known.expire(200.0)
+    assert known.held() == {key: 0 for key in held}
+
+
+def test_a_message_another_session_sends_lives_as_long_as_that_session():
+    known = KnownMessages()
+    shared = [{"role": "system", "content": "You are a counting assistant."}, *USER]
+    for session, expires_at in (("early", 10.0), ("late", 20.0)):
+        intake = MessageIntake(known)
+        intake.look_up(list(shared), session_id=session, expires_at=expires_at)
+        intake.normalize_and_hash(list(shared))
+    assert known.hits == 2 and known.misses == 2  # the later session found both checked
+    known.expire(15.0)
+    assert known.last("early") is None and known.last("late") is not None and len(known) == 2
+    known.expire(20.0)
+    assert len(known) == 0

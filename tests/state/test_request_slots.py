@@ -59,3 +59,38 @@ async def test_a_held_slot_outlives_its_lease_while_its_holder_lives(redis_url: 
         assert await store._try_slot(leases, "another", 1, 30.0)
     finally:
         await store.close()
+
+
+async def test_the_memory_store_keeps_a_bound_only_while_it_is_used() -> None:
+    """A bound per key lives while a slot of it is held or waited for: keys of jobs long done (or one key per
+    session) hold nothing. Its limit is the one it was made with while it lives."""
+    from rollout_proxy.state.memory import MemoryStore
+
+    store = MemoryStore()
+    for index in range(100):
+        async with store.request_slot(f"session-{index}", 1, lease=30.0):
+            assert len(store._limits) == 1
+    assert store._limits == {}
+
+    entered = asyncio.Event()
+
+    async def holder() -> None:
+        async with store.request_slot("job", 1, lease=30.0):
+            entered.set()
+            await asyncio.sleep(0.1)
+
+    async def waiter() -> None:
+        await entered.wait()
+        async with store.request_slot("job", 1, lease=30.0):
+            assert len(store._limits) == 1
+
+    await asyncio.gather(holder(), waiter())
+    assert store._limits == {}
+
+    with_error = store.request_slot("job", 1, lease=30.0)
+    try:
+        async with with_error:
+            raise RuntimeError("the turn failed")
+    except RuntimeError:
+        pass
+    assert store._limits == {}  # given back however the turn ended

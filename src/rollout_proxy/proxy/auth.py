@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jwt
 from aiohttp import web
 
+from rollout_proxy.bounded import BoundedCache
 from rollout_proxy.errors import AuthenticationFailed, NotFound
 from rollout_proxy.state.store import RequestBound
 
@@ -37,6 +37,7 @@ class Caller:
     admin: bool
     session_id: str | None = None
     bound: RequestBound | None = None  # the session's request bound, as its token names it
+    expires_at: float = 0.0  # a plugin's: its token's expiry, its session's (what is kept for it lasts no longer)
 
     def require_session(self, session_id: str) -> None:
         """Admins see every session; a plugin sees only its own (others do not exist for it)."""
@@ -45,15 +46,19 @@ class Caller:
 
 
 #: Verified tokens remembered (a session's plugin sends the same token on every turn): HMAC and JSON
-#: decoding once per token instead of once per request. Bounded; the oldest are forgotten first.
+#: decoding once per token instead of once per request. Bounded; the least recently used are forgotten
+#: first, and each once it has expired (``expire``, on the app's timer).
 VERIFIED_TOKENS = 65_536
+VERIFIED_TOKEN_BYTES = 32 * 1024 * 1024
 
 
 class SessionTokens:
     def __init__(self, secret: bytes, *, clock: Callable[[], float] = time.time) -> None:
         self._secret = secret
         self._clock = clock
-        self._verified: OrderedDict[str, tuple[Caller, int]] = OrderedDict()  # token -> (caller, exp)
+        self._verified: BoundedCache[str, tuple[Caller, int]] = BoundedCache(  # token -> (caller, exp)
+            max_entries=VERIFIED_TOKENS, max_bytes=VERIFIED_TOKEN_BYTES
+        )
 
     def issue(self, session_id: str, expires_at: float, *, bound: RequestBound | None = None) -> str:
         claims: dict[str, object] = {"sub": session_id, "aud": AUDIENCE, "exp": int(expires_at)}
@@ -67,15 +72,20 @@ class SessionTokens:
         if known is not None:
             caller, expires = known
             if self._clock() < expires:  # as PyJWT checks ``exp`` (no leeway)
-                self._verified.move_to_end(token)
                 return caller
-            del self._verified[token]
+            self._verified.pop(token)
             raise AuthenticationFailed("session token expired")
         caller, expires = self._decode(token)
-        self._verified[token] = (caller, expires)
-        if len(self._verified) > VERIFIED_TOKENS:
-            self._verified.popitem(last=False)
+        # the token (its claims are ours, so its length is bounded) and the caller with its strings
+        self._verified.put(token, (caller, expires), size=2 * len(token) + 300, until=expires)
         return caller
+
+    def __len__(self) -> int:
+        return len(self._verified)
+
+    def expire(self, now: float) -> int:
+        """Forget the tokens whose session has expired; how many went."""
+        return self._verified.expire(now)
 
     def _decode(self, token: str) -> tuple[Caller, int]:
         try:
@@ -89,8 +99,9 @@ class SessionTokens:
         session_id = claims.get("sub")
         if not isinstance(session_id, str):
             raise AuthenticationFailed("invalid session token")
-        caller = Caller(admin=False, session_id=session_id, bound=_bound(claims.get(BOUND_CLAIM)))
-        return caller, int(claims["exp"])
+        expires = int(claims["exp"])
+        bound = _bound(claims.get(BOUND_CLAIM))
+        return Caller(admin=False, session_id=session_id, bound=bound, expires_at=expires), expires
 
 
 def _bound(claim: object) -> RequestBound | None:

@@ -7,20 +7,22 @@ every turn that resends it, as a resent Chat Completions history would (``proxy.
 per session the last input is kept, checked: its JSON as orjson writes it, the items as parsed, the
 messages they fold into (``wire.responses.InputFold``) and those messages' keys. A turn whose input
 begins with that JSON byte for byte (one C call to write the list, one compare) checks, folds and keys
-only the items after it; anything else is checked whole, as before. Bounded per process (least recently
-used sessions out first); a miss is only slower.
+only the items after it; anything else is checked whole, as before. Bounded per process in entries and
+bytes (least recently used sessions out first), kept until its session's expiry at most and forgotten at
+its finish (``proxy.session_memory``); a miss is only slower.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from rollout_proxy.bounded import BoundedCache
 from rollout_proxy.proxy.limits import load_json_object
 from rollout_proxy.tokenization.messages import canonical_key
+from rollout_proxy.wire.json_bytes import right_sized
 from rollout_proxy.wire.responses import InputFold
 
 MAX_SESSIONS = 8_192
@@ -46,31 +48,30 @@ class KnownInputs:
     """The app's memory of each session's last Responses input (one per process)."""
 
     def __init__(self, *, max_sessions: int = MAX_SESSIONS, max_bytes: int = MAX_BYTES) -> None:
-        self._inputs: OrderedDict[str, KnownInput] = OrderedDict()
-        self._max_sessions, self._max_bytes = max_sessions, max_bytes
-        self._bytes = 0
+        self._inputs: BoundedCache[str, KnownInput] = BoundedCache(max_entries=max_sessions, max_bytes=max_bytes)
         self.resent = 0  # inputs whose earlier items were reused
 
     def __len__(self) -> int:
         return len(self._inputs)
 
-    def last(self, session_id: str) -> KnownInput | None:
-        found = self._inputs.get(session_id)
-        if found is not None:
-            self._inputs.move_to_end(session_id)
-        return found
+    @property
+    def bytes(self) -> int:
+        return self._inputs.bytes
 
-    def remember(self, session_id: str, known: KnownInput) -> None:
-        old = self._inputs.pop(session_id, None)
-        if old is not None:
-            self._bytes -= old.size
-        if known.size > self._max_bytes:
-            return
-        self._inputs[session_id] = known
-        self._bytes += known.size
-        while len(self._inputs) > self._max_sessions or self._bytes > self._max_bytes:
-            _, dropped = self._inputs.popitem(last=False)
-            self._bytes -= dropped.size
+    def last(self, session_id: str) -> KnownInput | None:
+        return self._inputs.get(session_id)
+
+    def remember(self, session_id: str, known: KnownInput, *, until: float = 0.0) -> None:
+        """``known`` as the session's last input, kept at most ``until`` (the session's expiry)."""
+        self._inputs.put(session_id, known, size=known.size, until=until)
+
+    def forget(self, session_id: str) -> None:
+        """The session's input, once it has finished (no turn will resend it)."""
+        self._inputs.pop(session_id)
+
+    def expire(self, now: float) -> int:
+        """Drop the inputs of sessions expired by ``now``; how many went."""
+        return self._inputs.expire(now)
 
 
 class InputIntake:
@@ -85,16 +86,18 @@ class InputIntake:
         self._encoded: bytes | None = None
         self._last: KnownInput | None = None
         self._reused = 0
+        self._until = 0.0  # the session's expiry: what this request remembers is kept no longer
 
     def load(self, body: bytes, *, session_id: str | None = None) -> dict[str, Any]:
         """The body as a JSON object (parsed whole: orjson's parse is not what grows with the history)."""
         return load_json_object(body)
 
-    def look_up(self, items: Any, *, session_id: str | None = None) -> tuple[int, ...] | None:
-        """The indices of ``items`` still to check; None when ``input`` is not a list (checked as ever)."""
+    def look_up(self, items: Any, *, session_id: str | None = None, expires_at: float = 0.0) -> tuple[int, ...] | None:
+        """The indices of ``items`` still to check; None when ``input`` is not a list (checked as ever).
+        ``expires_at``: the session's expiry, after which nothing this request remembers is kept for it."""
         if type(items) is not list or session_id is None:
             return None
-        self._session_id = session_id
+        self._session_id, self._until = session_id, expires_at
         self._encoded = _encoded(items)
         last = self._known.last(session_id)
         reused = 0 if last is None or self._encoded is None else _resent(self._encoded, len(items), last)
@@ -118,13 +121,15 @@ class InputIntake:
         if reused:
             self._known.resent += 1
         if self._session_id is not None and self._encoded is not None:
-            self._known.remember(self._session_id, KnownInput(self._encoded, list(items), fold, keys))
+            known = KnownInput(self._encoded, list(items), fold, [right_sized(key) for key in keys])
+            self._known.remember(self._session_id, known, until=self._until)
         return list(fold.messages), keys
 
 
 def _encoded(items: list[Any]) -> bytes | None:
+    """The items as orjson writes them, in a buffer of their own size (it may be kept)."""
     try:
-        return orjson.dumps(items)
+        return right_sized(orjson.dumps(items))
     except (orjson.JSONEncodeError, TypeError):  # e.g. an integer past 64 bits: checked the slow way
         return None
 

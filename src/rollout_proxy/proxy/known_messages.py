@@ -2,7 +2,9 @@
 
 Checking a message (the JSON limits, its exact shape, its normal form and the key it is hashed
 by) costs the same on every turn that resends it, so turn 100 of an agent would cost 100 times
-turn 1's checks. Two memories spare that, both bounded (least recently used out first):
+turn 1's checks. Two memories spare that, both bounded in entries and bytes (least recently used
+out first) and per session (``bounded.BoundedCache``: what only expired sessions used goes, and a
+session's conversation goes when it finishes; docs/operations/memory.md):
 
 - per session, the last conversation it sent, with its normal forms and path hashes: a turn that
   resends that history (its JSON byte for byte, as orjson writes it: one C call and one compare, so
@@ -23,20 +25,26 @@ time. Parsing a 100-turn history was the largest cost that grew with the convers
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from rollout_proxy.bounded import BoundedCache
 from rollout_proxy.proxy.limits import load_json_object
 from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, extend_path_hash_by_key
-from rollout_proxy.wire.json_bytes import value_at
+from rollout_proxy.wire.json_bytes import right_sized, value_at
 from rollout_proxy.wire.messages import normalize_message
 
+#: the message memo: messages (of any session) that passed, by their JSON as sent
 MAX_ENTRIES = 100_000
-MAX_BYTES = 64 * 1024 * 1024
+MAX_BYTES = 32 * 1024 * 1024
+#: the last conversation of each session
 MAX_SESSIONS = 8_192
+MAX_CONVERSATION_BYTES = 128 * 1024 * 1024
+#: rolling path hashes, by (parent hash, message key): each about ``_CHAIN_SIZE`` bytes
+MAX_CHAIN_BYTES = 16 * 1024 * 1024
+_CHAIN_SIZE = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,69 +66,83 @@ class Conversation:
 
     @property
     def size(self) -> int:
-        """About what this keeps alive: the JSON, the messages as parsed (~5x their JSON) and the normal forms."""
-        return 7 * len(self.encoded) + 100 * self.count
+        """About what this keeps alive: the JSON, the messages as parsed and their normal forms (each about
+        the JSON's length in strings, plus a dict per message), the path hashes and the lists."""
+        return 3 * len(self.encoded) + 700 * self.count + 200
 
 
 class KnownMessages:
-    """The app's memory of checked messages (one per process: each worker has its own)."""
+    """The app's memory of checked messages (one per process: each worker has its own).
+
+    Bounded in entries and bytes, and per session: a session's conversation is forgotten when it
+    finishes (``forget``) and, like the messages and path hashes only its sessions sent, once the last
+    session that sent it has expired (``expire``, on the app's timer). Every entry keeps the latest
+    expiry of the sessions that used it."""
 
     def __init__(
-        self, *, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES, max_sessions: int = MAX_SESSIONS
+        self,
+        *,
+        max_entries: int = MAX_ENTRIES,
+        max_bytes: int = MAX_BYTES,
+        max_sessions: int = MAX_SESSIONS,
+        max_conversation_bytes: int = MAX_CONVERSATION_BYTES,
+        max_chain_bytes: int = MAX_CHAIN_BYTES,
     ) -> None:
-        self._entries: OrderedDict[bytes, Known] = OrderedDict()
-        self._max_entries, self._max_bytes = max_entries, max_bytes
-        self._bytes = 0
-        self._conversations: OrderedDict[str, Conversation] = OrderedDict()
-        self._max_sessions = max_sessions
-        self._conversation_bytes = 0
+        self._entries: BoundedCache[bytes, Known] = BoundedCache(max_entries=max_entries, max_bytes=max_bytes)
+        self._conversations: BoundedCache[str, Conversation] = BoundedCache(
+            max_entries=max_sessions, max_bytes=max_conversation_bytes
+        )
         # (parent path hash, key) -> path hash: the same string objects come back every turn, so a lookup
-        # costs two cached hashes; bounded like the entries (the oldest first out)
-        self._chain: dict[tuple[str, bytes], str] = {}
+        # costs two cached hashes
+        self._chain: BoundedCache[tuple[str, bytes], str] = BoundedCache(
+            max_entries=max_entries, max_bytes=max_chain_bytes
+        )
         self.hits = self.misses = 0
         self.resent_bodies = 0  # bodies parsed only past the session's last conversation (``MessageIntake.load``)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, raw: bytes) -> Known | None:
-        known = self._entries.get(raw)
-        if known is not None:
-            self._entries.move_to_end(raw)
-        return known
+    def held(self) -> dict[str, int]:
+        """Entries and estimated bytes of each memory (what the memory docs and the soak benchmark report)."""
+        return {
+            "conversations": len(self._conversations),
+            "conversation_bytes": self._conversations.bytes,
+            "messages": len(self._entries),
+            "message_bytes": self._entries.bytes,
+            "path_hashes": len(self._chain),
+            "path_hash_bytes": self._chain.bytes,
+        }
 
-    def put(self, raw: bytes, known: Known) -> None:
-        size = _entry_size(raw, known)
-        if size > self._max_bytes or raw in self._entries:
-            return
-        self._entries[raw] = known
-        self._bytes += size
-        while len(self._entries) > self._max_entries or self._bytes > self._max_bytes:
-            self._bytes -= _entry_size(*self._entries.popitem(last=False))
+    def get(self, raw: bytes, *, until: float = 0.0) -> Known | None:
+        return self._entries.get(raw, until=until)
 
-    def path_hash(self, parent: str, key: bytes) -> str:
+    def put(self, raw: bytes, known: Known, *, until: float = 0.0) -> None:
+        if raw not in self._entries:  # kept: in a buffer of its own size (orjson's is far larger)
+            self._entries.put(right_sized(raw), known, size=_entry_size(raw, known), until=until)
+
+    def path_hash(self, parent: str, key: bytes, *, until: float = 0.0) -> str:
         """``extend_path_hash_by_key``, remembered."""
-        found = self._chain.get((parent, key))
+        found = self._chain.get((parent, key), until=until)
         if found is None:
-            found = self._chain[(parent, key)] = extend_path_hash_by_key(parent, key)
-            if len(self._chain) > self._max_entries:
-                del self._chain[next(iter(self._chain))]
+            found = extend_path_hash_by_key(parent, key)
+            self._chain.put((parent, key), found, size=_CHAIN_SIZE, until=until)
         return found
 
     def last(self, session_id: str) -> Conversation | None:
         return self._conversations.get(session_id)
 
-    def remember(self, session_id: str, conversation: Conversation) -> None:
-        old = self._conversations.pop(session_id, None)
-        if old is not None:
-            self._conversation_bytes -= old.size
-        if conversation.size > self._max_bytes:
-            return
-        self._conversations[session_id] = conversation
-        self._conversation_bytes += conversation.size
-        while len(self._conversations) > self._max_sessions or self._conversation_bytes > self._max_bytes:
-            _, dropped = self._conversations.popitem(last=False)
-            self._conversation_bytes -= dropped.size
+    def remember(self, session_id: str, conversation: Conversation, *, until: float = 0.0) -> None:
+        """``conversation`` as the session's last, kept at most ``until`` (the session's expiry)."""
+        self._conversations.put(session_id, conversation, size=conversation.size, until=until)
+
+    def forget(self, session_id: str) -> None:
+        """The session's conversation, once it has finished (no turn will resend it)."""
+        self._conversations.pop(session_id)
+
+    def expire(self, now: float) -> int:
+        """Drop what only sessions expired by ``now`` used; how many entries went."""
+        return self._conversations.expire(now) + self._entries.expire(now) + self._chain.expire(now)
 
 
 class MessageIntake:
@@ -133,6 +155,7 @@ class MessageIntake:
         self._known = known
         self._resent: tuple[list[Any], Conversation] | None = None  # what ``load`` spliced: (messages, from)
         self._session_id: str | None = None
+        self._until = 0.0  # the session's expiry: what this request remembers is kept no longer
         self._encoded: bytes | None = None
         self._reused = 0  # leading messages equal to the session's last conversation's
         self._last: Conversation | None = None
@@ -154,9 +177,12 @@ class MessageIntake:
                 return payload
         return load_json_object(body)
 
-    def look_up(self, messages: Any, *, session_id: str | None = None) -> tuple[int, ...] | None:
+    def look_up(
+        self, messages: Any, *, session_id: str | None = None, expires_at: float = 0.0
+    ) -> tuple[int, ...] | None:
         """The indices of ``messages`` still to check (the limits walk and the shape check skip the others);
-        None when ``messages`` is not a list (checked as ever). Nothing here walks the history it reuses."""
+        None when ``messages`` is not a list (checked as ever). Nothing here walks the history it reuses.
+        ``expires_at``: the session's expiry, after which nothing this request remembers is kept for it."""
         if type(messages) is not list:
             return None
         resent = self._resent
@@ -167,13 +193,14 @@ class MessageIntake:
             self._added_raw = [_raw(message) for message in messages[reused:]]
             self._encoded = _extended(last.encoded, self._added_raw)
         else:
-            self._encoded = _raw(messages)
+            encoded = _raw(messages)
+            self._encoded = None if encoded is None else right_sized(encoded)  # it may be kept
             last = self._last = None if session_id is None else self._known.last(session_id)
             reused = 0 if last is None or self._encoded is None else _resent(self._encoded, len(messages), last)
             self._added_raw = [_raw(message) for message in messages[reused:]]
-        self._session_id, self._reused = session_id, reused
+        self._session_id, self._reused, self._until = session_id, reused, expires_at
         get = self._known.get
-        self._added_found = [None if raw is None else get(raw) for raw in self._added_raw]
+        self._added_found = [None if raw is None else get(raw, until=expires_at) for raw in self._added_raw]
         unknown = tuple(reused + at for at, found in enumerate(self._added_found) if found is None)
         self._known.hits += len(messages) - len(unknown)
         self._known.misses += len(unknown)
@@ -190,29 +217,30 @@ class MessageIntake:
         normalized: list[dict[str, Any]] = [] if last is None else last.normalized[:reused]
         hashes = [] if last is None else last.hashes[:reused]
         current = hashes[-1] if hashes else EMPTY_PATH_HASH
-        chain = self._known.path_hash
+        chain, until = self._known.path_hash, self._until
         new: list[tuple[bytes, Known]] = []
         for index, found, raw in zip(range(reused, len(messages)), self._added_found, self._added_raw, strict=True):
             if found is None:
                 form = normalize_message(messages[index], param=f"messages[{index}]")
-                found = Known(form, canonical_key(form))
+                found = Known(form, right_sized(canonical_key(form)))
                 if raw is not None:
                     new.append((raw, found))
             found_all.append(found)
             normalized.append(found.normalized)
-            current = chain(current, found.key)
+            current = chain(current, found.key, until=until)
             hashes.append(current)
         for raw, found in new:  # every message passed: remember the new ones
-            self._known.put(raw, found)
+            self._known.put(raw, found, until=until)
         if self._session_id is not None and self._encoded is not None:
             conversation = Conversation(self._encoded, len(messages), found_all, hashes, list(messages), normalized)
-            self._known.remember(self._session_id, conversation)
+            self._known.remember(self._session_id, conversation, until=until)
         return list(normalized), tuple(hashes)
 
 
 def _entry_size(raw: bytes, known: Known) -> int:
-    """About what an entry keeps alive: its JSON twice (as sent, and the normal form) and its key."""
-    return 2 * len(raw) + len(known.key) + 200
+    """About what an entry keeps alive: its JSON (as sent), the normal form's strings (about as long) and
+    dict, its key, and the objects around them."""
+    return 2 * len(raw) + len(known.key) + 400
 
 
 def _resent(encoded: bytes, count: int, last: Conversation) -> int:

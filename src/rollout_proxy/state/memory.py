@@ -44,10 +44,12 @@ class _SessionState:
     held_path: list[ResponseNode] = field(default_factory=list)
 
 
-@contextlib.asynccontextmanager
-async def _held(semaphore: asyncio.Semaphore) -> AsyncIterator[None]:
-    async with semaphore:
-        yield
+@dataclass(slots=True)
+class _Bound:
+    """One key's request bound while anyone holds or waits for one of its slots (then it is dropped)."""
+
+    slots: asyncio.Semaphore
+    users: int = 0
 
 
 class MemoryStore:
@@ -57,7 +59,7 @@ class MemoryStore:
         self._sessions: dict[str, _SessionState] = {}
         self._expiries: list[tuple[float, str]] = []  # a heap; entries of dropped sessions go when popped
         self._sweeper: asyncio.Task[None] | None = None
-        self._limits: dict[str, asyncio.Semaphore] = {}  # request_slot's bounds, by key
+        self._limits: dict[str, _Bound] = {}  # request_slot's bounds, by key, while in use
         self._fleet_state: bytes | None = None  # JSON, so a reader never shares the writer's objects
 
     def _state(self, session_id: str) -> _SessionState | None:
@@ -145,12 +147,21 @@ class MemoryStore:
             state.session = dataclasses.replace(state.session, engine=engine)
         return node.id
 
-    def request_slot(self, key: str, limit: int, *, lease: float) -> contextlib.AbstractAsyncContextManager[None]:
-        """A semaphore per key: this process is the only one using this store (no lease needed)."""
-        semaphore = self._limits.get(key)
-        if semaphore is None:
-            semaphore = self._limits[key] = asyncio.Semaphore(limit)
-        return _held(semaphore)
+    @contextlib.asynccontextmanager
+    async def request_slot(self, key: str, limit: int, *, lease: float) -> AsyncIterator[None]:
+        """A semaphore per key: this process is the only one using this store (no lease needed). It lives
+        while a slot of its key is held or waited for, so the keys of finished jobs hold nothing."""
+        bound = self._limits.get(key)
+        if bound is None:
+            bound = self._limits[key] = _Bound(asyncio.Semaphore(limit))
+        bound.users += 1
+        try:
+            async with bound.slots:
+                yield
+        finally:
+            bound.users -= 1
+            if not bound.users and self._limits.get(key) is bound:
+                del self._limits[key]
 
     async def set_session_engine(self, session_id: str, engine: str) -> bool:
         state = self._state(session_id)

@@ -34,10 +34,10 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import math
 import random
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -49,6 +49,7 @@ from redis import asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError, WatchError
 
+from rollout_proxy.bounded import BoundedCache
 from rollout_proxy.errors import Conflict, SessionFinished, SessionNotFound
 from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus, TeacherScores
 from rollout_proxy.state import keys, listing
@@ -268,45 +269,95 @@ class _Ahead:
     path: list[ResponseNode] | None
 
 
+#: Held paths: their bytes (estimated, ``_footprint``) at most, each dropped when its session finishes here,
+#: expires, or has left it unused this long (it finished on another worker, or waits on a long tool call:
+#: its next turn then reads its whole path, in the same one round trip).
+HELD_PATH_BYTES = 64 * 1024 * 1024
+HELD_PATH_SESSIONS = 4096
+HELD_PATH_IDLE_S = 60.0
+#: Seconds between sweeps of the held paths whose time is up.
+SWEEP_EVERY = 1.0
+
+
 class HeldPaths:
     """Per session, one root-to-leaf path of decoded nodes (the latest one this worker saw), bounded by
-    sessions and by the token ids they hold; the least recently used go first."""
+    sessions and by bytes (the least recently used go first), each kept until its session's expiry (once a
+    read has told it) or ``idle`` seconds after its last use, whichever comes first."""
 
-    def __init__(self, *, max_sessions: int = 4096, max_tokens: int = 16 * 1024 * 1024) -> None:
-        self._paths: OrderedDict[str, tuple[list[ResponseNode], int]] = OrderedDict()  # path, its tokens
-        self._max_sessions, self._max_tokens = max_sessions, max_tokens
-        self._tokens = 0
+    def __init__(
+        self,
+        *,
+        max_sessions: int = HELD_PATH_SESSIONS,
+        max_bytes: int = HELD_PATH_BYTES,
+        idle: float = HELD_PATH_IDLE_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        # path, its footprint, its session's expiry (inf: not known yet)
+        self._paths: BoundedCache[str, tuple[list[ResponseNode], int, float]] = BoundedCache(
+            max_entries=max_sessions, max_bytes=max_bytes
+        )
+        self._idle, self._clock = idle, clock
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    @property
+    def bytes(self) -> int:
+        return self._paths.bytes
 
     def get(self, session_id: str) -> list[ResponseNode] | None:
         held = self._paths.get(session_id)
         if held is None:
             return None
-        self._paths.move_to_end(session_id)
+        self._paths.get(session_id, until=min(held[2], self._clock() + self._idle))  # used now
         return held[0]
 
     def hold(self, session_id: str, path: list[ResponseNode]) -> None:
-        self._keep(session_id, path, _tokens(path))
+        self._keep(session_id, path, _footprint(path))
 
     def extend(self, session_id: str, below: list[ResponseNode]) -> None:
         """``below`` continues the held path (its first node is a child of the held leaf): held too."""
         held = self._paths.get(session_id)
         if held is not None and below and held[0][-1].id == below[0].parent_id:
-            self._keep(session_id, [*held[0], *below], held[1] + _tokens(below))
+            self._keep(session_id, [*held[0], *below], held[1] + _footprint(below))
 
-    def _keep(self, session_id: str, path: list[ResponseNode], tokens: int) -> None:
-        old = self._paths.pop(session_id, None)
-        if old is not None:
-            self._tokens -= old[1]
-        if tokens > self._max_tokens:
-            return
-        self._paths[session_id] = (path, tokens)
-        self._tokens += tokens
-        while len(self._paths) > self._max_sessions or self._tokens > self._max_tokens:
-            self._tokens -= self._paths.popitem(last=False)[1][1]
+    def expires(self, session_id: str, expires_at: float) -> None:
+        """The session's expiry, as a read found it: its held path is kept no longer."""
+        held = self._paths.get(session_id)
+        if held is not None and held[2] != expires_at:
+            self._keep(session_id, held[0], held[1], expires_at)
+
+    def drop(self, session_id: str) -> None:
+        self._paths.pop(session_id)
+
+    def expire(self) -> int:
+        return self._paths.expire(self._clock())
+
+    def _keep(self, session_id: str, path: list[ResponseNode], size: int, expires_at: float | None = None) -> None:
+        if expires_at is None:  # the session's, as held before (a new root keeps it)
+            previous = self._paths.get(session_id)
+            expires_at = math.inf if previous is None else previous[2]
+        until = min(expires_at, self._clock() + self._idle)
+        self._paths.put(session_id, (path, size, expires_at), size=size, until=until)
 
 
-def _tokens(nodes: Sequence[ResponseNode]) -> int:
-    return sum(len(node.prompt_ids) + len(node.output_ids) for node in nodes)
+def _footprint(nodes: Sequence[ResponseNode]) -> int:
+    """About what decoded nodes keep alive: their arrays (the token ids twice: a conversation's leaf also
+    carries the whole path's, ``ResponseNode.path_ids``), their messages' text a few times over (as decoded,
+    and the objects around it), and the rest of each node."""
+    total = 0
+    for node in nodes:
+        total += 2 * (node.prompt_ids.nbytes + node.output_ids.nbytes) + node.output_logprobs.nbytes + 1000
+        if node.output_topk is not None:
+            total += node.output_topk.ids.nbytes + node.output_topk.logprobs.nbytes
+        if node.routing is not None:
+            total += node.routing.nbytes
+        for message in node.messages:
+            content = message.get("content")
+            total += 3 * (len(content) if isinstance(content, str) else len(orjson.dumps(content))) + 400
+            for call in message.get("tool_calls") or ():
+                total += 3 * len(str(call)) + 200
+    return total
 
 
 @dataclass(slots=True)
@@ -365,6 +416,7 @@ class RedisStore:
         # per session, the path of its latest node as this worker last read or wrote it (nodes never change):
         # a turn's read then brings only what other workers added below it
         self._paths = HeldPaths()
+        self._sweeper: asyncio.Task[None] | None = None  # drops the held paths left unused; from the first one
         # node blobs zstd-compressed (options.node_compression); its contexts serve this event loop only
         self._blobs = BlobCompressor(options.node_compression)
         self._read_turn = client.register_script(_READ_TURN)
@@ -385,7 +437,21 @@ class RedisStore:
         """Connect and ping, retrying while the server comes up."""
         return cls(await connect_redis(url, retries=retries, delay=delay, options=options), options=options)
 
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="redis-held-paths")
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY)
+            self._paths.expire()
+
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         if self._giving_back:
             await asyncio.gather(*self._giving_back, return_exceptions=True)
         await self._redis.aclose()
@@ -453,6 +519,8 @@ class RedisStore:
         else:
             raw, engine = await self._read_ahead(session_id, read_ahead)
         session = None if raw is None else SessionRecord.from_dict(orjson.loads(raw))
+        if session is not None and read_ahead is not None:
+            self._paths.expires(session_id, session.expires_at)
         slot = self._slot.get()
         if (
             read_ahead is not None
@@ -494,6 +562,7 @@ class RedisStore:
         elif below:
             path = below
             self._paths.hold(session_id, path)
+            self._start_sweeper()
         self._ahead.set(_Ahead(session_id, ahead.hashes, matches, leaf, path))
         return rows[0], rows[1]
 
@@ -614,6 +683,7 @@ class RedisStore:
 
     @_store_call
     async def finish_session(self, session_id: str, result: dict) -> SessionRecord | None:
+        self._paths.drop(session_id)  # no turn follows a finish
         finished = await self._commit_finish(session_id, result)
         if finished is not None:  # once the transaction's connection is back in the pool: a finish holds one
             await self._index_finished(finished)
@@ -715,6 +785,7 @@ class RedisStore:
         if written == 1:  # the session's new leaf: a root starts a path, a child extends the held one
             if node.parent_id is None:
                 self._paths.hold(session_id, [node])
+                self._start_sweeper()
             else:
                 self._paths.extend(session_id, [node])
         if idempotency is None or written == 1:

@@ -20,21 +20,25 @@ same over both.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import orjson
 
+from rollout_proxy.bounded import BoundedCache
 from rollout_proxy.errors import EngineError, MessagesMergeIntoParent
+from rollout_proxy.wire.json_bytes import right_sized
 
 ANCHOR_USER = "rollout-proxy anchor question"
 ANCHOR_ASSISTANT = "rollout-proxy anchor answer"
 ANCHOR_TOOL = "rollout-proxy anchor tool result"
 ANCHOR_SYSTEM = "rollout-proxy anchor instructions"
 _ANCHOR_CALL_ID = "call_rpanchor"
+#: anchors rendered alone, by (role, tools, template kwargs): a job's few shapes, bounded as a cache
 _MAX_CACHED_SHAPES = 1024
+_MAX_CACHED_SHAPE_BYTES = 16 * 1024 * 1024
 
 
 class TemplateSource(Protocol):
@@ -97,8 +101,12 @@ class ChatRenderer:
     def __init__(self, source: TemplateSource) -> None:
         self._source = source
         self._end_of_turn: int | None = None
-        self._anchors: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        self._generation_prompts: OrderedDict[bytes, str] = OrderedDict()
+        self._anchors: BoundedCache[bytes, np.ndarray] = BoundedCache(
+            max_entries=_MAX_CACHED_SHAPES, max_bytes=_MAX_CACHED_SHAPE_BYTES
+        )
+        self._generation_prompts: BoundedCache[bytes, str] = BoundedCache(
+            max_entries=_MAX_CACHED_SHAPES, max_bytes=_MAX_CACHED_SHAPE_BYTES
+        )
 
     async def end_of_turn_id(self) -> int:
         """The token the template closes every message with (``<|im_end|>`` for ChatML)."""
@@ -123,9 +131,8 @@ class ChatRenderer:
         key = tail.astype(np.int32, copy=False).tobytes()
         text = self._generation_prompts.get(key)
         if text is None:
-            text = self._generation_prompts[key] = await self._source.detokenize(tail.tolist())
-            if len(self._generation_prompts) > _MAX_CACHED_SHAPES:
-                self._generation_prompts.popitem(last=False)
+            text = await self._source.detokenize(tail.tolist())
+            self._generation_prompts.put(key, text, size=len(key) + 2 * len(text) + 100, until=math.inf)
         return text
 
     async def render(
@@ -213,16 +220,15 @@ class ChatRenderer:
         key = _cache_key(anchor[-1]["role"], tools, chat_template_kwargs)
         alone = self._anchors.get(key)
         if alone is not None:
-            self._anchors.move_to_end(key)
             return alone
         rendered = await self._source.tokenize_messages(
             anchor, tools=tools, add_generation_prompt=False, chat_template_kwargs=chat_template_kwargs
         )
         if not np.count_nonzero(rendered == await self.end_of_turn_id()):
             raise EngineError("the chat template closed no turn in a one-message conversation")
-        alone = self._anchors[key] = await self._close_at_last_turn(rendered)
-        if len(self._anchors) > _MAX_CACHED_SHAPES:
-            self._anchors.popitem(last=False)
+        alone = await self._close_at_last_turn(rendered)
+        key = right_sized(key)  # kept: in a buffer of its own size (orjson's is far larger)
+        self._anchors.put(key, alone, size=2 * len(key) + alone.nbytes + 200, until=math.inf)
         return alone
 
     async def _close_at_last_turn(self, ids: np.ndarray) -> np.ndarray:

@@ -49,7 +49,9 @@ class BodyIntake(Protocol):
 
     def load(self, body: bytes, *, session_id: str | None = None) -> dict[str, Any]: ...
 
-    def look_up(self, items: Any, *, session_id: str | None = None) -> tuple[int, ...] | None: ...
+    def look_up(
+        self, items: Any, *, session_id: str | None = None, expires_at: float = 0.0
+    ) -> tuple[int, ...] | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +85,9 @@ async def plugin_request(
         raise AuthenticationFailed("this endpoint needs a session token, not the admin key")
     if read_ahead is None:
         session = await request.app[keys.SESSIONS].get_open(found.session_id)
-        payload, body = await _plugin_body(request, model, intake, session.id)
+        payload, body = await _plugin_body(request, model, intake, session.id, session.expires_at)
     else:
-        payload, body = await _plugin_body(request, model, intake, found.session_id)
+        payload, body = await _plugin_body(request, model, intake, found.session_id, found.expires_at)
         ahead = read_ahead(body)
         if found.bound is not None:
             ahead = dataclasses.replace(ahead or ReadAhead(), bound=found.bound)
@@ -95,14 +97,21 @@ async def plugin_request(
 
 
 async def _plugin_body(
-    request: web.Request, model: type[M], intake: BodyIntake | None = None, session_id: str | None = None
+    request: web.Request,
+    model: type[M],
+    intake: BodyIntake | None = None,
+    session_id: str | None = None,
+    expires_at: float = 0.0,
 ) -> tuple[dict[str, Any], M]:
     """The request's body as parsed and as ``model``; with ``intake``, the items of its list it knows are
-    not checked again (the limits walk and the shape check skip them)."""
+    not checked again (the limits walk and the shape check skip them), and what it learns is kept until
+    the session's expiry at most."""
     body = await read_body(request)
     payload = load_json_object(body) if intake is None else intake.load(body, session_id=session_id)
     key = "messages" if intake is None else intake.key
-    to_check = None if intake is None else intake.look_up(payload.get(key), session_id=session_id)
+    to_check = (
+        None if intake is None else intake.look_up(payload.get(key), session_id=session_id, expires_at=expires_at)
+    )
     check_json_limits(payload, messages_to_check=to_check, key=key)
     return payload, validate(model, payload, context=None if to_check is None else {CHECK_ITEMS: to_check})
 

@@ -99,4 +99,6 @@ async def finish_session(request: web.Request) -> web.Response:
     )
     await sessions.commit_finish(plan)
     request.app[keys.METRICS].sessions.closed(session_id)
+    request.app[keys.KNOWN_MESSAGES].forget(session_id)  # no turn resends its conversation after a finish
+    request.app[keys.KNOWN_INPUTS].forget(session_id)
     return answer
