@@ -93,7 +93,7 @@ def machine_line(name: str, report: Report) -> str:
         parts.append("load average " + " / ".join(f"{value:.1f}" for value in load) + " (1, 5, 15 min) at its end")
     if found.get("python"):
         parts.append(f"Python {found['python']}")
-    shared = "client, engine doubles and proxies on the same machine"
+    shared = "everything the run starts shares that machine"
     return f"Measured with `{command}` on {', '.join(parts)}; {shared}."
 
 
