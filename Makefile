@@ -1,8 +1,11 @@
 # The README's commands. Everything is installed and cached by the scripts themselves.
-.PHONY: demo lint test test-unit
+.PHONY: demo lint test test-unit train-demo
 
 demo:  ## the main job: set up, start vLLM and the proxy, run a demo rollout, stop
 	./scripts/demo.sh
+
+train-demo:  ## the demo job with the reference GRPO trainer between its steps (docs/training.md): learns, checks every token
+	./scripts/demo.sh --train
 
 lint:  ## the static checks alone: ruff check, ruff format --check, mypy (test runs them first)
 	./scripts/lint.sh

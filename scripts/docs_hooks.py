@@ -3,8 +3,7 @@
 A page asks for one with a marker line; the marker is replaced by what the installed package says now, so
 those parts cannot drift from the code:
 
-    <!-- generated: serve-help -->   ``rollout-proxy serve --help``
-    <!-- generated: run-help -->     ``rollout-proxy run --help``
+    <!-- generated: run-help -->     ``rollout-proxy run --help`` (serve's options: the table of docs/settings.md)
     <!-- generated: metrics -->      every metric of ``rollout_proxy.metrics.DECLARED``: kind, labels, help
 """
 
@@ -55,7 +54,6 @@ def metrics_table() -> str:
 
 
 GENERATORS: dict[str, Callable[[], str]] = {
-    "serve-help": lambda: cli_help("serve"),
     "run-help": lambda: cli_help("run"),
     "metrics": metrics_table,
 }

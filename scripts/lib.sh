@@ -65,7 +65,7 @@ run_lint() {
     say "lint: all checks passed"
 }
 
-# The agent harnesses shipped on npm (Codex CLI), pinned, into $CACHE/npm/<package>@<version>; the
+# The agent harnesses shipped on npm (Codex CLI, Claude Code), pinned, into $CACHE/npm/<package>@<version>; the
 # Python ones (the OpenAI Agents SDK, mini-swe-agent) come with the venv's dev extra. Seconds once cached.
 ensure_harnesses() {
     "$VENV/bin/python" -m rollout_proxy.devtools.harnesses setup >/dev/null

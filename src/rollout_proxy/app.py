@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from rollout_proxy.core.chat import ChatService
 from rollout_proxy.core.distill import Distillation, parse_teacher_templates, parse_teachers
+from rollout_proxy.core.messages import MessagesService
 from rollout_proxy.core.rendering import Renderers, RenderingConfig
 from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
@@ -27,14 +28,26 @@ from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import SessionTokens
-from rollout_proxy.proxy.handlers import chat, docs, fleet_admin, meta, responses, sessions, trajectories, ui, viewer
+from rollout_proxy.proxy.handlers import (
+    chat,
+    docs,
+    fleet_admin,
+    messages,
+    meta,
+    responses,
+    sessions,
+    trajectories,
+    ui,
+    viewer,
+)
 from rollout_proxy.proxy.handlers import distill as distill_handlers
 from rollout_proxy.proxy.handlers import feed as feed_handlers
 from rollout_proxy.proxy.known_input import KnownInputs
 from rollout_proxy.proxy.known_messages import KnownMessages
 from rollout_proxy.proxy.middleware import request_middleware
+from rollout_proxy.proxy.openapi import MESSAGES_ALIAS_PREFIXES
 from rollout_proxy.proxy.telemetry import telemetry_middleware
-from rollout_proxy.settings import PROMPT_ECHO_MODES, Settings
+from rollout_proxy.settings import Settings, part
 from rollout_proxy.state.connection import RedisOptions, is_redis_url
 from rollout_proxy.state.feed import Feed, open_feed
 from rollout_proxy.state.instrumented import InstrumentedStore
@@ -65,15 +78,7 @@ async def open_store(url: str, options: RedisOptions | None = None) -> StateStor
 
 
 def redis_options(settings: Settings) -> RedisOptions:
-    return RedisOptions(
-        socket_timeout=settings.redis_socket_timeout,
-        connect_timeout=settings.redis_connect_timeout,
-        health_check_interval=settings.redis_health_check_interval,
-        retries=settings.redis_retries,
-        max_connections=settings.redis_max_connections,
-        pool_timeout=settings.redis_pool_timeout,
-        node_compression=settings.redis_node_compression,
-    )
+    return part(RedisOptions, settings)
 
 
 def engine_client(url: str, settings: Settings) -> VLLMEngine:
@@ -91,33 +96,12 @@ def engine_client(url: str, settings: Settings) -> VLLMEngine:
 
 
 def fleet_settings(settings: Settings) -> FleetSettings:
-    return FleetSettings(
-        policy_version=settings.policy_version,
-        probe_interval=settings.engine_probe_interval,
-        health_timeout=settings.engine_health_timeout,
-        hang_timeout=settings.engine_hang_timeout,
-        failure_threshold=settings.engine_failure_threshold,
-        backoff_max=settings.engine_backoff_max,
-        max_inflight=settings.engine_max_inflight,
-        # a non-streamed completion's first byte is its last: both bound the whole call
-        call_timeout=min(settings.engine_timeout, settings.engine_first_byte_timeout),
-        retries=settings.engine_retries,
-        turn_deadline=settings.turn_deadline,
-        pause_queue=settings.pause_queue,
-        pause_wait=settings.pause_wait,
-        control_timeout=settings.engine_control_timeout,
-        abort_policy=settings.abort_policy,
-    )
+    # a non-streamed completion's first byte is its last: both bound the whole call
+    return part(FleetSettings, settings, call_timeout=min(settings.engine_timeout, settings.engine_first_byte_timeout))
 
 
 def rendering_config(settings: Settings) -> RenderingConfig:
-    return RenderingConfig(
-        mode=settings.rendering,
-        tokenizer=settings.tokenizer,
-        chat_template=settings.chat_template,
-        content_format=settings.chat_template_content_format,
-        check_rate=settings.render_check_rate,
-    )
+    return part(RenderingConfig, settings)
 
 
 def create_app(
@@ -134,8 +118,6 @@ def create_app(
     check_store_url(settings.store)
     fleet_settings(settings)  # refuses a bad abort policy now, not at start
     rendering_config(settings)  # refuses a bad rendering setting now, not at start
-    if settings.prompt_echo not in PROMPT_ECHO_MODES:
-        raise ValueError(f"prompt_echo must be one of {PROMPT_ECHO_MODES}, not {settings.prompt_echo!r}")
     teacher_urls = parse_teachers(settings.teachers)  # refuses a bad teacher list now, not at start
     teacher_templates = parse_teacher_templates(settings.teacher_templates, teacher_urls)
     parser = OutputParser.named(settings.tool_parser, settings.reasoning_parser)
@@ -227,6 +209,7 @@ def create_app(
         app[keys.TREE] = tree
         app[keys.CHAT] = ChatService(tree=tree, turns=turns)
         app[keys.RESPONSES] = ResponsesService(tree=tree, turns=turns)
+        app[keys.MESSAGES] = MessagesService(tree=tree, turns=turns)
         yield
         await renderers.close()
 
@@ -275,6 +258,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", responses.create_response)
     app.router.add_get("/v1/responses/{response_id}", responses.get_response)
     app.router.add_get("/v1/responses/{response_id}/trajectory", trajectories.response_trajectory)
+    # the Anthropic Messages API, at the root and under the session's base_url (``openapi.ALIASES``)
+    for prefix in ("", *MESSAGES_ALIAS_PREFIXES):
+        app.router.add_post(f"{prefix}/v1/messages", messages.create_message)
+        app.router.add_post(f"{prefix}/v1/messages/count_tokens", messages.count_tokens)
     # the trajectory viewer: its page, and the admin read API it calls
     app.router.add_get("/ui", ui.page)
     app.router.add_get("/ui/static/{name}", ui.static_file)

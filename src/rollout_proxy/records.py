@@ -180,7 +180,7 @@ class ResponseNode:
     id: str
     parent_id: str | None
     kind: NodeKind
-    api: str  # "chat" | "responses" | "messages"
+    api: str  # "chat" | "responses" | "messages" (Anthropic's) | "injected" (POST /v1/sessions/{id}/messages)
     messages: list[dict[str, Any]]  # messages this node adds (inputs, then the output)
     n_input_messages: int  # how many of ``messages`` were inputs
     prompt_ids: np.ndarray = field(default_factory=lambda: EMPTY_IDS)

@@ -1,95 +1,387 @@
-"""Server settings: one dataclass, filled from the command line or ``ROLLOUT_PROXY_*``."""
+"""The server's settings, declared once: each field's type, default, help and bounds.
+
+``rollout-proxy serve``'s flags, its ``--help``, the ``ROLLOUT_PROXY_<NAME>`` environment variables
+and the settings table of the docs (``python -m rollout_proxy.settings``) are all generated from
+``Settings``; a test holds each of them to it. A flag is ``--`` and the field's name with dashes
+(``engine_hang_timeout`` is ``--engine-hang-timeout`` and ``ROLLOUT_PROXY_ENGINE_HANG_TIMEOUT``), but
+where ``flag`` says otherwise (``--engine`` for ``engines``, repeatable). Flags win over variables,
+variables over defaults; a value out of bounds is refused before anything starts.
+
+Components get their part of it from the app factory (``app.fleet_settings``, ``app.redis_options``,
+``app.rendering_config``, ``app.engine_client``); nothing else reads the environment.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
+import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rollout_proxy.logs import LOG_FORMATS
+from rollout_proxy.tokenization.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+T = TypeVar("T")
 ENV_PREFIX = "ROLLOUT_PROXY_"
 DEFAULT_ENGINE = "http://127.0.0.1:8000"
-PROMPT_ECHO_MODES = ("require", "count")
+TOOL_PARSER_NAMES = tuple(sorted(TOOL_PARSERS))
+REASONING_PARSER_NAMES = tuple(sorted(REASONING_PARSERS))
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+#: the groups of ``serve --help`` and of the docs table, in order
+SECTIONS = {
+    "serving": "Serving",
+    "engines": "Engines",
+    "fleet": "Fleet, failover and weight updates",
+    "pools": "Pools and worker processes",
+    "redis": "Redis",
+    "rendering": "Rendering and parsing",
+    "feed": "Trainer feed",
+    "telemetry": "Logs and traces",
+    "distillation": "On-policy distillation",
+}
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    engines: tuple[str, ...] = (DEFAULT_ENGINE,)
-    teachers: str = ""  # on-policy distillation teachers: name=URL[,URL][;name=URL...], each an engine group
-    #: name=FILE[;name=FILE...]: the chat template a teacher's contexts are rendered with (locally, with the
-    #: student's tokenizer, which a teacher shares); a teacher without one renders through its engine's /tokenize
-    teacher_templates: str = ""
-    store: str = "memory"  # "memory" or a redis:// URL
-    host: str = "127.0.0.1"
-    port: int = 8080
-    admin_key: str = ""
-    jwt_secret: str = ""  # derived from the admin key when empty
-    public_url: str = ""  # base URL handed to plugins; derived from the request when empty
-    tool_parser: str = "hermes"
-    reasoning_parser: str = "think"
-    log_format: str = "auto"
-    log_level: str = "info"
-    session_ttl: float = 24 * 3600.0
-    max_body_bytes: int = 32 * 1024 * 1024
-    # Engine calls, in aiohttp's terms: sock_connect, sock_read (a non-streamed completion sends
-    # its first byte only when it is done, so this bounds a whole generation) and total.
-    engine_connect_timeout: float = 5.0
-    engine_first_byte_timeout: float = 600.0
-    engine_timeout: float = 600.0  # total, per engine call
-    # one probe request (/health, /weight_info): generous, since a probe that times out counts against an
-    # engine that may only be busy (a CPU vLLM's API server starves while it generates); /readyz never waits on it
-    engine_health_timeout: float = 2.0
-    # an engine from which nothing came for this long (no probe or call answered, no token streamed) while its
-    # probes time out is hung: out of rotation at once, its calls in flight failed over or ended
-    engine_hang_timeout: float = 8.0
-    engine_max_inflight: int = 256
-    # The fleet (README, "Fleet and weight updates"): probes, circuit breaker, failover, pauses.
-    policy_version: int = 0  # the version of weights engines report as "default" (and of a fleet reporting none)
-    engine_probe_interval: float = 2.0  # seconds between health probes of an engine that answers
-    engine_failure_threshold: int = 3  # 5xx answers or timeouts in a row that take an engine out (refused/reset: one)
-    engine_backoff_max: float = 30.0  # the longest wait between probes of an unhealthy engine
-    engine_retries: int = 2  # failed engine calls of one turn retried on another engine
-    turn_deadline: float = 1800.0  # all engine calls of one turn together, not counting time paused
-    pause_queue: int = 4096  # turns that may wait for a resume; beyond it a 503
-    pause_wait: float = 600.0  # the longest a turn waits for a resume (queued, or frozen in flight); then a 503
-    engine_control_timeout: float = 60.0  # one pause, resume or weight-version call to one engine
-    abort_policy: str = "continue"  # a turn an abort-mode pause cut short: "continue" or "regenerate" after resume
-    # Redis: a command that waits longer is a 503; pooled connections idle this long are pinged
-    # before use; a command that fails on a dead connection is retried this often on a fresh one.
-    redis_socket_timeout: float = 5.0
-    redis_connect_timeout: float = 2.0
-    redis_health_check_interval: int = 5
-    redis_retries: int = 1
-    # Pools (README, "Scale-out: workers, pools, Redis Cluster"): a request that finds every connection
-    # busy waits this long for one, then gets a 503 with Retry-After (never a 500).
-    redis_max_connections: int = 512  # per worker process (on a cluster: per node)
-    redis_pool_timeout: float = 10.0
-    redis_node_compression: int = 3  # zstd level of the stored node blobs; 0: plain (README, "Storage footprint")
-    engine_max_connections: int = 1024  # generation and /tokenize calls in flight per engine, per worker
-    engine_pool_timeout: float = 300.0  # generations are long: a full pool frees slowly
-    workers: int = 1  # serving processes sharing the port (more than one needs the Redis store)
-    feed: str = ""  # trainer feed to serve at /v1/feed: jsonl:PATH or redis://...; empty: none
-    feed_stream: str = "trajectories"
-    # Rendering of the messages the policy did not generate (README, "Rendering"): "auto" renders in the
-    # proxy with the model's tokenizer and chat template once they match the engine's /tokenize on a
-    # canonical set, "engine" always asks the engine's /tokenize.
-    rendering: str = "auto"
-    event_loop: str = "auto"  # serve's loop: auto (uvloop when installed), uvloop or asyncio
-    # serve's cyclic garbage collector: start-up objects frozen, a collection per this many new container
-    # objects (Python's default, 700, runs one every few turns); 0 leaves Python's collector as it is
-    gc_threshold: int = 50_000
-    tokenizer: str = ""  # directory with the model's tokenizer; empty: the engine's model root, if readable here
-    chat_template: str = ""  # the Jinja file the engines were started with (--chat-template); empty: the tokenizer's
-    chat_template_content_format: str = "auto"  # as vLLM's flag of that name: auto, string or openai
-    render_check_rate: float = 0.01  # share of live turns also rendered by the engine and compared
-    # The drift check needs the engine to echo the prompt it consumed (vLLM: return_token_ids). "require": an
-    # answer without the echo is an engine error (502); "count": such turns are recorded, flagged and counted.
-    prompt_echo: str = "require"
-    # Traces (README, "Tracing"): an OTLP/HTTP collector for the proxy's spans; empty: the standard
-    # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT variables, and without those no export at all.
-    otlp_endpoint: str = ""
+def setting(
+    default: Any,
+    help: str,
+    *,
+    section: str,
+    flag: str | None = None,
+    metavar: str | None = None,
+    separator: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    show_default: bool = True,
+    **bounds: Any,
+) -> Any:
+    """A field of ``Settings``: its default, its help (the default is added by whoever shows it), where it
+    goes in ``--help``, and, for a flag that may repeat, how its values are joined (``separator``)."""
+    extra: dict[str, Any] = {"section": section, "flag": flag, "metavar": metavar, "separator": separator}
+    extra.update(choices=list(choices) if choices else None, show_default=show_default)
+    return Field(default, description=help, json_schema_extra=extra, **bounds)
+
+
+class Settings(BaseModel):
+    """Every setting of ``rollout-proxy serve`` (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # -- serving --------------------------------------------------------------------------------------
+    host: str = setting("127.0.0.1", "interface to listen on", section="serving")
+    port: int = setting(8080, "port to listen on", section="serving", ge=0, le=65535)
+    admin_key: str = setting(
+        "",
+        "key the trainer uses to create sessions and read trajectories; a random one is generated and printed if unset",
+        section="serving",
+        show_default=False,
+    )
+    jwt_secret: str = setting(
+        "", "secret for session tokens (default: derived from the admin key)", section="serving", show_default=False
+    )
+    public_url: str = setting(
+        "",
+        "base URL handed to plugins in new sessions (default: the URL the trainer called)",
+        section="serving",
+        show_default=False,
+    )
+    store: str = setting(
+        "memory",
+        "'memory' (in-process, lost on exit), redis://HOST:PORT/DB, or redis+cluster://HOST:PORT for a Redis Cluster",
+        section="serving",
+    )
+    session_ttl: float = setting(
+        24 * 3600.0, "seconds a session and its trajectories are kept", section="serving", gt=0
+    )
+    max_body_bytes: int = setting(
+        32 * 1024 * 1024, "largest request body accepted (413 beyond)", section="serving", ge=1
+    )
+    workers: int = setting(
+        1,
+        "serving processes sharing the port (SO_REUSEPORT); more than one needs a Redis store and a fixed --port",
+        section="pools",
+        ge=1,
+    )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = setting(
+        "auto",
+        "the event loop: 'uvloop' (its I/O and scheduling in C: less CPU per turn), 'asyncio' (the standard "
+        "library's), or 'auto': uvloop when installed",
+        section="serving",
+    )
+    gc_threshold: int = setting(
+        50_000,
+        "Python's cyclic garbage collector in serve: what was allocated at start is frozen (never scanned again) and "
+        "a collection runs once N more container objects are alive, not every 700 (Python's default: ~0.3 ms a "
+        "turn); 0 leaves the collector as Python sets it",
+        section="serving",
+        metavar="N",
+        ge=0,
+    )
+
+    # -- engines ----------------------------------------------------------------------------------------
+    engines: tuple[str, ...] = setting(
+        (DEFAULT_ENGINE,),
+        "base URL of a vLLM OpenAI server; repeat for several (environment: comma-separated)",
+        section="engines",
+        flag="--engine",
+        metavar="URL",
+        separator=",",
+    )
+    engine_timeout: float = setting(
+        600.0, "seconds one engine call may take in all, not counting time the fleet is paused", section="engines", gt=0
+    )
+    engine_connect_timeout: float = setting(
+        5.0, "seconds to connect to an engine before it is unavailable", section="engines", gt=0
+    )
+    engine_first_byte_timeout: float = setting(
+        600.0,
+        "seconds to wait for an engine to start answering; a non-streamed completion answers when it is done, so "
+        "this bounds a generation",
+        section="engines",
+        gt=0,
+    )
+    engine_health_timeout: float = setting(2.0, "seconds one engine health probe may take", section="engines", gt=0)
+    engine_hang_timeout: float = setting(
+        8.0,
+        "seconds an engine may send nothing at all (no probe or call answered, no token streamed) while its probes "
+        "time out before it is taken out as hung: its calls in flight fail over, or end with an error event once "
+        "part of the answer was streamed; also how long a /tokenize waits for its answer to start. A slow "
+        "generation that streams tokens is never cut by it (a client has an answer within about 12 s of its "
+        "engine hanging)",
+        section="engines",
+        gt=0,
+    )
+    engine_max_inflight: int = setting(256, "requests in flight per engine before queueing", section="engines", ge=1)
+    prompt_echo: Literal["require", "count"] = setting(
+        "require",
+        "the drift check compares the prompt the engine says it consumed with the tokens sent: 'require' makes an "
+        "answer without that echo an engine error (502); 'count' records such turns unchecked, flagged on the node "
+        "and counted in unchecked_prompts_total, for an engine that cannot echo",
+        section="engines",
+    )
+
+    # -- the fleet --------------------------------------------------------------------------------------
+    policy_version: int = setting(
+        0,
+        "the policy version of the engines' starting weights: what an engine reporting weight_version 'default' (or "
+        "no /weight_info) serves, and the fleet's version when no engine reports an integer",
+        section="fleet",
+    )
+    engine_probe_interval: float = setting(2.0, "seconds between health probes of an engine", section="fleet", gt=0)
+    engine_failure_threshold: int = setting(
+        3,
+        "5xx answers or timeouts in a row that take an engine out of rotation; a refused or reset connection takes "
+        "it out at once",
+        section="fleet",
+        ge=1,
+    )
+    engine_backoff_max: float = setting(
+        30.0,
+        "the longest wait between probes of an unhealthy engine; the wait doubles from the probe interval",
+        section="fleet",
+        gt=0,
+    )
+    engine_retries: int = setting(
+        2,
+        "failed engine calls of one turn sent again to another engine, invisibly to the client",
+        section="fleet",
+        ge=0,
+    )
+    turn_deadline: float = setting(
+        1800.0,
+        "seconds all engine calls of one turn may take together, retries included, not counting time paused",
+        section="fleet",
+        gt=0,
+    )
+    pause_queue: int = setting(
+        4096, "turns that may wait for a resume while the engines are paused", section="fleet", ge=0
+    )
+    pause_wait: float = setting(
+        600.0,
+        "seconds a turn waits for a resume (queued, or frozen by a keep-mode pause) before a 503",
+        section="fleet",
+        gt=0,
+    )
+    engine_control_timeout: float = setting(
+        60.0,
+        "seconds one pause, resume or weight-version call to one engine may take; a wait-mode pause may take "
+        "--engine-timeout",
+        section="fleet",
+        gt=0,
+    )
+    abort_policy: Literal["continue", "regenerate"] = setting(
+        "continue",
+        "a turn an abort-mode pause cut short, after the resume: 'continue' from the tokens already sampled, or "
+        "'regenerate' it from its prompt (MoE engines always regenerate)",
+        section="fleet",
+    )
+
+    # -- pools ------------------------------------------------------------------------------------------
+    redis_max_connections: int = setting(
+        512,
+        "Redis connections per worker (per node on a cluster); a command finding all busy waits",
+        section="pools",
+        ge=1,
+    )
+    redis_pool_timeout: float = setting(
+        10.0,
+        "seconds a Redis command waits for a free connection before a 503 with Retry-After",
+        section="pools",
+        gt=0,
+    )
+    engine_max_connections: int = setting(
+        1024,
+        "generation and /tokenize calls in flight per engine and worker; more wait",
+        section="pools",
+        ge=1,
+    )
+    engine_pool_timeout: float = setting(
+        300.0,
+        "seconds an engine call waits for a free connection before a 503 with Retry-After",
+        section="pools",
+        gt=0,
+    )
+
+    # -- Redis ------------------------------------------------------------------------------------------
+    redis_socket_timeout: float = setting(5.0, "seconds a Redis command may take before a 503", section="redis", gt=0)
+    redis_connect_timeout: float = setting(2.0, "seconds to connect to Redis", section="redis", gt=0)
+    redis_health_check_interval: int = setting(
+        5,
+        "seconds a pooled Redis connection may sit idle before it is pinged before use",
+        section="redis",
+        ge=0,
+    )
+    redis_retries: int = setting(
+        1, "retries of a Redis command on a fresh connection after a connection error", section="redis", ge=0
+    )
+    redis_node_compression: int = setting(
+        3,
+        "zstd level (1-19) of the response nodes the Redis store writes, 0 to store them plain; either form is read "
+        "back whatever this says (3: ~0.6x the memory for ~40 us a turn)",
+        section="redis",
+        metavar="LEVEL",
+        ge=0,
+        le=19,
+    )
+
+    # -- rendering and parsing ----------------------------------------------------------------------------
+    rendering: Literal["auto", "engine"] = setting(
+        "auto",
+        "how the messages the policy did not generate become tokens: 'auto' renders in the proxy with the model's "
+        "tokenizer and chat template once they match the engine's /tokenize, else through the engine; 'engine' "
+        "always asks the engine",
+        section="rendering",
+    )
+    tokenizer: str = setting(
+        "",
+        "directory of the model's tokenizer for local rendering (default: the engine's model directory, from its "
+        "/v1/models root, when readable here)",
+        section="rendering",
+        metavar="DIR",
+        show_default=False,
+    )
+    chat_template: str = setting(
+        "",
+        "the chat template file the engines were started with (vLLM's --chat-template); default: the tokenizer's own",
+        section="rendering",
+        metavar="FILE",
+        show_default=False,
+    )
+    chat_template_content_format: Literal["auto", "string", "openai"] = setting(
+        "auto", "as vLLM's flag of that name, if the engines were given it", section="rendering"
+    )
+    render_check_rate: float = setting(
+        0.01,
+        "share of turns whose local rendering is also asked of the engine and compared; a difference switches that "
+        "engine back to its /tokenize",
+        section="rendering",
+        metavar="RATE",
+        ge=0.0,
+        le=1.0,
+    )
+    tool_parser: str = setting(
+        "hermes", "how tool calls are parsed from generated text", section="rendering", choices=TOOL_PARSER_NAMES
+    )
+    reasoning_parser: str = setting(
+        "think", "how reasoning is parsed from generated text", section="rendering", choices=REASONING_PARSER_NAMES
+    )
+
+    # -- the trainer feed -----------------------------------------------------------------------------------
+    feed: str = setting(
+        "",
+        "trainer feed to serve at GET /v1/feed: jsonl:PATH or redis://HOST:PORT/DB (default: none)",
+        section="feed",
+        show_default=False,
+    )
+    feed_stream: str = setting("trajectories", "Redis stream name of the feed", section="feed")
+
+    # -- logs and traces ------------------------------------------------------------------------------------
+    log_format: str = setting(
+        "auto", "auto = pretty on a terminal, JSON otherwise", section="telemetry", choices=LOG_FORMATS
+    )
+    log_level: str = setting("info", "the lowest level logged", section="telemetry", choices=LOG_LEVELS)
+    otlp_endpoint: str = setting(
+        "",
+        "OTLP/HTTP collector for the proxy's traces, e.g. http://localhost:4318 (default: the standard "
+        "OTEL_EXPORTER_OTLP_ENDPOINT; neither: no traces are exported)",
+        section="telemetry",
+        metavar="URL",
+        show_default=False,
+    )
+
+    # -- on-policy distillation -------------------------------------------------------------------------------
+    teachers: str = setting(
+        "",
+        "an on-policy distillation teacher: its name and vLLM server(s), an engine group of its own; repeat for "
+        "several (environment: ';'-separated)",
+        section="distillation",
+        flag="--teacher",
+        metavar="NAME=URL[,URL]",
+        separator=";",
+        show_default=False,
+    )
+    teacher_templates: str = setting(
+        "",
+        "the chat template a teacher's teacher_context messages are rendered with (locally, with the student's "
+        "tokenizer: --tokenizer or the engine's model root); default: the teacher engine's own, through its "
+        "/tokenize (environment: ';'-separated)",
+        section="distillation",
+        flag="--teacher-template",
+        metavar="NAME=FILE",
+        separator=";",
+        show_default=False,
+    )
+
+    @field_validator("tool_parser", "reasoning_parser", "log_format", "log_level")
+    @classmethod
+    def _one_of_its_choices(cls, value: str, info: Any) -> str:
+        choices = choices_of(info.field_name)
+        if choices and value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, not {value!r}")
+        return value
+
+    @field_validator("engines")
+    @classmethod
+    def _some_engine(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        engines = tuple(url.strip() for url in value if url.strip())
+        if not engines:
+            raise ValueError("name at least one engine")
+        return engines
+
+    @model_validator(mode="after")
+    def _workers_share_a_store_and_a_port(self) -> Settings:
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("--workers needs a fixed --port: each worker binds the same one")
+        if self.workers > 1 and self.store == "memory":
+            raise ValueError(
+                f"--workers {self.workers} needs a Redis store (--store redis://HOST:PORT/DB): the memory store lives "
+                "in one process, so each worker would see only its own sessions"
+            )
+        return self
 
     @property
     def token_secret(self) -> bytes:
@@ -100,26 +392,134 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Defaults, then ``ROLLOUT_PROXY_<FIELD>`` variables, then explicit overrides."""
+        """Defaults, then ``ROLLOUT_PROXY_<NAME>`` variables, then ``overrides`` (a flag's value; None: not given).
+        A repeated flag's values come as a list and are joined as its variable would spell them."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for spec in fields(cls):
-            raw = environ.get(ENV_PREFIX + spec.name.upper())
-            if spec.name == "engines":
-                raw = raw or environ.get(ENV_PREFIX + "ENGINE")
-            if raw is None or raw == "":
+        for name, spec in cls.model_fields.items():
+            extra = _extra(name)
+            raw: Any = environ.get(env_name(name)) or (
+                environ.get(ENV_PREFIX + "ENGINE") if name == "engines" else None
+            )
+            given = overrides.get(name)
+            if given is not None:
+                raw = given
+            if raw is None or raw == "" or raw == []:
                 continue
-            values[spec.name] = _parse(spec.name, raw)
-        values.update({key: value for key, value in overrides.items() if value is not None})
-        return cls(**values)
+            separator = extra.get("separator")
+            if separator is not None and spec.annotation == tuple[str, ...]:
+                raw = tuple(raw) if isinstance(raw, list | tuple) else tuple(raw.split(separator))
+            elif separator is not None and isinstance(raw, list | tuple):
+                raw = separator.join(raw)
+            values[name] = raw
+        unknown = set(overrides) - set(cls.model_fields)
+        if unknown:
+            raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise SettingsError(exc, given={name for name, value in overrides.items() if value is not None}) from None
 
 
-def _parse(name: str, raw: str) -> Any:
-    if name == "engines":
-        return tuple(url.strip() for url in raw.split(",") if url.strip())
-    kind = {spec.name: spec.type for spec in fields(Settings)}.get(name)
-    if kind == "int":
-        return int(raw)
-    if kind == "float":
-        return float(raw)
-    return raw
+class SettingsError(ValueError):
+    """Settings refused, in words that name each flag (or variable) and what it takes, on one line each."""
+
+    def __init__(self, error: ValidationError, *, given: set[str]) -> None:
+        lines = []
+        for problem in error.errors():
+            name = str(problem["loc"][0]) if problem["loc"] else ""
+            message = problem["msg"].removeprefix("Value error, ")
+            if name not in Settings.model_fields:  # about several settings together: the message names them
+                lines.append(message)
+                continue
+            where = flag_name(name) if name in given else env_name(name)
+            lines.append(f"{where}: {message} (got {problem['input']!r})")
+        super().__init__("; ".join(lines))
+
+
+def default(name: str) -> Any:
+    """A setting's default, for a component's own default of the same value (never retyped)."""
+    return Settings.model_fields[name].default
+
+
+def from_setting(name: str) -> Any:
+    """A field of a component's config dataclass that is the server setting ``name``: its default is the
+    setting's, and ``part`` fills it from the settings (the link is declared here, once)."""
+    return dataclasses.field(default=default(name), metadata={"setting": name})
+
+
+def part(component: type[T], settings: Settings, **given: Any) -> T:
+    """A component's config dataclass from the settings its ``from_setting`` fields name (``given``: the
+    fields computed from several settings)."""
+    values = {
+        field.name: getattr(settings, field.metadata["setting"])
+        for field in dataclasses.fields(component)  # type: ignore[arg-type]
+        if "setting" in field.metadata
+    }
+    return component(**{**values, **given})
+
+
+def _extra(name: str) -> dict[str, Any]:
+    return dict(Settings.model_fields[name].json_schema_extra or {})  # type: ignore[arg-type]
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def flag_name(name: str) -> str:
+    return _extra(name).get("flag") or "--" + name.replace("_", "-")
+
+
+def choices_of(name: str) -> tuple[str, ...] | None:
+    """The values a setting takes, when it takes few (a ``Literal`` or its ``choices``)."""
+    extra = _extra(name)
+    if extra.get("choices"):
+        return tuple(extra["choices"])
+    annotation = Settings.model_fields[name].annotation
+    return tuple(str(arg) for arg in get_args(annotation)) if get_origin(annotation) is Literal else None
+
+
+def shown_default(name: str) -> str | None:
+    """The default as ``--help`` and the docs show it; None where showing it says nothing (an empty string)."""
+    spec = Settings.model_fields[name]
+    if not _extra(name).get("show_default", True):
+        return None
+    value = spec.default
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def help_text(name: str) -> str:
+    """A setting's help as ``--help`` shows it: its description, and its default."""
+    spec = Settings.model_fields[name]
+    default = shown_default(name)
+    text = spec.description or ""
+    return f"{text} (default {default})" if default is not None else text
+
+
+def settings_table() -> str:
+    """The docs' table of every setting, by section (``python -m rollout_proxy.settings``)."""
+    lines = []
+    for section, title in SECTIONS.items():
+        names = [name for name in Settings.model_fields if _extra(name)["section"] == section]
+        if not names:
+            continue
+        lines += [f"### {title}", "", "| flag | environment | default | what |", "|---|---|---|---|"]
+        for name in names:
+            default = shown_default(name)
+            choices = choices_of(name)
+            what = (Settings.model_fields[name].description or "").replace("|", "\\|")
+            if choices:
+                what += f" (one of {', '.join(f'`{c}`' for c in choices)})"
+            cell = f"`{default}`" if default not in (None, "") else "—"
+            lines.append(f"| `{flag_name(name)}` | `{env_name(name)}` | {cell} | {what} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(settings_table())

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from rollout_proxy.core.rendering import Renderers, RenderingConfig
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner
 from rollout_proxy.devtools.fake_engine import FakeEngine
@@ -45,7 +46,13 @@ async def turns(fake_engine: FakeEngine) -> AsyncIterator[Turns]:
     metrics = Metrics()
     fleet = Fleet([engine], metrics=metrics)
     await fleet.start()
-    runner = TurnRunner(store=store, engines=fleet, parser=OutputParser.named("hermes", "think"), metrics=metrics)
+    runner = TurnRunner(
+        store=store,
+        engines=fleet,
+        parser=OutputParser.named("hermes", "think"),
+        metrics=metrics,
+        renderers=Renderers(RenderingConfig(), metrics=metrics),
+    )
     yield Turns(
         fake=fake_engine,
         engine=engine,

@@ -242,7 +242,9 @@ async def test_an_engine_down_at_start_is_checked_at_its_first_use(tokenizer_dir
     port = free_port()
     with capture_logs() as logs:
         async with ProxyHarness.running(engine_urls=[f"http://127.0.0.1:{port}"], render_check_rate=0.0) as proxy:
-            await asyncio.sleep(0.2)  # the start-up check meets no engine
+            async with asyncio.timeout(30):  # the start-up check meets no engine (what it logs, not a clock, says so)
+                while not any(entry["event"] == "render_source_undecided" for entry in logs):  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
             async with watched(FakeEngine(tokenizer_dir), port=port) as engine:
                 await until_ready(proxy)
                 prompts = await tool_chat(proxy, engine.fake, tools=False)
@@ -299,7 +301,7 @@ async def test_a_hung_tokenize_during_the_self_check_fails_that_turn_only(engine
 def test_rendering_settings_are_checked_and_read_from_the_environment():
     with pytest.raises(ValueError, match="rendering"):
         create_app(Settings(admin_key=ADMIN_KEY, rendering="remote"))
-    with pytest.raises(ValueError, match="check rate"):
+    with pytest.raises(ValueError, match="render_check_rate"):
         create_app(Settings(admin_key=ADMIN_KEY, render_check_rate=2.0))
     settings = Settings.from_env(
         {

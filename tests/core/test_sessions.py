@@ -6,12 +6,14 @@ import asyncio
 
 import pytest
 
+from rollout_proxy.core.rendering import Renderers, RenderingConfig
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.health import EngineState
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.errors import Conflict, InvalidRequest, NotFound, SessionNotFound
 from rollout_proxy.ids import new_response_id, new_session_id
+from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import GenerationConfig, SessionStatus
 from tests.core.builders import put_node
 
@@ -32,7 +34,9 @@ async def fleet():
 
 @pytest.fixture
 def service(store, fleet) -> SessionService:
-    return SessionService(store=store, engines=fleet, ttl=TTL)
+    return SessionService(
+        store=store, engines=fleet, ttl=TTL, renderers=Renderers(RenderingConfig(), metrics=Metrics())
+    )
 
 
 async def create(service: SessionService, *, n_sample: int | None = None):

@@ -9,6 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from rollout_proxy.core.rendering import Renderers, RenderingConfig
 from rollout_proxy.core.trajectory import assemble
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner
@@ -38,7 +39,13 @@ async def world(fakes: FakeFleet):
     store, metrics = MemoryStore(), Metrics()
     fleet = Fleet([VLLMEngine(url, bound_completions=False) for url in fakes.urls], FleetSettings(probe_interval=60.0))
     await fleet.start()
-    runner = TurnRunner(store=store, engines=fleet, parser=OutputParser.named("hermes", "think"), metrics=metrics)
+    runner = TurnRunner(
+        store=store,
+        engines=fleet,
+        parser=OutputParser.named("hermes", "think"),
+        metrics=metrics,
+        renderers=Renderers(RenderingConfig(), metrics=metrics),
+    )
     yield store, fleet, runner, ResponseTree(store=store, metrics=metrics), metrics
     await fleet.close()
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from rollout_proxy.core.rendering import Renderers, RenderingConfig
 from rollout_proxy.core.trajectory import assemble
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner, path_tokens
@@ -180,7 +181,13 @@ async def test_prompt_drift_is_an_engine_error_and_counted(fake_engine):
     engine = DriftingEngine(VLLMEngine(fake_engine.url))
     fleet = Fleet([engine], metrics=metrics)
     await fleet.start()
-    runner = TurnRunner(store=store, engines=fleet, parser=OutputParser.named("hermes", "think"), metrics=metrics)
+    runner = TurnRunner(
+        store=store,
+        engines=fleet,
+        parser=OutputParser.named("hermes", "think"),
+        metrics=metrics,
+        renderers=Renderers(RenderingConfig(), metrics=metrics),
+    )
     session = session_record(engine=engine.url)
     await store.create_session(session)
     placement = await ResponseTree(store=store, metrics=metrics).locate(session, [QUESTION], api="chat")
@@ -202,7 +209,10 @@ async def test_an_answer_without_the_prompt_echo_is_refused_or_recorded_unchecke
     fleet = Fleet([engine], metrics=metrics)
     await fleet.start()
     parser = OutputParser.named("hermes", "think")
-    runner = TurnRunner(store=store, engines=fleet, parser=parser, metrics=metrics, require_prompt_echo=require)
+    renderers = Renderers(RenderingConfig(), metrics=metrics)
+    runner = TurnRunner(
+        store=store, engines=fleet, parser=parser, metrics=metrics, renderers=renderers, require_prompt_echo=require
+    )
     session = session_record(engine=engine.url)
     await store.create_session(session)
     placement = await ResponseTree(store=store, metrics=metrics).locate(session, [QUESTION], api="chat")

@@ -52,6 +52,12 @@ SEED = 20240611
 MAX_EXAMPLES = 25
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
+#: The Anthropic Messages bodies nest many bounded lists (content blocks in every message, a tool result's
+#: blocks, system blocks, tools, stop sequences): their coverage phase (each list past its bound, every
+#: field left out or mistyped) took over 4 minutes on 2 cores; the fuzzing phase's negative bodies reach the
+#: same refusals, so these two operations run the examples and fuzzing phases only.
+MESSAGES_FUZZ: dict[str, Any] = {"include-path-regex": "^/v1/messages", "phases": {"coverage": {"enabled": False}}}
+
 CONFIG = schemathesis.Config.from_dict(
     {
         "seed": SEED,
@@ -62,10 +68,15 @@ CONFIG = schemathesis.Config.from_dict(
             # the session pins, messages the chat template cannot render, a prompt past the
             # context, a feed cursor the feed never gave out. No schema states those.
             "positive_data_acceptance": {"enabled": False},
+            # A body past the size limit (a generated list past maxItems, say) is refused with its 413.
+            "negative_data_rejection": {
+                "expected-statuses": [400, 401, 403, 404, 405, 406, 409, 413, 415, 422, 428, 429, "5XX"]
+            },
         },
         "operations": [
             # Unknown query parameters are ignored, as OpenAI does; they are not invalid input.
             {"include-path": "/v1/feed", "generation": {"allow-extra-parameters": False}},
+            MESSAGES_FUZZ,
         ],
         "output": {"sanitization": {"enabled": False}},  # test-only keys: failures print a runnable curl
     }
@@ -262,12 +273,20 @@ def use_real_ids(case: schemathesis.Case, fresh: Callable[[], Fresh]) -> None:
 
 
 def openai_error_body(ctx: Any, response: schemathesis.Response, case: schemathesis.Case) -> bool | None:
-    """Every error is ``{"error": {"message", "type", "param", "code"}}`` as application/json."""
+    """Every error is ``{"error": {"message", "type", "param", "code"}}`` as application/json; on the
+    Anthropic Messages routes, Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
     if response.status_code < 400 or case.operation.path == "/readyz":  # not ready is an answer, not an error
         return None
     content_type = (response.headers.get("content-type") or [""])[0]
     assert content_type.startswith("application/json"), f"{response.status_code} with Content-Type {content_type!r}"
     body = response.json()
+    if case.operation.path.startswith("/v1/messages"):
+        assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+        error = body["error"]
+        assert isinstance(error, dict) and {"type", "message"} <= set(error) <= {"type", "message", "param", "code"}
+        assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str), error
+        assert response.headers.get("x-should-retry"), "an Anthropic error says whether to retry"
+        return True
     assert isinstance(body, dict) and set(body) == {"error"}, body
     error = body["error"]
     assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, error

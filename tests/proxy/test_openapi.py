@@ -12,7 +12,7 @@ import orjson
 from openapi_spec_validator import OpenAPIV31SpecValidator
 
 from rollout_proxy.app import create_app
-from rollout_proxy.proxy.openapi import build_document, document_bytes
+from rollout_proxy.proxy.openapi import ALIASES, build_document, document_bytes
 from rollout_proxy.proxy.schemas import ChatRequest, SessionCreate
 from rollout_proxy.settings import Settings
 from tests.harness import ADMIN_KEY, ProxyHarness
@@ -38,7 +38,7 @@ def test_the_document_is_valid_openapi_3_1():
 def test_every_registered_route_is_documented_and_nothing_else():
     app = create_app(Settings(admin_key=ADMIN_KEY))
     registered = {
-        (route.method, route.resource.canonical)
+        (route.method, ALIASES.get(route.resource.canonical, route.resource.canonical))  # the Messages aliases
         for route in app.router.routes()
         if route.resource is not None and route.method != "HEAD"  # aiohttp adds HEAD to every GET
     }
@@ -46,16 +46,18 @@ def test_every_registered_route_is_documented_and_nothing_else():
 
 
 def test_every_error_answer_is_an_openai_error_body_and_retryable_ones_say_when():
+    """The Messages routes' errors are Anthropic's shape instead (its clients read that one)."""
     document = build_document()
     components = document["components"]
     for (method, path), spec in operations(document).items():
+        body = "AnthropicErrorBody" if path.startswith("/v1/messages") else "ErrorBody"
         for status, answer in spec["responses"].items():
             if int(status) < 400 or path == "/readyz":
                 continue
             assert "$ref" in answer, f"{method} {path} {status}"
             resolved = components["responses"][answer["$ref"].rsplit("/", 1)[1]]
             schema = resolved["content"]["application/json"]["schema"]
-            assert schema == {"$ref": "#/components/schemas/ErrorBody"}, f"{method} {path} {status}"
+            assert schema == {"$ref": f"#/components/schemas/{body}"}, f"{method} {path} {status}"
             assert ("Retry-After" in resolved["headers"]) == (status in ("503", "504")), f"{method} {path} {status}"
     assert set(components["schemas"]["ErrorDetail"]["required"]) == {"message", "type", "param", "code"}
 

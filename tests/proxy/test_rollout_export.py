@@ -3,7 +3,8 @@
 One harness-owned session (no sample messages) holds, as a harness run does: the main agent's turn,
 a subagent of its own (Responses API, ``previous_response_id``, labelled by header), the main agent's
 second turn, a compaction (the task then a summary: a rewrite, labelled in ``metadata``) retried and
-continued, and an edited second turn (a sibling sharing the main agent's first turn). On both stores
+continued, a side call on the Anthropic Messages API (a title), and an edited second turn (a sibling
+sharing the main agent's first turn). On both stores
 and both templates, checked against what the fake engine received and sampled: every generated node's
 tokens are the engine's, every sampled token is trained (weight 1) in exactly one sequence but the
 retry the conversation did not go on from, and a finish that names no responses emits them all.
@@ -58,18 +59,28 @@ async def run_harness(proxy: ProxyHarness, session: Session) -> dict[str, str]:
     )
     history = [SYSTEM, TASK, assistant(main1), {"role": "user", "content": "The subagent says tests/test_x.py."}]
     main2 = await chat.create(model="m", messages=history)
-    fake.queue("Compacted once.", "Compacted again.", "Continuing after the summary.", "Edited turn.")
+    fake.queue("Compacted once.", "Compacted again.", "Continuing after the summary.", "A title.", "Edited turn.")
     compacted = [SYSTEM, TASK, SUMMARY]
     compact = await chat.create(model="m", messages=compacted, metadata={"rollout_branch": "compaction"})
     again = await chat.create(model="m", messages=compacted, metadata={"rollout_branch": "compaction"})  # retried
     compact2 = await chat.create(
         model="m", messages=[*compacted, assistant(again), {"role": "user", "content": "Go on."}]
     )
+    # a side call on the Anthropic Messages API (a title), labelled by header: a conversation of its own
+    status, title = await proxy.request(
+        "POST",
+        "/v1/messages",
+        json={"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Write a title."}]},
+        token=None,
+        headers={"x-api-key": session.api_key, "anthropic-version": "2023-06-01", "X-Rollout-Branch": "title"},
+    )
+    assert status == 200, title
     edited = await chat.create(
         model="m", messages=[SYSTEM, TASK, assistant(main1), {"role": "user", "content": "Edited: go on."}]
     )
-    names = ("main1", "sub1", "sub2", "main2", "compact", "again", "compact2", "edited")
-    return dict(zip(names, (r.id for r in (main1, sub1, sub2, main2, compact, again, compact2, edited)), strict=True))
+    ids = [r.id for r in (main1, sub1, sub2, main2, compact, again, compact2)] + [title["id"], edited.id]
+    names = ("main1", "sub1", "sub2", "main2", "compact", "again", "compact2", "title", "edited")
+    return dict(zip(names, ids, strict=True))
 
 
 def node_spans(sequence: dict[str, Any], nodes: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -96,7 +107,7 @@ async def test_the_export_trains_every_sampled_token_once(proxy: ProxyHarness, r
     assert fake is not None
     # every generated node's path is exactly what the engine was given and sampled, turn by turn
     generated = [node for node in stored if node.kind is NodeKind.GENERATED]
-    assert len(generated) == len(fake.generations) == 8 and not fake.routing_probes
+    assert len(generated) == len(fake.generations) == 9 and not fake.routing_probes
     leaves_by_id = {sequence["leaf"]: sequence for sequence in export["sequences"]}
     engine_tokens = 0
     for node, generation in zip(generated, fake.generations, strict=True):
@@ -107,7 +118,7 @@ async def test_the_export_trains_every_sampled_token_once(proxy: ProxyHarness, r
     # one sequence per generated leaf, the main one (the latest leaf) first
     leaves = [sequence["leaf"] for sequence in export["sequences"]]
     assert leaves[0] == turns["edited"] and export["sequences"][0]["main"]
-    expected = {turns[name] for name in ("sub2", "main2", "compact", "compact2", "edited")}
+    expected = {turns[name] for name in ("sub2", "main2", "compact", "compact2", "title", "edited")}
     assert set(leaves) == expected and len(leaves) == len(expected)
     # every sampled token has weight 1 in exactly one sequence (the dropped retry's in none)
     trained_in: dict[str, int] = {node.id: 0 for node in generated}
@@ -142,6 +153,8 @@ async def test_the_export_trains_every_sampled_token_once(proxy: ProxyHarness, r
         "at_message": 2,
     }
     assert branch[turns["edited"]]["kind"] == "new_conversation"  # the main agent's own root
+    assert branch[turns["title"]] == {"kind": "new_conversation", "label": "title", "from": None, "at_message": None}
+    assert {node.api for node in generated} == {"chat", "responses", "messages"}  # all three APIs
     assert [s["dropped"] for s in export["sequences"]].count(True) == (1 if retry == "drop" else 0)
 
 

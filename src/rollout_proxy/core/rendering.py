@@ -40,6 +40,7 @@ from rollout_proxy.engines.base import Engine
 from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable, InvalidRequest
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind
+from rollout_proxy.settings import from_setting
 from rollout_proxy.tokenization.developer import DeveloperRole
 from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavailable, tokenizer_dir
 from rollout_proxy.tokenization.renderer import ChatRenderer
@@ -61,11 +62,13 @@ class RenderSource(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class RenderingConfig:
-    mode: str = "engine"  # "auto": local once checked against the engine; "engine": always /tokenize
-    tokenizer: str = ""  # directory of the model's tokenizer; "": the engine's model root, when readable here
-    chat_template: str = ""  # the file the engines were given (--chat-template); "": the tokenizer's own
-    content_format: str = "auto"  # vLLM's --chat-template-content-format
-    check_rate: float = 0.0  # share of live turns rendered both ways
+    """Rendering's part of the server's settings (``app.rendering_config``), their defaults the settings' own."""
+
+    mode: str = from_setting("rendering")  # "auto": local once checked against the engine; "engine": always /tokenize
+    tokenizer: str = from_setting("tokenizer")  # "": the engine's model root, when readable here
+    chat_template: str = from_setting("chat_template")  # "": the tokenizer's own
+    content_format: str = from_setting("chat_template_content_format")
+    check_rate: float = from_setting("render_check_rate")  # share of live turns rendered both ways
 
     def __post_init__(self) -> None:
         if self.mode not in RENDERING_MODES:
@@ -85,15 +88,9 @@ class _EngineRendering:
 
 
 class Renderers:
-    def __init__(
-        self,
-        config: RenderingConfig | None = None,
-        *,
-        metrics: Metrics | None = None,
-        rng: random.Random | None = None,
-    ) -> None:
-        self._config = config or RenderingConfig()
-        self._metrics = metrics or Metrics()
+    def __init__(self, config: RenderingConfig, *, metrics: Metrics, rng: random.Random | None = None) -> None:
+        self._config = config
+        self._metrics = metrics
         self._rng = rng or random.Random()
         self._by_engine: dict[str, _EngineRendering] = {}
         self._deciding: dict[str, asyncio.Task[_EngineRendering]] = {}

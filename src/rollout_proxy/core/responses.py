@@ -186,10 +186,10 @@ class ResponsesService:
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         placement = await self._place(
-            session, messages, previous_response_id=previous_response_id, instructions=None, api="messages"
+            session, messages, previous_response_id=previous_response_id, instructions=None, api="injected"
         )
         if not placement.new_messages:
             if placement.parent:  # all of it is already in the tree: that node is the answer
                 return placement.parent[-1]
             raise InvalidRequest("messages add nothing to the conversation", param="messages")
-        return await self._turns.inject(session, placement, api="messages", idempotency=claim)
+        return await self._turns.inject(session, placement, api="injected", idempotency=claim)

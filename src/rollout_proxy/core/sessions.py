@@ -64,11 +64,11 @@ class FinishPlan:
 
 
 class SessionService:
-    def __init__(self, *, store: StateStore, engines: Fleet, ttl: float, renderers: Renderers | None = None) -> None:
+    def __init__(self, *, store: StateStore, engines: Fleet, ttl: float, renderers: Renderers) -> None:
         self._store = store
         self._engines = engines
         self._ttl = ttl
-        self._renderers = renderers or Renderers()
+        self._renderers = renderers
 
     async def create(
         self,

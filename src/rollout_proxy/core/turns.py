@@ -94,7 +94,7 @@ class TurnRunner:
         engines: Fleet,
         parser: OutputParser,
         metrics: Metrics,
-        renderers: Renderers | None = None,
+        renderers: Renderers,
         require_prompt_echo: bool = True,
     ) -> None:
         """``require_prompt_echo``: an engine answer without the prompt it consumed is an ``EngineError``;
@@ -104,7 +104,7 @@ class TurnRunner:
         self._engines = engines
         self._parser = parser
         self._metrics = metrics
-        self._renderers = renderers or Renderers()
+        self._renderers = renderers
 
     @property
     def parser(self) -> OutputParser:
@@ -193,6 +193,25 @@ class TurnRunner:
             engine=engine, info=info, delta=delta, prompt=prompt, params=params, reasoning_opened=opened
         )
 
+    async def prompt_tokens(
+        self, session: SessionRecord, placement: Placement, *, tools: Sequence[dict[str, Any]] | None
+    ) -> np.ndarray:
+        """The prompt a turn at ``placement`` would send (the parent's exact tokens and the bridge with the
+        generation prompt), rendered on the session's engine or another; no engine call, nothing stored, no
+        context check (a count of tokens, e.g. the Messages API's ``count_tokens``)."""
+
+        async def render(engine: Engine) -> np.ndarray:
+            return await self._renderers.delta(
+                engine,
+                placement,
+                tools=tools,
+                chat_template_kwargs=session.generation.chat_template_kwargs,
+                add_generation_prompt=True,
+            )
+
+        delta = await self._on_an_engine(session, render)
+        return np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
+
     async def sample(self, session: SessionRecord, turn: PreparedTurn, *, sink: PieceSink | None = None) -> Sampled:
         """The turn's engine call through the fleet (``engines.sampling``: failover, pauses, aborted turns),
         within the session's request bound; the prompt the engine consumed is checked."""
@@ -246,6 +265,8 @@ class TurnRunner:
         self._note_sample(placement, api, node_meta)
         if completion.nonfinite_logprobs:
             node_meta["nonfinite_logprobs"] = completion.nonfinite_logprobs
+        if isinstance(completion.stop_reason, str) and completion.finish_reason == "stop":
+            node_meta["stop_sequence"] = completion.stop_reason  # the stop string that ended the turn
         if disagreements:
             node_meta["routing_disagreements"] = disagreements
         if completion.prompt_ids is None:  # only with --prompt-echo count: the drift check could not run

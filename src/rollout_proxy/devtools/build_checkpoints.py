@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 NUM_EXPERTS = 4
 TOP_K = 2
@@ -115,7 +116,8 @@ def build_dense(gguf: Path, out: Path) -> None:
         if hasattr(config, attr):
             delattr(config, attr)
     config.dtype = torch.float32
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config)
+    torch.nn.Module.to(model, torch.float32)  # transformers types its own .to() for one call shape only
     model.load_state_dict(quant.state_dict(), strict=True)
     model.eval()
     tmp = _atomic_dir(out)
@@ -221,7 +223,8 @@ def verify(dense_dir: Path, moe_dir: Path) -> None:
     ids = encoded["input_ids"]
     results = {}
     for name, d in (("dense", dense_dir), ("moe", moe_dir)):
-        model, info = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
+        loaded = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
+        model, info = cast(tuple[Any, dict[str, Any]], loaded)  # typed as the model alone, whatever the flags
         bad = {k: v for k, v in info.items() if v}
         if bad:
             raise RuntimeError(f"{name} checkpoint did not load cleanly: {bad}")

@@ -11,11 +11,13 @@ browsed in the proxy's viewer (the URL and admin key are printed; Ctrl-C stops).
 
     python -m rollout_proxy.devtools.demo [--job short-answer|weather|codex|FILE] [--engine vllm|fake]
         [--samples N] [--generations N] [--steps N] [--out DIR] [--keep-running]
+        --train [--steps N] [--lr LR] [--seed N]     # the reference trainer between the steps (train_demo)
 
 ``--job codex`` runs Codex CLI (``codex exec``, installed into the cache on first use) as the rollout
 harness on small file-reading tasks; ``--engine fake`` runs any job on the in-process fake engine instead
 of vLLM (seconds, no engine venv: the codex job's fake policy is a scripted shell agent, other jobs get
-the fake's default sentences).
+the fake's default sentences). ``--train`` runs the short-answer job on vLLM with the reference trainer
+between its steps.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rollout_proxy.devtools import engine_env
 from rollout_proxy.devtools.vllm_server import VLLMServer
@@ -92,7 +94,7 @@ def load_job(name: str, *, samples: int | None, generations: int | None, steps: 
 class DemoProxy:
     """A rollout-proxy on its own thread in front of the engine, serving the feed and the viewer."""
 
-    def __init__(self, engine_url: str, feed_url: str, job: JobConfig) -> None:
+    def __init__(self, engine_url: str, feed_url: str, job: JobConfig, **overrides: Any) -> None:
         from rollout_proxy.app import create_app
         from rollout_proxy.embedded import BackgroundServer
         from rollout_proxy.settings import Settings
@@ -108,6 +110,7 @@ class DemoProxy:
             feed_stream=job.proxy.feed_stream,
             chat_template=str(TEMPLATE),  # what vLLM was started with: the proxy renders bridge tokens alike
             log_level="warning",
+            **overrides,
         )
         self._server = BackgroundServer(lambda: create_app(settings))
         self.url = ""
@@ -216,7 +219,19 @@ def main(argv: list[str] | None = None) -> int:
         help="after the job, keep the proxy and vLLM running to browse the trajectories in the viewer (/ui); "
         "prints its URL and admin key; Ctrl-C stops",
     )
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="train between the steps: the reference GRPO trainer (torch, CPU) on vLLM's weights, reloaded each "
+        "step (8 steps of 8 samples x 4 rollouts unless given; steps.png: reward and mismatch per step)",
+    )
+    parser.add_argument("--lr", type=float, help="with --train: the trainer's learning rate (default 2e-5)")
+    parser.add_argument("--seed", type=int, default=0, help="with --train: the trainer's and vLLM's seed (default 0)")
     args = parser.parse_args(argv)
+    if args.train and args.keep_running:
+        parser.error("--train and --keep-running do not go together (the trainer's fleet stops with the job)")
+    if args.train and args.engine == "fake":
+        parser.error("--train trains the weights vLLM serves: it runs on --engine vllm only")
     from rollout_proxy.logs import configure_logging
 
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
@@ -236,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("ROLLOUT_PROXY_CODEX_ARGS", CODEX_ON_VLLM)
     log("checking the engine venv and the checkpoints (first run: a few minutes)")
     engine_env.setup()
+    if args.train:
+        from rollout_proxy.devtools import train_demo
+
+        job = train_demo.train_job(job, steps=args.steps, samples=args.samples, generations=args.generations)
+        lr = train_demo.LEARNING_RATE if args.lr is None else args.lr
+        train_demo.TrainDemo(job, Path(args.out), learning_rate=lr, seed=args.seed).run()
+        return 0
     server = VLLMServer(
         "dense",
         chat_template=TEMPLATE,

@@ -5,7 +5,9 @@ It speaks vLLM 0.32's wire format field for field (see the fixtures under
 template, but its "model" is a script: tests queue the replies it will sample
 (as text, or as exact token ids to produce tokenizations a re-render would not),
 and its logprobs are a deterministic function of position, token and weight version
-(so a test can tell which weights sampled a token).
+(so a test can tell which weights sampled a token), or, with a ``FakeModel`` set, the
+logprobs a real model gives the scripted tokens: then the weights, not the version label,
+decide them, and ``/collective_rpc reload_weights`` loads new ones into it, as vLLM does.
 
 Served endpoints: ``GET /health``, ``GET /version``, ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``POST /v1/completions`` (token-id prompts,
@@ -51,7 +53,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -60,7 +62,16 @@ from rollout_proxy.devtools.fake_stream import FakeStream
 from rollout_proxy.engines.vllm_http import is_routing_probe
 from rollout_proxy.tokenization import vllm_chat
 
-__all__ = ["FAULTS", "FakeEngine", "FakeEngineServer", "FakeMoE", "Generation", "fake_logprob", "load_tokenizer"]
+__all__ = [
+    "FAULTS",
+    "FakeEngine",
+    "FakeEngineServer",
+    "FakeMoE",
+    "FakeModel",
+    "Generation",
+    "fake_logprob",
+    "load_tokenizer",
+]
 
 Reply = str | Sequence[int]
 Policy = Callable[[list[int]], Reply]
@@ -107,6 +118,20 @@ def fake_logprob(position: int, token: int, version: str = "default") -> float:
     key = f"{position}:{token}" if version == "default" else f"{position}:{token}:{version}"
     digest = hashlib.blake2b(key.encode(), digest_size=4).digest()
     return -round(int.from_bytes(digest, "little") / 2**32 * 4.0 + 0.001, 6)
+
+
+class FakeModel(Protocol):
+    """Weights for the fake: the logprobs of the scripted tokens, and a reload of new weights.
+
+    With one set, a sampled token's logprob is ``score(prompt, tokens)`` of the weights loaded when it
+    was sampled (a version update alone changes nothing, as on vLLM), and ``/collective_rpc``
+    ``reload_weights`` calls ``reload(weights_path)``. The top and prompt logprobs stay ``fake_logprob``'s."""
+
+    def score(self, prompt: Sequence[int], tokens: Sequence[int]) -> Sequence[float]:
+        """The logprob of each of ``tokens``, given ``prompt`` and the tokens before it."""
+        ...
+
+    def reload(self, weights_path: str) -> None: ...
 
 
 def default_policy(prompt_ids: list[int]) -> str:
@@ -198,6 +223,8 @@ class FakeEngine:
     #: ones (merged into one first system message); "as_is": handed to the template as sent (older vLLMs; a
     #: template without a developer branch then drops them)
     developer_role: str = "system"
+    model: FakeModel | None = None  # the sampled tokens' logprobs from these weights; None: fake_logprob
+    rpcs: list[dict[str, Any]] = field(default_factory=list)  # the /collective_rpc bodies received
 
     def __post_init__(self) -> None:
         self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
@@ -214,6 +241,7 @@ class FakeEngine:
         self._released = asyncio.Event()  # hung requests end (the fault was cleared, or the server stops)
         self._connections: set[Any] = set()  # the clients' (host, port) of every connection that sent a request
         self.dropped = 0  # requests dropped by the "drop_reused" fault
+        self.reloads = 0  # weights loaded into ``model`` by /collective_rpc reload_weights
         #: (path, headers with lower-case names) of the latest requests, newest last: its traceparent, say
         self.received: collections.deque[tuple[str, dict[str, str]]] = collections.deque(maxlen=256)
 
@@ -439,6 +467,13 @@ class FakeEngine:
             return body
         if body.get("method") is None:
             return _error(400, "Missing 'method' in request body", kind="Bad Request")
+        self.rpcs.append(body)
+        if body["method"] == "reload_weights" and self.model is not None:
+            try:
+                self.model.reload(str((body.get("kwargs") or {})["weights_path"]))
+            except Exception as exc:  # vLLM answers a worker's failure with a 500
+                return _error(500, f"reload_weights failed: {exc!r}", kind="InternalServerError")
+            self.reloads += 1
         return _json_response({"results": [None]})  # one worker, whose method returned nothing
 
     # -- completions ----------------------------------------------------------------------
@@ -555,6 +590,7 @@ class FakeEngine:
         """Token by token: each waits its share of ``delay``, stops at an abort, freezes during a keep pause;
         ``on_token`` streams each one."""
         step = self.delay / len(planned) if planned else 0.0
+        scored: tuple[int, Sequence[float]] | None = None  # (reloads, the model's logprobs of planned)
         for token in planned:
             wait = step + (self.slow_delay if self.fault == "slow" else 0.0)
             if wait > 0:
@@ -569,7 +605,13 @@ class FakeEngine:
                 return
             version = self.weight_version
             position = len(generation.prompt) + len(generation.tokens)
-            generation.add(token, fake_logprob(position, token, version), version)
+            if self.model is None:
+                logprob = fake_logprob(position, token, version)
+            else:
+                if scored is None or scored[0] != self.reloads:  # the weights sampling this token
+                    scored = (self.reloads, self.model.score(generation.prompt, planned))
+                logprob = float(scored[1][len(generation.tokens)])
+            generation.add(token, logprob, version)
             if on_token is not None:
                 await on_token()
 

@@ -1,4 +1,4 @@
-"""Agent harnesses from the npm registry, pinned and installed once into the cache (Codex CLI).
+"""Agent harnesses from the npm registry, pinned and installed once into the cache (Codex CLI, Claude Code).
 
 The Python harnesses (the OpenAI Agents SDK, mini-swe-agent, litellm) come with the project's ``dev``
 extra; a harness shipped on npm is installed here, by name and version, into
@@ -44,7 +44,10 @@ class NpmHarness:
 
 #: Codex CLI: `codex exec` speaks the Responses API (streamed) to a custom provider.
 CODEX = NpmHarness("@openai/codex", "0.171.0", "codex")
-NPM_HARNESSES = {"codex": CODEX}
+#: Claude Code: `claude -p` speaks the Anthropic Messages API (streamed) to ANTHROPIC_BASE_URL; the package
+#: ships its native executable (a registry package of its own, ~400 MB unpacked)
+CLAUDE_CODE = NpmHarness("@anthropic-ai/claude-code", "2.1.332", "claude")
+NPM_HARNESSES = {"codex": CODEX, "claude-code": CLAUDE_CODE}
 
 
 def log(message: str) -> None:
@@ -92,12 +95,16 @@ def ensure_codex(*, force: bool = False) -> Path:
     return ensure(CODEX, force=force)
 
 
+def ensure_claude_code(*, force: bool = False) -> Path:
+    return ensure(CLAUDE_CODE, force=force)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m rollout_proxy.devtools.harnesses", description=(__doc__ or "").split("\n\n")[0]
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    setup = sub.add_parser("setup", help="install the npm harnesses that are missing (Codex CLI)")
+    setup = sub.add_parser("setup", help="install the npm harnesses that are missing (Codex CLI, Claude Code)")
     setup.add_argument("--force", action="store_true", help="install again")
     sub.add_parser("paths", help="print each harness's executable as JSON")
     args = parser.parse_args(argv)

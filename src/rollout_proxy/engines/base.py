@@ -66,6 +66,8 @@ class EngineCompletion:
     nonfinite_logprobs: int = 0  # how many logprobs were NaN/inf and clamped
     routed_experts: str | None = None  # the engine's encoded routing, decoded by routing/
     output_topk: TopLogprobs | None = None  # with ``SamplingParams.top_logprobs``
+    #: vLLM's ``stop_reason``: the stop string (or token id) that ended it; None for EOS or a length cut
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True, slots=True)

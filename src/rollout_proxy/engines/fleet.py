@@ -48,28 +48,31 @@ from rollout_proxy.engines.health import (
 from rollout_proxy.engines.member import Member
 from rollout_proxy.errors import EngineError, EngineUnavailable, InvalidRequest, NotFound, ProxyError
 from rollout_proxy.metrics import Metrics
+from rollout_proxy.settings import from_setting
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class FleetSettings:
-    policy_version: int = 0  # the version of "default" weights, and of a fleet whose engines report none
-    probe_interval: float = 2.0  # seconds between probes of an engine that answers
-    health_timeout: float = 2.0  # one probe request (generous: a busy engine answers late, a dead one not at all)
-    #: an engine from which nothing came for this long (no probe answered, no call answered, no streamed token)
-    #: while its probes time out is hung: out at once, its calls in flight ended (``_judge``)
-    hang_timeout: float = 8.0
-    failure_threshold: int = 3  # 5xx answers or timeouts in a row that open an engine's breaker
-    backoff_max: float = 30.0  # the longest wait between probes of an unhealthy engine
-    max_inflight: int = 256  # calls in flight per engine before they queue
-    call_timeout: float = 600.0  # one engine call, not counting time paused
-    retries: int = 2  # failed calls of one turn retried on another engine
-    turn_deadline: float = 1800.0  # a turn's calls, retries and resubmissions together, not counting time paused
-    pause_queue: int = 4096  # turns that may wait for a resume
-    pause_wait: float = 600.0  # the longest a turn waits for a resume (queued, or frozen in flight)
-    control_timeout: float = 60.0  # one pause, resume or version step on one engine (a wait-mode pause: call_timeout)
-    abort_policy: str = "continue"  # what to do with a turn a pause aborted: "continue" or "regenerate"
+    """The fleet's part of the server's settings (``app.fleet_settings``), their defaults the settings' own."""
+
+    policy_version: int = from_setting("policy_version")
+    probe_interval: float = from_setting("engine_probe_interval")
+    health_timeout: float = from_setting("engine_health_timeout")
+    hang_timeout: float = from_setting(
+        "engine_hang_timeout"
+    )  # ``_judge``: nothing heard this long while probes time out
+    failure_threshold: int = from_setting("engine_failure_threshold")
+    backoff_max: float = from_setting("engine_backoff_max")
+    max_inflight: int = from_setting("engine_max_inflight")
+    call_timeout: float = from_setting("engine_timeout")  # one engine call, not counting time paused
+    retries: int = from_setting("engine_retries")
+    turn_deadline: float = from_setting("turn_deadline")
+    pause_queue: int = from_setting("pause_queue")
+    pause_wait: float = from_setting("pause_wait")
+    control_timeout: float = from_setting("engine_control_timeout")  # a wait-mode pause: call_timeout
+    abort_policy: str = from_setting("abort_policy")
     follow_interval: float = 0.25  # seconds between reads of the shared fleet state (a shared store only)
 
 

@@ -117,6 +117,7 @@ class _Kept:
             finish_reason=last.finish_reason,
             nonfinite_logprobs=self.nonfinite + last.nonfinite_logprobs,
             routed_experts=last.routed_experts,
+            stop_reason=last.stop_reason,
         )
         return merged, spans
 

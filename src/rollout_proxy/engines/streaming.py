@@ -63,6 +63,7 @@ class StreamAssembly:
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     nonfinite: int = 0
+    stop_reason: str | int | None = None  # vLLM's, on the last chunk
 
     def add(self, chunk: Any, sampled_logprobs: Any) -> CompletionPiece | None:
         """One decoded chunk; the piece it adds (None for a usage-only chunk).
@@ -95,6 +96,8 @@ class StreamAssembly:
         self.nonfinite += nonfinite
         if finish is not None:
             self.finish_reason = finish
+            stop = choice.get("stop_reason")
+            self.stop_reason = stop if isinstance(stop, str | int) and not isinstance(stop, bool) else None
         return CompletionPiece(token_ids=ids, logprobs=values, text=text, finish_reason=finish)
 
     def completion(self) -> EngineCompletion:
@@ -111,4 +114,5 @@ class StreamAssembly:
             text="".join(self.text),
             finish_reason=self.finish_reason,
             nonfinite_logprobs=self.nonfinite,
+            stop_reason=self.stop_reason,
         )

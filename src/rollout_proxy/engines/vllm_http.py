@@ -48,6 +48,7 @@ from rollout_proxy.errors import (
     TemplateRenderError,
 )
 from rollout_proxy.records import TopLogprobs
+from rollout_proxy.settings import default
 from rollout_proxy.wire.json_bytes import value_at
 
 log = structlog.get_logger(__name__)
@@ -73,6 +74,12 @@ ROUTING_PROBE_ID = "rollout-proxy-routing-probe"
 
 def is_routing_probe(payload: dict[str, Any]) -> bool:
     return str(payload.get("request_id") or "").startswith(ROUTING_PROBE_ID)
+
+
+def _stop_reason(choice: dict[str, Any]) -> str | int | None:
+    """vLLM's ``stop_reason`` (the stop string or token id that ended the completion), if it is one."""
+    value = choice.get("stop_reason")
+    return value if isinstance(value, str | int) and not isinstance(value, bool) else None
 
 
 def _loads(body: bytes) -> Any:
@@ -215,13 +222,13 @@ class VLLMEngine:
         url: str,
         *,
         session: aiohttp.ClientSession | None = None,
-        request_timeout: float = 600.0,
-        connect_timeout: float = 5.0,
+        request_timeout: float = default("engine_timeout"),
+        connect_timeout: float = default("engine_connect_timeout"),
         first_byte_timeout: float | None = None,
-        health_timeout: float = 0.5,
+        health_timeout: float = default("engine_health_timeout"),
         bound_completions: bool = True,
-        max_connections: int = 1024,
-        pool_timeout: float = 300.0,
+        max_connections: int = default("engine_max_connections"),
+        pool_timeout: float = default("engine_pool_timeout"),
         hang_timeout: float | None = None,
     ) -> None:
         """Timeouts in seconds: ``request_timeout`` bounds a whole call, ``connect_timeout`` the TCP
@@ -477,6 +484,24 @@ class VLLMEngine:
 
     async def resume(self, *, within: float) -> None:
         await self._request("POST", "/resume", limits=self._control_limits(within))
+
+    async def collective_rpc(self, method: str, *, kwargs: dict[str, str] | None = None, within: float) -> list[Any]:
+        """``POST /collective_rpc`` (dev mode): run a worker method on every worker (vLLM passes strings
+        only); one result per worker."""
+        body = {"method": method, "args": [], "kwargs": kwargs or {}, "timeout": within}
+        answer = await self._request("POST", "/collective_rpc", body, limits=self._control_limits(within + 5.0))
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list):
+            raise self._failed(
+                EngineError("the engine's /collective_rpc answer has no results list"), "/collective_rpc"
+            )
+        return results
+
+    async def reload_weights(self, weights_path: str, *, within: float) -> None:
+        """Load a checkpoint of the same architecture in place (vLLM's ``reload_weights``, as the trainer
+        does between ``pause`` and ``resume``). The prefix cache is not cleared: the proxy's per-version
+        ``cache_salt`` keeps KV computed under the old weights from being reused."""
+        await self.collective_rpc("reload_weights", kwargs={"weights_path": weights_path}, within=within)
 
     async def is_paused(self) -> bool | None:
         try:
@@ -754,4 +779,5 @@ class VLLMEngine:
             nonfinite_logprobs=nonfinite,
             routed_experts=routed_experts,
             output_topk=topk,
+            stop_reason=_stop_reason(choice),
         )

@@ -8,7 +8,8 @@ Per step of the job it:
 1. reads the step's groups from the feed (``TrajectoryConsumer``; each group says how many
    its step has, ``step_groups``, so the trainer knows when the batch is complete);
 2. "trains" on them: here it prints the rewards; yours takes a gradient step on
-   ``total_token_ids`` / ``total_loss_weight`` / ``total_token_logprobs`` and the advantages;
+   ``total_token_ids`` / ``total_loss_weight`` / ``total_token_logprobs`` and the advantages
+   (``python -m rollout_proxy.trainer``, the reference GRPO trainer, does: docs/training.md);
 3. pauses the fleet (``POST /v1/admin/pause``: new turns queue in the proxy; ``keep`` freezes
    the calls in flight, ``wait`` lets them finish, ``abort`` cuts them and the proxy finishes them after);
 4. loads the new weights into every paused engine: with ``--weights DIR`` a real vLLM

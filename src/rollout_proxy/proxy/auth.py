@@ -1,7 +1,8 @@
 """Who is calling: the trainer (admin key) or one plugin (its session's token).
 
 A session token is a JWT (HS256) naming one session and expiring with it (a token
-without ``exp`` is refused); the plugin uses it as its OpenAI ``api_key``. It opens
+without ``exp`` is refused); the plugin uses it as its OpenAI ``api_key`` (in ``Authorization: Bearer``), or its Anthropic one (in
+``x-api-key``, or ``Authorization: Bearer`` as ``auth_token``). It opens
 that session's data and nothing else, and only while the session exists.
 
 A session with a request bound (a job's ``request_concurrency``) also carries it in its token
@@ -104,10 +105,16 @@ def _bound(claim: object) -> RequestBound | None:
 
 
 def bearer_token(request: web.Request) -> str:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
+    """The key in ``Authorization: Bearer``, else in ``x-api-key`` (as Anthropic's clients send it)."""
+    header = request.headers.get("Authorization")
+    if header is None and "x-api-key" in request.headers:
+        token = request.headers["x-api-key"].strip()
+        if not token:
+            raise AuthenticationFailed("empty 'x-api-key' header")
+        return token
+    scheme, _, token = (header or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise AuthenticationFailed("missing 'Authorization: Bearer <key>' header")
+        raise AuthenticationFailed("missing 'Authorization: Bearer <key>' (or 'x-api-key') header")
     return token.strip()
 
 

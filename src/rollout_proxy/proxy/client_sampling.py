@@ -145,6 +145,30 @@ RESPONSES_FIELDS: tuple[SamplingField, ...] = (
 )
 
 
+def _output_config(value: Any, generation: GenerationConfig) -> bool:
+    """Messages' ``output_config``: no effort (or ``none``) and no ``format`` (a structured output would
+    constrain sampling); any other key is taken as asking for something."""
+    return (
+        isinstance(value, dict)
+        and value.get("effort") in NO_OP_EFFORTS
+        and value.get("format") is None
+        and set(value) <= {"effort", "format"}
+    )
+
+
+#: The Anthropic Messages API's (``POST /v1/messages``): every client sends ``max_tokens``; Claude Code also
+#: ``thinking: {"type": "adaptive"}`` and ``output_config.effort``, none of them no-ops (README: set
+#: ``client_sampling: ignore`` for it). ``thinking`` ``enabled``/``disabled`` is one when it is the session's.
+MESSAGES_FIELDS: tuple[SamplingField, ...] = (
+    SamplingField("max_tokens", _max_tokens),
+    SamplingField("temperature", equal_to(lambda generation: generation.temperature)),
+    SamplingField("top_p", equal_to(lambda generation: generation.top_p)),
+    SamplingField("top_k", _top_k),
+    SamplingField("thinking", _thinking),
+    SamplingField("output_config", _output_config),
+)
+
+
 def check_client_sampling(
     payload: Mapping[str, Any],
     generation: GenerationConfig,

@@ -6,6 +6,7 @@ from aiohttp import web
 
 from rollout_proxy.core.chat import ChatService
 from rollout_proxy.core.distill import Distillation
+from rollout_proxy.core.messages import MessagesService
 from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
@@ -34,6 +35,7 @@ SESSIONS = web.AppKey("sessions", SessionService)
 TREE = web.AppKey("tree", ResponseTree)
 CHAT = web.AppKey("chat", ChatService)
 RESPONSES = web.AppKey("responses", ResponsesService)
+MESSAGES = web.AppKey("messages", MessagesService)  # the Anthropic Messages API
 VIEWER = web.AppKey("viewer", Viewer)
 DISTILLATION = web.AppKey("distillation", Distillation)
 UI_ASSETS = web.AppKey("ui_assets", dict[str, Asset])

@@ -18,8 +18,10 @@ import orjson
 from pydantic import TypeAdapter
 
 from rollout_proxy import __version__
+from rollout_proxy.proxy import anthropic_answers
 from rollout_proxy.proxy import openapi_answers as answers
 from rollout_proxy.proxy import openapi_examples as examples
+from rollout_proxy.proxy.anthropic_models import CountTokensRequest, MessagesRequest
 from rollout_proxy.proxy.handlers import viewer
 from rollout_proxy.proxy.handlers.distill import CriticViewIn, CriticViewOut, TeacherPassIn, TeacherPassOut
 from rollout_proxy.proxy.handlers.feed import MAX_PAGE
@@ -55,6 +57,7 @@ class Operation:
     examples: dict[str, dict[str, Any]] | None = None  # bodies that succeed, by name
     errors: tuple[int, ...] = ()  # beyond what access (401) and a body (400, 413) imply
     parameters: tuple[dict[str, Any], ...] = ()
+    anthropic: bool = False  # errors in Anthropic's shape (the Messages API), not OpenAI's
 
 
 def _parameter(name: str, where: str, schema: dict[str, Any], what: str) -> dict[str, Any]:
@@ -116,6 +119,22 @@ LIST_QUERY = (
     _parameter("max_reward", "query", {"type": "number"}, "one graded trajectory's reward is at most this"),
 )
 ASSET_NAME = _parameter("name", "path", {"type": "string"}, "a file of the page (`viewer.js`, `viewer.css`)")
+#: The Messages routes are served under these prefixes too (the same operations, undocumented twice):
+#: Anthropic's clients append ``/v1/messages`` to their base URL, which may be the session's ``base_url``
+#: (``…/v1``) as well as the proxy's root.
+MESSAGES_ALIAS_PREFIXES = ("/v1",)
+ALIASES = {
+    f"{prefix}{path}": path
+    for prefix in MESSAGES_ALIAS_PREFIXES
+    for path in ("/v1/messages", "/v1/messages/count_tokens")
+}
+ANTHROPIC_HEADERS = (
+    _parameter(
+        "anthropic-version", "header", {"type": "string"}, "accepted (every Anthropic SDK sends one); changes nothing"
+    ),
+    _parameter("anthropic-beta", "header", {"type": "string"}, "accepted, comma-separated; changes nothing"),
+    _parameter("beta", "query", {"type": "string"}, "`?beta=true` (Claude Code's): accepted, ignored"),
+)
 
 OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/v1/chat/completions", "Chat completion, token-exact",
@@ -124,6 +143,14 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/v1/responses", "Create a response (previous_response_id extends or forks)",
               "plugin", Access.SESSION, answers.Response, body=ResponsesRequest,
               examples=examples.RESPONSES, errors=(404, 409, *ENGINE_ERRORS)),
+    Operation("post", "/v1/messages", "Anthropic Messages API, token-exact (the session key in x-api-key or Bearer)",
+              "plugin", Access.SESSION, anthropic_answers.AnthropicMessage, body=MessagesRequest,
+              examples=examples.MESSAGES, errors=(404, 409, *ENGINE_ERRORS), parameters=ANTHROPIC_HEADERS,
+              anthropic=True),
+    Operation("post", "/v1/messages/count_tokens", "The prompt's tokens as the policy's template renders it",
+              "plugin", Access.SESSION, anthropic_answers.TokenCount, body=CountTokensRequest,
+              examples=examples.COUNT_TOKENS, errors=(404, *ENGINE_ERRORS), parameters=ANTHROPIC_HEADERS,
+              anthropic=True),
     Operation("get", "/v1/responses/{response_id}", "A stored response",
               "plugin", Access.EITHER, answers.Response, errors=(404, 503), parameters=(RESPONSE_ID,)),
     Operation("get", "/v1/responses/{response_id}/trajectory", "The trajectory ending at a response",
@@ -202,6 +229,8 @@ ERRORS: dict[int, tuple[str, str]] = {
     504: ("GatewayTimeout", "The engine did not answer in time: retry after Retry-After"),
 }
 RETRY_STATUSES = (503, 504)
+#: the error answers of the Messages routes: the same statuses, in Anthropic's shape
+ANTHROPIC_PREFIX = "Anthropic"
 
 SECURITY_SCHEMES = {
     "adminKey": {
@@ -258,6 +287,10 @@ STREAMED = {
     "/v1/responses": "With `stream: true`: `response.created`, `response.in_progress`, output item, content part, "
     "`output_text`/`reasoning_text`/`function_call_arguments` delta and done events, `response.completed` "
     "(each `event: <type>` with a `sequence_number`); a failure after the first event is an `error` event.",
+    "/v1/messages": "With `stream: true`: Anthropic's `message_start`, `ping`, `content_block_start` / "
+    "`content_block_delta` (`thinking_delta`, `signature_delta`, `text_delta`, `input_json_delta`) / "
+    "`content_block_stop`, `message_delta` (`stop_reason`, usage, `token_ids`), `message_stop`; a failure after "
+    "the first event is an `error` event with Anthropic's error body.",
 }
 
 
@@ -280,8 +313,9 @@ def _operation(operation: Operation, schemas: dict[tuple[str, str], dict[str, An
     responses: dict[str, Any] = {str(operation.status): success}
     if operation.path == "/readyz":  # not ready is an answer of its own, not an error
         responses["503"] = _answer("Not ready", _json(schemas[(key, "serialization")]))
+    prefix = ANTHROPIC_PREFIX if operation.anthropic else ""
     for status in _error_statuses(operation):
-        responses.setdefault(str(status), {"$ref": f"#/components/responses/{ERRORS[status][0]}"})
+        responses.setdefault(str(status), {"$ref": f"#/components/responses/{prefix}{ERRORS[status][0]}"})
     spec: dict[str, Any] = {
         "operationId": _operation_id(operation),
         "summary": operation.summary,
@@ -318,7 +352,8 @@ def _operation_id(operation: Operation) -> str:
 def _schemas() -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, Any]]:
     """Every request and answer schema, generated together so shared models are defined once."""
     inputs: list[tuple[tuple[str, str], Any, TypeAdapter[Any]]] = [
-        (("error", "serialization"), "serialization", TypeAdapter(answers.ErrorBody))
+        (("error", "serialization"), "serialization", TypeAdapter(answers.ErrorBody)),
+        (("anthropic_error", "serialization"), "serialization", TypeAdapter(anthropic_answers.AnthropicErrorBody)),
     ]
     for operation in OPERATIONS:
         key = f"{operation.method} {operation.path}"
@@ -336,6 +371,10 @@ def build_document() -> dict[str, Any]:
     for operation in OPERATIONS:
         paths.setdefault(operation.path, {})[operation.method] = _operation(operation, refs)
     error = refs[("error", "serialization")]
+    anthropic_error = refs[("anthropic_error", "serialization")]
+    anthropic_statuses = sorted(
+        {status for operation in OPERATIONS if operation.anthropic for status in _error_statuses(operation)}
+    )
     return {
         "openapi": "3.1.0",
         "info": {
@@ -360,8 +399,18 @@ def build_document() -> dict[str, Any]:
         "components": {
             "schemas": definitions,
             "responses": {
-                name: _answer(description, _json(error), retry=status in RETRY_STATUSES)
-                for status, (name, description) in ERRORS.items()
+                **{
+                    name: _answer(description, _json(error), retry=status in RETRY_STATUSES)
+                    for status, (name, description) in ERRORS.items()
+                },
+                **{
+                    ANTHROPIC_PREFIX + ERRORS[status][0]: _answer(
+                        f"{ERRORS[status][1]} (Anthropic's error shape)",
+                        _json(anthropic_error),
+                        retry=status in RETRY_STATUSES,
+                    )
+                    for status in anthropic_statuses
+                },
             },
             "headers": HEADERS,
             "securitySchemes": SECURITY_SCHEMES,

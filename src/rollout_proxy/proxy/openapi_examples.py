@@ -80,3 +80,42 @@ FINISH: dict[str, dict[str, Any]] = {
     "success": {"status": "success", "extra": {"graded_by": "exact-match"}},
     "failure": {"status": "failure", "error": "the tool timed out"},
 }
+
+#: Anthropic Messages bodies; ``max_tokens`` is the session's ``generation.max_new_tokens`` (a no-op), or the
+#: session takes ``client_sampling: ignore`` (Claude Code's 128000)
+ANTHROPIC_TOOL: dict[str, Any] = {
+    "name": "get_weather",
+    "description": "Current weather for a city",
+    "input_schema": CITY,
+}
+MESSAGES: dict[str, dict[str, Any]] = {
+    "first_turn": {"model": "policy", "max_tokens": 32, "messages": [USER]},
+    "system_blocks_and_tools": {
+        "model": "policy",
+        "max_tokens": 32,
+        "system": [{"type": "text", "text": "Answer briefly.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "What is the weather in Paris?"}]}],
+        "tools": [ANTHROPIC_TOOL, {"type": "web_search_20250305", "name": "web_search"}],
+        "tool_choice": {"type": "auto"},
+    },
+    "tool_result": {
+        "model": "policy",
+        "max_tokens": 32,
+        "messages": [
+            USER,
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": '{"sky": "clear"}'}],
+            },
+        ],
+        "tools": [ANTHROPIC_TOOL],
+        "stop_sequences": ["\n\n"],
+    },
+}
+COUNT_TOKENS: dict[str, dict[str, Any]] = {
+    "with_tools": {"model": "policy", "system": "Answer briefly.", "messages": [USER], "tools": [ANTHROPIC_TOOL]},
+}

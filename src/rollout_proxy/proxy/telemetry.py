@@ -17,7 +17,12 @@ from rollout_proxy.proxy import keys
 from rollout_proxy.tracing import server_span
 
 #: the routes that are turns, and the API each serves
-TURN_ROUTES = {("POST", "/v1/chat/completions"): "chat", ("POST", "/v1/responses"): "responses"}
+TURN_ROUTES = {
+    ("POST", "/v1/chat/completions"): "chat",
+    ("POST", "/v1/responses"): "responses",
+    ("POST", "/v1/messages"): "messages",
+    ("POST", "/v1/v1/messages"): "messages",
+}
 
 
 def route_of(request: web.Request) -> str:

@@ -55,6 +55,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rollout_proxy.errors import StoreBusy, StoreUnavailable
+from rollout_proxy.settings import from_setting
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 #: A Redis Cluster: ``redis+cluster://HOST:PORT`` (any one node; the client learns the rest), or
@@ -84,13 +85,13 @@ T = TypeVar("T")
 class RedisOptions:
     """How a client talks to Redis once connected (see the module docstring), and how the store packs nodes."""
 
-    socket_timeout: float | None = 5.0  # None: wait forever (a blocking reader sets its own)
-    connect_timeout: float = 2.0
-    health_check_interval: int = 5  # seconds idle before a pooled connection is pinged before use
-    retries: int = 1  # of a command, on a fresh connection, after a connection error
-    max_connections: int = 512  # the pool's size (per cluster node on a cluster)
-    pool_timeout: float = 10.0  # the longest a command waits for a free pooled connection; then StoreBusy
-    node_compression: int = 3  # the store's node blobs: zstd level, 0 = plain (state/codec.py)
+    socket_timeout: float | None = from_setting("redis_socket_timeout")  # None: wait forever (a blocking reader)
+    connect_timeout: float = from_setting("redis_connect_timeout")
+    health_check_interval: int = from_setting("redis_health_check_interval")
+    retries: int = from_setting("redis_retries")
+    max_connections: int = from_setting("redis_max_connections")  # per cluster node on a cluster
+    pool_timeout: float = from_setting("redis_pool_timeout")  # then StoreBusy
+    node_compression: int = from_setting("redis_node_compression")  # the store's node blobs (state/codec.py)
 
 
 def is_pool_exhausted(exc: BaseException) -> bool:

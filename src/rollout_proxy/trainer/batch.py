@@ -1,0 +1,197 @@
+"""From feed groups to what a policy-gradient step needs: rollouts, their sequences, padded micro-batches.
+
+A **rollout** is one attempt at a sample: one reward, one advantage, and the token sequences it
+produced. Today every trajectory is one rollout of one sequence (``total_token_ids`` from the
+sample's first message to the end). A rollout that carries several sequences (subagents,
+compaction branches: each sampled token trained in exactly one of them) changes ``rollouts_of``
+alone: the batch is built from ``Rollout.sequences`` and the advantage is the rollout's.
+
+A sequence's arrays are aligned with its tokens: ``loss_weight`` is > 0 where the policy sampled
+the token (what is trained), ``sampling_logprobs`` the engine's logprob of it (the old policy),
+``versions`` the policy version that sampled it (-1: none recorded).
+
+Layout: **padded**, not packed. Each micro-batch holds whole sequences, right-padded to its
+longest one with ``attention_mask`` 0 on the padding, sorted by length so little is padded, at
+most ``max_tokens`` (rows × longest) per micro-batch. Packing several sequences into one row
+would need a block-diagonal attention mask (or a varlen attention kernel) to keep them apart;
+padding needs only the standard causal mask. numpy only: the base package never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollout_proxy.wire.feed import FeedGroup
+from rollout_proxy.wire.trajectory import Trajectory
+
+#: the version of a token whose sampling version was not recorded
+NO_VERSION = -1
+
+
+class BatchError(ValueError):
+    """A group the trainer cannot train on, and why (it names the group and the trajectory)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSequence:
+    """One token sequence: every token, which are trained, their sampling logprobs and versions."""
+
+    token_ids: np.ndarray  # int64 (n,)
+    loss_weight: np.ndarray  # float32 (n,): > 0 where trained
+    sampling_logprobs: np.ndarray  # float32 (n,): the engine's logprob where trained
+    versions: np.ndarray  # int64 (n,): the policy version that sampled each token, NO_VERSION elsewhere
+    #: one advantage per token ("tok" advantages), else None: the rollout's advantage applies
+    token_advantages: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def trained(self) -> np.ndarray:
+        return self.loss_weight > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """One rollout of a sample: its reward, its advantage, its sequences."""
+
+    group_id: str
+    index: int  # within its group
+    reward: float
+    advantage: float | None  # None when the advantages are per token (each sequence has its own)
+    sequences: tuple[TrainSequence, ...]
+
+    def advantages(self, sequence: TrainSequence) -> np.ndarray:
+        """The advantage of every token of one of this rollout's sequences."""
+        if sequence.token_advantages is not None:
+            return sequence.token_advantages
+        return np.full(len(sequence), 0.0 if self.advantage is None else self.advantage, dtype=np.float32)
+
+
+def sequence_of(trajectory: Trajectory, *, where: str) -> TrainSequence:
+    """A trajectory's tokens as one training sequence (checked: aligned arrays, versions on trained tokens)."""
+    ids = trajectory.token_ids().astype(np.int64)
+    weight = trajectory.loss_weight()
+    logprobs = trajectory.token_logprobs()
+    if not len(weight) == len(logprobs) == len(ids):
+        raise BatchError(
+            f"{where}: {len(ids)} token ids, {len(weight)} loss weights, {len(logprobs)} logprobs: they must align"
+        )
+    if len(ids) and weight[0] > 0:
+        raise BatchError(f"{where}: its first token is trained, but a causal model has no logit for it")
+    versions = np.full(len(ids), NO_VERSION, dtype=np.int64)
+    for span in trajectory.policy_versions:
+        if not 0 <= span.start <= span.end <= len(ids):
+            raise BatchError(f"{where}: policy version span [{span.start}, {span.end}) outside its {len(ids)} tokens")
+        versions[span.start : span.end] = span.version
+    return TrainSequence(ids, weight, logprobs, versions)
+
+
+def rollouts_of(group: FeedGroup) -> list[Rollout]:
+    """A feed group's rollouts, each with its sequences and its advantage (per rollout, or per token)."""
+    count = len(group.trajectories)
+    if len(group.rewards) != count or len(group.advantages) != count:
+        raise BatchError(
+            f"group {group.group_id}: {count} trajectories, {len(group.rewards)} rewards, "
+            f"{len(group.advantages)} advantages: one of each per rollout"
+        )
+    rollouts = []
+    for index, (trajectory, reward, advantage) in enumerate(
+        zip(group.trajectories, group.rewards, group.advantages, strict=True)
+    ):
+        where = f"group {group.group_id}, trajectory {index}"
+        sequence = sequence_of(trajectory, where=where)
+        if isinstance(advantage, list):  # "tok": one per token of the trajectory
+            values = np.asarray(advantage, dtype=np.float32)
+            if len(values) != len(sequence):
+                raise BatchError(f"{where}: {len(values)} token advantages for {len(sequence)} tokens")
+            sequence = TrainSequence(
+                sequence.token_ids, sequence.loss_weight, sequence.sampling_logprobs, sequence.versions, values
+            )
+            rollouts.append(Rollout(group.group_id, index, float(reward), None, (sequence,)))
+        else:
+            rollouts.append(Rollout(group.group_id, index, float(reward), float(advantage), (sequence,)))
+    return rollouts
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceRef:
+    """Where a micro-batch row comes from: the rollout (index in the step's list) and its sequence."""
+
+    rollout: int
+    sequence: int
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedBatch:
+    """Whole sequences, right-padded to the longest. Row i is ``rows[i]``; arrays are (rows, longest).
+
+    ``loss_weight[:, t]`` is the weight of predicting token t (from the logits at t - 1), so column 0
+    is always 0; ``sampling_logprobs``, ``advantages`` and ``versions`` are aligned the same way."""
+
+    rows: tuple[SequenceRef, ...]
+    lengths: np.ndarray  # int64 (rows,)
+    input_ids: np.ndarray  # int64
+    attention_mask: np.ndarray  # int64: 1 on tokens, 0 on padding
+    loss_weight: np.ndarray  # float32, 0 on padding and on untrained tokens
+    sampling_logprobs: np.ndarray  # float32
+    advantages: np.ndarray  # float32
+    versions: np.ndarray  # int64
+
+    @property
+    def trained_span(self) -> tuple[int, int]:
+        """[first, last + 1) over the columns with a trained token in any row ((0, 0) if none)."""
+        columns = np.flatnonzero((self.loss_weight > 0).any(axis=0))
+        return (int(columns[0]), int(columns[-1]) + 1) if len(columns) else (0, 0)
+
+
+def pad(rollouts: Sequence[Rollout], refs: Sequence[SequenceRef], *, pad_id: int = 0) -> PaddedBatch:
+    """The given sequences as one padded batch."""
+    sequences = [rollouts[ref.rollout].sequences[ref.sequence] for ref in refs]
+    lengths = np.asarray([len(s) for s in sequences], dtype=np.int64)
+    shape = (len(sequences), int(lengths.max()) if len(sequences) else 0)
+    input_ids = np.full(shape, pad_id, dtype=np.int64)
+    attention_mask = np.zeros(shape, dtype=np.int64)
+    loss_weight = np.zeros(shape, dtype=np.float32)
+    logprobs = np.zeros(shape, dtype=np.float32)
+    advantages = np.zeros(shape, dtype=np.float32)
+    versions = np.full(shape, NO_VERSION, dtype=np.int64)
+    for row, (ref, sequence) in enumerate(zip(refs, sequences, strict=True)):
+        n = len(sequence)
+        input_ids[row, :n] = sequence.token_ids
+        attention_mask[row, :n] = 1
+        loss_weight[row, :n] = sequence.loss_weight
+        logprobs[row, :n] = sequence.sampling_logprobs
+        advantages[row, :n] = rollouts[ref.rollout].advantages(sequence)
+        versions[row, :n] = sequence.versions
+    return PaddedBatch(tuple(refs), lengths, input_ids, attention_mask, loss_weight, logprobs, advantages, versions)
+
+
+def micro_batches(rollouts: Sequence[Rollout], *, max_tokens: int, pad_id: int = 0) -> list[PaddedBatch]:
+    """Every sequence with a trained token, longest first, in micro-batches of at most ``max_tokens``
+    (rows × longest row; a sequence longer than that is a micro-batch of its own)."""
+    refs = [
+        SequenceRef(r, s)
+        for r, rollout in enumerate(rollouts)
+        for s, sequence in enumerate(rollout.sequences)
+        if sequence.trained.any()
+    ]
+
+    def length(ref: SequenceRef) -> int:
+        return len(rollouts[ref.rollout].sequences[ref.sequence])
+
+    refs.sort(key=lambda ref: (-length(ref), ref.rollout, ref.sequence))
+    batches: list[list[SequenceRef]] = []
+    for ref in refs:  # longest first: a batch's first row is its longest
+        if batches and (len(batches[-1]) + 1) * length(batches[-1][0]) <= max_tokens:
+            batches[-1].append(ref)
+        else:
+            batches.append([ref])
+    return [pad(rollouts, chunk, pad_id=pad_id) for chunk in batches]
+
+
+def trained_tokens(rollouts: Sequence[Rollout]) -> int:
+    return sum(int(sequence.trained.sum()) for rollout in rollouts for sequence in rollout.sequences)

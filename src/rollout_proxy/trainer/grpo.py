@@ -1,0 +1,264 @@
+"""The reference learner: one GRPO / PPO-clip step per job step, PyTorch on the CPU, Hugging Face weights in fp32.
+
+A reference, not a framework: it shows what the recorded tokens are for, and checks them.
+Per trained token t of a step (loss weight w > 0, advantage A of its rollout, recorded sampling
+logprob μ = the old policy), with the trainer's logprob π = log π_θ(token t | tokens < t):
+
+    r          = exp(π − μ)                                  importance ratio to the sampler
+    surrogate  = min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)   PPO-clip
+    surrogate  = max(surrogate, C·A)  where A < 0             the weight is truncated at C ("dual clip")
+    loss_t     = −surrogate + β·(exp(ρ − π) − (ρ − π) − 1)    optional k3 KL to the reference ρ (β > 0)
+    loss       = Σ_t w·loss_t / Σ_t w                          a mean over the step's trained tokens
+
+then one AdamW step (gradients clipped to ``max_grad_norm``). A tied input/output embedding (SmolLM2's)
+is not trained by default: vLLM 0.32's in-place ``reload_weights`` loads the new embedding but keeps
+the tied ``lm_head``'s old copy (its log says ``ParallelLMHead: Failed to load weights``), which the
+mismatch report showed as 0.02-0.04 nats on every token after the first reload
+(``freeze_tied_embeddings=False`` trains it, for engines that reload it). The same forward gives the mismatch
+report's trainer logprobs: ``π`` before the update, for every trained token. Temperature: the
+logits are divided by it, as the engine did before reporting processed logprobs (at 1, raw and
+processed are the same); top-p / top-k truncation is not reproduced (run them at 1 / 0).
+
+Logprobs are computed over padded micro-batches (``batch.micro_batches``) and only at the
+columns with a trained token (``logits_to_keep``): the vocabulary projection of prompt
+positions is never made. Needs ``rollout-proxy[train]`` (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollout_proxy.trainer.batch import PaddedBatch, Rollout, micro_batches
+from rollout_proxy.trainer.loop import LearnerStep
+from rollout_proxy.trainer.mismatch import ScoredSequence
+
+#: files of the source checkpoint copied next to the new weights, so each one is a whole HF checkpoint
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GRPOConfig:
+    learning_rate: float = 2e-5
+    clip_low: float = 0.2  # ε_low
+    clip_high: float = 0.2  # ε_high (larger values: DAPO's "clip higher")
+    ratio_cap: float = 3.0  # C: a token's importance weight counts for at most this much (A < 0)
+    kl_coef: float = 0.0  # β; > 0 keeps a frozen copy of the starting weights as the reference
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    micro_batch_tokens: int = 4096  # rows × longest row per forward/backward
+    temperature: float = 1.0  # the sampling temperature (processed logprobs divide the logits by it)
+    #: keep a tied input/output embedding as it is: vLLM 0.32's in-place reload does not update a tied lm_head
+    freeze_tied_embeddings: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.learning_rate < 0 or self.micro_batch_tokens < 1 or self.temperature <= 0:
+            raise ValueError("learning_rate >= 0, micro_batch_tokens >= 1 and temperature > 0 are required")
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.ratio_cap <= 1 or self.kl_coef < 0:
+            raise ValueError("0 <= clip_low < 1, clip_high >= 0, ratio_cap > 1 and kl_coef >= 0 are required")
+
+
+def load_policy(model_dir: str | Path) -> Any:
+    """An HF causal LM in fp32, in eval mode (no dropout: its logprobs must be the engine's)."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def token_logprobs(model: Any, batch: PaddedBatch, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(token t | tokens < t) and the entropy of π there, for the columns ``batch.trained_span``:
+    two (rows, hi − lo) tensors (column j is token lo + j). Differentiable when grad is enabled."""
+    lo, hi = batch.trained_span
+    if hi <= lo:
+        empty = torch.zeros((len(batch.rows), 0), dtype=torch.float32)
+        return empty, empty
+    input_ids = torch.from_numpy(batch.input_ids[:, :hi])  # later tokens change no logit of a trained one
+    attention_mask = torch.from_numpy(batch.attention_mask[:, :hi])
+    keep = torch.arange(lo - 1, hi - 1)  # the logits at t - 1 predict token t
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False).logits
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    targets = input_ids[:, lo:hi].unsqueeze(-1)
+    chosen = logp.gather(-1, targets).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return chosen, entropy
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    config: GRPOConfig,
+    reference_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The summed (not yet averaged) loss over the weighted tokens, and sums for the step's metrics."""
+    log_ratio = torch.clamp(logprobs - sampling_logprobs, max=20.0)  # a floor logprob (-9999) must not overflow
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * advantages
+    surrogate = torch.minimum(unclipped, clipped)
+    capped = torch.where(advantages < 0, torch.maximum(surrogate, config.ratio_cap * advantages), surrogate)
+    per_token = -capped
+    kl = torch.zeros_like(logprobs)
+    if reference_logprobs is not None:
+        gap = reference_logprobs - logprobs
+        kl = torch.exp(gap) - gap - 1.0
+        per_token = per_token + config.kl_coef * kl
+    trained = weights > 0
+    with torch.no_grad():
+        sums = {
+            "clipped": float(((clipped < unclipped) & trained).sum()),
+            "capped": float(((capped != surrogate) & trained).sum()),
+            "ratio": float((ratio * weights).sum()),
+            "kl_ref": float((kl * weights).sum()),
+        }
+    return (per_token * weights).sum(), sums
+
+
+class GRPOLearner:
+    """The policy, its optimizer and (with ``kl_coef``) a frozen reference; ``train_step`` is blocking."""
+
+    def __init__(self, model_dir: str | Path, config: GRPOConfig | None = None) -> None:
+        self.config = config or GRPOConfig()
+        torch.manual_seed(self.config.seed)
+        self.source = Path(model_dir)
+        self.model = load_policy(model_dir)
+        self.reference = load_policy(model_dir) if self.config.kl_coef > 0 else None
+        if self.reference is not None:
+            self.reference.requires_grad_(False)
+        #: the tied embedding is not trained: the engine would keep serving its old copy as its lm_head
+        self.frozen_embeddings = bool(getattr(self.model.config, "tie_word_embeddings", False)) and (
+            self.config.freeze_tied_embeddings
+        )
+        if self.frozen_embeddings:
+            self.model.get_input_embeddings().weight.requires_grad_(False)
+        model_config = self.model.config
+        pad = getattr(model_config, "pad_token_id", None)
+        self.pad_id = int(pad if pad is not None else getattr(model_config, "eos_token_id", 0) or 0)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.config.learning_rate,
+            weight_decay=self.config.weight_decay,
+        )
+
+    def score(self, rollouts: Sequence[Rollout]) -> list[ScoredSequence]:
+        """The trainer's logprob of every trained token, without training (no gradients)."""
+        scored = []
+        with torch.no_grad():
+            for batch in micro_batches(rollouts, max_tokens=self.config.micro_batch_tokens, pad_id=self.pad_id):
+                logprobs, _ = token_logprobs(self.model, batch, temperature=self.config.temperature)
+                scored += _scored(rollouts, batch, logprobs)
+        return scored
+
+    def train_step(self, rollouts: Sequence[Rollout]) -> LearnerStep:
+        started = time.monotonic()
+        batches = micro_batches(rollouts, max_tokens=self.config.micro_batch_tokens, pad_id=self.pad_id)
+        total_weight = float(sum(batch.loss_weight.sum() for batch in batches))
+        self.optimizer.zero_grad(set_to_none=True)
+        scored: list[ScoredSequence] = []
+        sums = {"loss": 0.0, "clipped": 0.0, "capped": 0.0, "ratio": 0.0, "kl_ref": 0.0, "entropy": 0.0}
+        for batch in batches:
+            lo, hi = batch.trained_span
+            logprobs, entropy = token_logprobs(self.model, batch, temperature=self.config.temperature)
+            weights = torch.from_numpy(batch.loss_weight[:, lo:hi])
+            reference = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    reference, _ = token_logprobs(self.reference, batch, temperature=self.config.temperature)
+            loss, batch_sums = policy_loss(
+                logprobs,
+                torch.from_numpy(batch.sampling_logprobs[:, lo:hi]),
+                torch.from_numpy(batch.advantages[:, lo:hi]),
+                weights,
+                self.config,
+                reference,
+            )
+            if total_weight > 0:
+                (loss / total_weight).backward()
+            sums["loss"] += float(loss.detach())
+            sums["entropy"] += float((entropy.detach() * weights).sum())
+            for name, value in batch_sums.items():
+                sums[name] += value
+            scored += _scored(rollouts, batch, logprobs.detach())
+        grad_norm = 0.0
+        if total_weight > 0:
+            parameters = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, self.config.max_grad_norm))
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        per_token = max(total_weight, 1.0)
+        metrics = {
+            "loss": sums["loss"] / per_token,
+            "clip_fraction": sums["clipped"] / per_token,
+            "capped_fraction": sums["capped"] / per_token,
+            "ratio_mean": sums["ratio"] / per_token,
+            "entropy": sums["entropy"] / per_token,
+            "grad_norm": grad_norm,
+            "micro_batches": float(len(batches)),
+            "padded_tokens": float(sum(batch.input_ids.size for batch in batches)),
+            "train_s": time.monotonic() - started,
+        }
+        if self.reference is not None:
+            metrics["kl_ref"] = sums["kl_ref"] / per_token
+        return LearnerStep(scored=scored, metrics=metrics)
+
+    def save(self, directory: Path) -> None:
+        """The current weights as an HF checkpoint (safetensors, the source's config and tokenizer),
+        written beside ``directory`` and renamed into place: a reader never sees half of one."""
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            self.model.save_pretrained(staging)
+            for name in TOKENIZER_FILES:
+                if (self.source / name).is_file() and not (staging / name).exists():
+                    shutil.copy2(self.source / name, staging / name)
+            staging.chmod(0o755)
+            if directory.exists():
+                shutil.rmtree(directory)
+            staging.rename(directory)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def _scored(rollouts: Sequence[Rollout], batch: PaddedBatch, logprobs: torch.Tensor) -> list[ScoredSequence]:
+    """Each row's trained tokens, with the trainer's and the sampler's logprobs."""
+    lo, hi = batch.trained_span
+    values = logprobs.numpy().astype(np.float32)
+    out = []
+    for row, ref in enumerate(batch.rows):
+        columns = np.flatnonzero(batch.loss_weight[row, lo:hi] > 0)
+        positions = lo + columns
+        out.append(
+            ScoredSequence(
+                group_id=rollouts[ref.rollout].group_id,
+                rollout=rollouts[ref.rollout].index,
+                sequence=ref.sequence,
+                positions=positions.astype(np.int64),
+                token_ids=batch.input_ids[row, positions],
+                versions=batch.versions[row, positions],
+                trainer=values[row, columns],
+                sampler=batch.sampling_logprobs[row, positions],
+            )
+        )
+    return out

@@ -1,0 +1,250 @@
+"""The Anthropic Messages API's request shapes, as the proxy's normal form (``wire.messages``).
+
+A Messages request is a ``system`` (a string or text blocks), ``messages`` whose content is a string or
+content blocks, and ``tools``. In the normal form:
+
+- ``system`` is the conversation's first message (``role: "system"``), its text blocks joined with
+  newlines as every content's are; a ``role: "system"`` message inside the conversation (Claude Code sends
+  them) stays where it is;
+- a user message's ``tool_result`` blocks become ``tool`` messages (their content a string, or text
+  blocks joined), in order, and its text blocks around them ``user`` messages;
+- an assistant message is one assistant message: its text blocks as ``content``, its ``tool_use`` blocks
+  as ``tool_calls`` (``input`` encoded as the arguments), its ``thinking`` blocks as
+  ``reasoning_content``. A ``redacted_thinking`` block is opaque (the proxy never issues one): accepted,
+  and not rendered. A ``thinking`` block's ``signature`` is returned for the caller to check
+  (``SignedThinking``): the proxy signs the thinking it answers, so an echoed block names its node;
+- custom tools (no ``type``, or ``"custom"``) are rendered as functions with their ``input_schema``;
+  tools of any other type (Anthropic's server tools and its versioned client tools: ``web_search_…``,
+  ``bash_…``, ``text_editor_…``, ``mcp_toolset``, …) and tools with ``defer_loading`` (not in the model's
+  context until a tool search loads them) are left out of the prompt and recorded (``ToolSet.left_out``).
+
+What comes in here has passed the edge's pydantic models (``proxy.anthropic_models``); the functions still
+take any JSON value and raise nothing but ``WireFormatError``, naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_proxy.wire.errors import WireFormatError
+from rollout_proxy.wire.messages import ToolSet, arguments_json, describe, free_form_json
+
+#: Block types an assistant message may hold; ``redacted_thinking`` is accepted and not rendered.
+ASSISTANT_BLOCKS = frozenset({"text", "thinking", "redacted_thinking", "tool_use"})
+#: Block types a user (or system) message may hold.
+USER_BLOCKS = frozenset({"text", "tool_result"})
+#: Block types of a system prompt, a system message and a ``tool_result``'s content.
+TEXT_ONLY = frozenset({"text"})
+#: The tool type rendered as a function (also when ``type`` is left out).
+CUSTOM_TOOL = "custom"
+
+
+@dataclass(frozen=True, slots=True)
+class SignedThinking:
+    """A ``thinking`` block the client sent with a signature: where it is, and what the signature covers."""
+
+    message: int  # the index of its assistant message in the normalized conversation
+    signature: str
+    thinking: str
+    param: str  # where it was in the request (for an error naming it)
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A Messages request's conversation in the normal form, and the signed thinking it carries."""
+
+    messages: list[dict[str, Any]]
+    signed: list[SignedThinking] = field(default_factory=list)
+
+
+def _text_of(blocks: Any, *, param: str, allowed: frozenset[str]) -> str:
+    """Text blocks joined with newlines (as ``wire.messages.content_text`` joins parts)."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise WireFormatError("content must be a string or a list of content blocks", param=param)
+    texts = []
+    for index, block in enumerate(blocks):
+        where = f"{param}[{index}]"
+        kind = _block_type(block, where, allowed)
+        if kind == "text":
+            texts.append(_string(block, "text", where))
+    return "\n".join(texts)
+
+
+def _block_type(block: Any, where: str, allowed: frozenset[str]) -> str:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if isinstance(kind, str) and kind in allowed:
+        return kind
+    raise WireFormatError(
+        f"unsupported content block {describe(kind) if isinstance(block, dict) else describe(block)} here: "
+        f"this message takes {', '.join(sorted(allowed))} blocks (the policy reads text only)",
+        param=f"{where}.type" if isinstance(block, dict) else where,
+    )
+
+
+def _string(block: dict[str, Any], key: str, where: str) -> str:
+    value = block.get(key)
+    if not isinstance(value, str):
+        raise WireFormatError(f"a {block.get('type')} block needs a string '{key}'", param=f"{where}.{key}")
+    return value
+
+
+def system_message(system: Any, *, param: str = "system") -> dict[str, Any] | None:
+    """The top-level ``system`` as the conversation's first message (None when absent or empty)."""
+    if system is None:
+        return None
+    text = _text_of(system, param=param, allowed=TEXT_ONLY)
+    return {"role": "system", "content": text} if text else None
+
+
+def conversation(system: Any, messages: Any, *, param: str = "messages") -> Conversation:
+    """A Messages request's ``system`` and ``messages`` in the normal form (see the module docstring)."""
+    if not isinstance(messages, list):
+        raise WireFormatError("messages must be a list", param=param)
+    found = Conversation(messages=[])
+    head = system_message(system)
+    if head is not None:
+        found.messages.append(head)
+    for index, message in enumerate(messages):
+        where = f"{param}[{index}]"
+        if not isinstance(message, dict):
+            raise WireFormatError("a message must be an object", param=where)
+        role, content = message.get("role"), message.get("content")
+        if role == "assistant":
+            found.messages.append(_assistant(content, where, len(found.messages), found.signed))
+        elif role == "user":
+            found.messages.extend(_user(content, where))
+        elif role == "system":
+            text = _text_of(content, param=f"{where}.content", allowed=TEXT_ONLY)
+            found.messages.append({"role": "system", "content": text})
+        else:
+            raise WireFormatError(
+                f"unknown message role {describe(role)}: user, assistant or system", param=f"{where}.role"
+            )
+    return found
+
+
+def _user(content: Any, where: str) -> list[dict[str, Any]]:
+    """A user message: its tool results as tool messages, its text blocks around them as user messages."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not isinstance(content, list):
+        raise WireFormatError("content must be a string or a list of content blocks", param=f"{where}.content")
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for index, block in enumerate(content):
+        at = f"{where}.content[{index}]"
+        if _block_type(block, at, USER_BLOCKS) == "text":
+            texts.append(_string(block, "text", at))
+            continue
+        if texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+            texts = []
+        tool_use_id = block.get("tool_use_id")
+        if not isinstance(tool_use_id, str) or not tool_use_id:
+            raise WireFormatError("a tool_result block needs a tool_use_id", param=f"{at}.tool_use_id")
+        result = block.get("content")
+        text = "" if result is None else _text_of(result, param=f"{at}.content", allowed=TEXT_ONLY)
+        out.append({"role": "tool", "tool_call_id": tool_use_id, "content": text})
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant(content: Any, where: str, position: int, signed: list[SignedThinking]) -> dict[str, Any]:
+    """An assistant message; its signed thinking blocks are added to ``signed`` (at ``position``)."""
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    if not isinstance(content, list):
+        raise WireFormatError("content must be a string or a list of content blocks", param=f"{where}.content")
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for index, block in enumerate(content):
+        at = f"{where}.content[{index}]"
+        kind = _block_type(block, at, ASSISTANT_BLOCKS)
+        if kind == "text":
+            texts.append(_string(block, "text", at))
+        elif kind == "thinking":
+            thinking = _string(block, "thinking", at)
+            signature = block.get("signature")
+            if signature is not None and not isinstance(signature, str):
+                raise WireFormatError("a thinking block's signature must be a string", param=f"{at}.signature")
+            if signature:
+                signed.append(SignedThinking(position, signature, thinking, f"{at}.signature"))
+            if thinking:
+                reasoning.append(thinking)
+        elif kind == "tool_use":
+            calls.append(_tool_use(block, at))
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
+    if calls:
+        message["tool_calls"] = calls
+    if reasoning:
+        message["reasoning_content"] = "\n".join(reasoning)
+    return message
+
+
+def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id, name = block.get("id"), block.get("name")
+    if not isinstance(call_id, str) or not call_id:
+        raise WireFormatError("a tool_use block needs an id", param=f"{where}.id")
+    if not isinstance(name, str) or not name:
+        raise WireFormatError("a tool_use block needs a name", param=f"{where}.name")
+    tool_input = block.get("input")
+    if not isinstance(tool_input, dict):
+        raise WireFormatError("a tool_use block's input must be an object", param=f"{where}.input")
+    arguments = arguments_json(tool_input, param=f"{where}.input")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def split_tools(tools: Any, *, param: str = "tools") -> ToolSet:
+    """A Messages request's tools: custom tools rendered as functions (Chat Completions form), the others
+    left out and recorded (``{"type", ["name"]}``; ``type: "deferred"`` for ``defer_loading`` tools)."""
+    if tools is None:
+        return ToolSet()
+    if not isinstance(tools, list):
+        raise WireFormatError("tools must be a list", param=param)
+    found = ToolSet(functions=[])
+    assert found.functions is not None
+    names: set[str] = set()
+    for index, tool in enumerate(tools):
+        where = f"{param}[{index}]"
+        if not isinstance(tool, dict):
+            raise WireFormatError("a tool must be an object", param=where)
+        kind = tool.get("type", CUSTOM_TOOL)
+        name = tool.get("name")
+        if not isinstance(kind, str) or not kind:
+            raise WireFormatError("a tool's type must be a string", param=f"{where}.type")
+        if not isinstance(name, str) or not name:
+            raise WireFormatError("a tool needs a name", param=f"{where}.name")
+        if kind != CUSTOM_TOOL or tool.get("defer_loading") is True:
+            found.left_out.append({"type": "deferred" if kind == CUSTOM_TOOL else kind, "name": name})
+            continue
+        if name in names:
+            raise WireFormatError(
+                f"two tools are named {name!r}: the policy calls tools by name", param=f"{where}.name"
+            )
+        names.add(name)
+        spec: dict[str, Any] = {"name": name}
+        description = tool.get("description")
+        if description is not None:
+            if not isinstance(description, str):
+                raise WireFormatError("a tool description must be a string", param=f"{where}.description")
+            spec["description"] = description
+        schema = tool.get("input_schema") or {"type": "object", "properties": {}}
+        if not isinstance(schema, dict):
+            raise WireFormatError("input_schema must be a JSON Schema object", param=f"{where}.input_schema")
+        free_form_json(schema, what="input_schema", param=f"{where}.input_schema")
+        spec["parameters"] = schema
+        found.functions.append({"type": "function", "function": spec})
+    return found
+
+
+def stop_sequences(value: Any, *, param: str = "stop_sequences") -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise WireFormatError("stop_sequences must be a list of non-empty strings", param=param)
+    return tuple(value)
