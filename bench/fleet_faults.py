@@ -1,6 +1,6 @@
 """Fault benchmark: a fleet of three engines, one killed and restarted every 20 s, under 64 sessions.
 
-    python bench/fleet_faults.py [--duration 120] [--sessions 64] [--kill-every 20] [--down 5] [--turns 4]
+    python -m bench.fleet_faults [--duration 120] [--sessions 64] [--kill-every 20] [--down 5] [--turns 4]
 
 Three fake vLLM engines (``devtools.fake_engine``, SmolLM2's real tokenizer), each its own
 process on its own port, answering in 20, 35 and 50 ms; a ``rollout-proxy serve`` in front
@@ -19,8 +19,8 @@ re-admits it.
 It reports failed turns (goal 0) and the latency of turns started around a kill (from 1 s
 before to ``--window`` s after) against turns started far from any kill or restart (steady
 state): p50, p99 and max, and the p99 that failover adds. The proxy's retry and failure
-counters and each restarted engine's state before its re-admission are in the JSON
-(``--out``). A benchmark, not a test: the numbers go in the README's "Fault benchmark".
+counters and each restarted engine's state before its re-admission are in ``fleet_faults.json`` under
+``--out``. A benchmark, not a test: the published run is on docs/benchmarks/fleet_faults.md.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,17 +40,12 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.harness import OUT, ROOT, child_env, free_port, markdown_table, write_report
+
 ADMIN_KEY = "fleet-faults-admin-key"
 DELAYS = (0.020, 0.035, 0.050)  # seconds per completion, one per engine
 FLEET_VERSION = 1
 COMPLETIONS = "/_bench/completions"  # how many completions an engine process was asked for
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- the child processes ------------------------------------------------------------------
@@ -102,13 +96,14 @@ def wait_for_line(process: subprocess.Popen[str], wanted: str) -> subprocess.Pop
 
 def start_engine(port: int, delay: float, *, standby: bool = False) -> subprocess.Popen[str]:
     """An engine process, listening (or, ``standby``, loaded and waiting for ``listen``)."""
-    argv = [sys.executable, __file__, "--child-engine", str(port), "--delay", str(delay)]
+    argv = [sys.executable, "-m", "bench.fleet_faults", "--child-engine", str(port), "--delay", str(delay)]
     process = subprocess.Popen(
         [*argv, "--standby"] if standby else argv,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+        cwd=ROOT,
+        env=child_env(),
     )
     return wait_for_line(process, "loaded" if standby else "ready")
 
@@ -139,7 +134,8 @@ def start_proxy(port: int, engine_urls: list[str]) -> subprocess.Popen[bytes]:
             str(port),
             *QUIET,
         ],
-        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+        cwd=ROOT,
+        env=child_env(),
     )
     return process
 
@@ -338,10 +334,8 @@ def analyse(load: Load, done: list[Fault], args: argparse.Namespace) -> dict[str
 
 
 def table(result: dict[str, Any]) -> str:
-    rows = [
-        "| turns | p50 | p99 | max |",
-        "| --- | ---: | ---: | ---: |",
-    ]
+    """Turn latency far from any fault, around a kill, in flight at one, and over all turns."""
+    rows = []
     for name, key in (
         ("steady state", "steady"),
         ("started around a kill", "around_kills"),
@@ -351,9 +345,27 @@ def table(result: dict[str, Any]) -> str:
         s = result[key]
         if s.get("turns"):
             rows.append(
-                f"| {name} ({s['turns']}) | {s['p50_ms']:.0f} ms | {s['p99_ms']:.0f} ms | {s['max_ms']:.0f} ms |"
+                [f"{name} ({s['turns']})", f"{s['p50_ms']:.0f} ms", f"{s['p99_ms']:.0f} ms", f"{s['max_ms']:.0f} ms"]
             )
-    return "\n".join(rows)
+    return markdown_table(["turns", "p50", "p99", "max"], rows)
+
+
+def outcome(result: dict[str, Any]) -> str:
+    """Failed turns, failover's cost and each fault's story, in words."""
+    lines = [
+        f"failed turns: {result['failed_turns']} of {result['turns']} ({result['turns_per_second']:.0f} turns/s); "
+        f"p99 added by failover: {result['p99_added_by_failover_ms']:.0f} ms; "
+        f"{len(result['faults'])} kill(s); session errors: {result['session_errors']}"
+    ]
+    for fault in result["faults"]:
+        lines.append(
+            f"killed an engine at {fault['killed_at']:.1f}s, restarted at {fault['restarted_at']:.1f}s: "
+            f"{fault['state_before_readmit']} ({fault['turns_before_readmit']} turns) until re-admitted at "
+            f"{fault['readmitted_at']:.1f}s -> {fault['state_after_readmit']}"
+        )
+    retries = {k: v for k, v in result["counters"].items() if "retr" in k or "fail" in k}
+    lines.append(f"retries and failures: {retries}")
+    return "\n".join(lines)
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -385,7 +397,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             result = analyse(load, done, args)
             result["counters"] = await admin_call(http, proxy_url, "GET", "/v1/admin/counters")
             result["engines_at_end"] = (await admin_call(http, proxy_url, "GET", "/v1/admin/engines"))["engines"]
-        result["settings"] = {k: v for k, v in vars(args).items() if k not in ("child_engine", "delay", "standby")}
+        result["settings"] = {
+            k: v for k, v in vars(args).items() if k not in ("child_engine", "delay", "standby", "out")
+        }
         result["engine_delays_ms"] = [d * 1000 for d in DELAYS]
         result["cpus"] = os.cpu_count()
         result["load_average"] = os.getloadavg()
@@ -398,7 +412,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             proxy.wait(timeout=10)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
     parser.add_argument("--sessions", type=int, default=64, help="concurrent sessions (default 64)")
@@ -408,31 +422,18 @@ def main() -> None:
     parser.add_argument("--probe-wait", type=float, default=3.0, help="seconds before re-admitting (default 3)")
     parser.add_argument("--window", type=float, default=5.0, help="seconds after a kill counted as failover")
     parser.add_argument("--settle", type=float, default=5.0, help="seconds between set-up and load (default 5)")
-    parser.add_argument("--out", default=str(ROOT / "out" / "bench" / "fleet_faults.json"))
+    parser.add_argument("--out", type=Path, default=OUT, help="where fleet_faults.json goes (default out/bench)")
     parser.add_argument("--child-engine", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--delay", type=float, default=0.02, help=argparse.SUPPRESS)
     parser.add_argument("--standby", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child_engine is not None:
         asyncio.run(serve_engine(args.child_engine, args.delay, args.standby))
         return
     result = asyncio.run(bench(args))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_report(args.out / "fleet_faults.json", result, "bench.fleet_faults", argv)
     print(table(result))
-    print(
-        f"failed turns: {result['failed_turns']} of {result['turns']} ({result['turns_per_second']:.0f} turns/s); "
-        f"p99 added by failover: {result['p99_added_by_failover_ms']:.0f} ms; "
-        f"{len(result['faults'])} kill(s); session errors: {result['session_errors']}"
-    )
-    for fault in result["faults"]:
-        print(
-            f"  killed {fault['engine']} at {fault['killed_at']:.1f}s, restarted at {fault['restarted_at']:.1f}s: "
-            f"{fault['state_before_readmit']} ({fault['turns_before_readmit']} turns) until re-admitted at {fault['readmitted_at']:.1f}s -> "
-            f"{fault['state_after_readmit']}"
-        )
-    print(f"retries and failures: { {k: v for k, v in result['counters'].items() if 'retr' in k or 'fail' in k} }")
+    print(outcome(result))
     print(f"written to {out}")
 
 

@@ -1,6 +1,6 @@
 """Memory soak: is a proxy's memory flat under a constant load, and given back once its sessions expire?
 
-    python bench/memory_soak.py [--duration 600] [--sessions 32] [--turns 10] [--ttl 120] [--out DIR]
+    python -m bench.memory_soak [--duration 600] [--sessions 32] [--turns 10] [--ttl 120] [--out DIR]
 
 One run starts, side by side, a proxy on the memory store and a proxy on Redis (each its own
 process, started as ``rollout-proxy serve`` starts one: settings, app, event loop, collector; so
@@ -51,10 +51,9 @@ from typing import Any
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+from load_tests.run import Services, free_port, start_engine, start_redis
 
-from load_tests.run import Services, free_port, start_engine, start_redis  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 ADMIN_KEY = "soak-admin-key"
 STATS = "/_soak/stats"
@@ -454,7 +453,8 @@ def main() -> None:
         proxies = []
         for name, store, ttl in (("memory", "memory", args.ttl), ("redis", redis_url, args.redis_ttl or args.ttl)):
             port = free_port()
-            argv = [sys.executable, __file__, "proxy", "--store", store, "--engine", engine_url, "--port", str(port)]
+            argv = [sys.executable, "-m", "bench.memory_soak", "proxy", "--store", store, "--engine", engine_url]
+            argv += ["--port", str(port)]
             argv += ["--ttl", str(ttl), *(["--tracemalloc"] if args.tracemalloc else [])]
             process = services.start(f"proxy-{name}", argv)
             proxies.append(Proxy(name, f"http://127.0.0.1:{port}", process.pid, ttl))

@@ -1,15 +1,15 @@
 """Side by side in one run: the engine called directly, rollout-proxy (memory and Redis stores), LiteLLM's proxy.
 
-    python bench/proxy_overhead.py                      # the README's run (a few minutes on 2 cores)
-    python bench/proxy_overhead.py --quick              # 1 and 32 sessions, one round, 20-turn long run
-    python bench/proxy_overhead.py --sizes 1,32 --delays 0 --no-litellm --out out/bench
+    python -m bench.proxy_overhead                      # the README's run (a few minutes on 2 cores)
+    python -m bench.proxy_overhead --quick              # 1 and 32 sessions, one round, 20-turn long run
+    python -m bench.proxy_overhead --sizes 1,32 --delays 0 --no-litellm --out out/bench
 
 Every target talks to the same engine process (``load_tests.engine``, fixed 16-token reply), one
 with a 0 ms and one with a 50 ms completion; each proxy is its own process (``rollout-proxy
 serve``), so its CPU time is read from its own counters (see ``cpu_seconds``). For each
 number of concurrent sessions (1, 32, 256, 1,024 by default), each session a Chat Completions
 conversation resending its history as the openai SDK does, the targets run in turn, interleaved
-round by round (the order rotates), and the run reports per target:
+round by round (the order rotates: ``bench.harness.rotated``), and the run reports per target:
 
   p50 / p99 overhead per turn  the target's turn latency percentile minus the direct one's
   throughput ratio             turns per second over direct's, same sessions and turns
@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -50,10 +51,20 @@ from typing import Any
 
 import aiohttp
 import orjson
-import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # load_tests: the fake engine process and the process helpers
+from bench.harness import (
+    OUT,
+    Services,
+    cpu_line,
+    cpu_seconds,
+    free_port,
+    percentile,
+    pin,
+    rotated,
+    start_engine,
+    start_redis,
+    write_report,
+)
 
 ADMIN_KEY = "bench-admin-key"
 LITELLM_KEY = "sk-bench"
@@ -84,50 +95,6 @@ class Run:
     cpu_create: float = 0.0  # ... over creating the sessions
     engine_cpu: float = 0.0  # CPU seconds of the engine over the turns
     others_cpu: float = 0.0  # ... of this client (the bench's own process) and of ``measure``'s ``others``
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU of a process and its children (LiteLLM may fork workers).
-
-    Read from the scheduler's own nanosecond count of each live thread (``/proc/PID/task/*/schedstat``)
-    where Linux has it: ``utime``/``stime`` (psutil's ``cpu_times``) move in 10 ms ticks, which is
-    ±40% of one turn of 16 sessions in the long run. Elsewhere, psutil's ticks. A thread that exits
-    between two readings takes its time with it (the proxies' threads live as long as they do)."""
-    if pid is None:
-        return 0.0
-    process = psutil.Process(pid)
-    total = 0.0
-    for each in [process, *process.children(recursive=True)]:
-        try:
-            nanoseconds = _threads_cpu_ns(each.pid)
-            if nanoseconds is None:
-                times = each.cpu_times()
-                total += times.user + times.system
-            else:
-                total += nanoseconds / 1e9
-        except psutil.NoSuchProcess:
-            continue
-    return total
-
-
-def _threads_cpu_ns(pid: int) -> int | None:
-    """Nanoseconds on a CPU of every live thread of ``pid``; None where ``/proc`` does not say."""
-    if not Path("/proc/self/schedstat").exists():  # not Linux, or a kernel without it
-        return None
-    tasks = Path(f"/proc/{pid}/task")
-    try:
-        threads = os.listdir(tasks)
-    except FileNotFoundError:
-        raise psutil.NoSuchProcess(pid) from None
-    total = 0
-    for thread in threads:
-        try:
-            total += int((tasks / thread / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # the thread ended since the listing
-            continue
-        except (OSError, ValueError, IndexError):
-            return None
-    return total
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], token: str | None) -> tuple[int, bytes]:
@@ -249,33 +216,11 @@ async def lockstep(
     return latencies, cpu
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 # -- the processes -------------------------------------------------------------------------------------
-
-
-def pin(pid: int, cpus: set[int] | None) -> None:
-    """Every thread of ``pid`` (and its children) onto ``cpus``; threads started later inherit it.
-    Nothing where ``cpus`` is None."""
-    if not cpus:
-        return
-    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        for thread in process.threads():
-            try:
-                os.sched_setaffinity(thread.id, cpus)
-            except ProcessLookupError:  # the thread ended since the listing
-                continue
 
 
 def start_targets(services: Any, args: argparse.Namespace, delay: float, redis_url: str | None) -> tuple[Any, list]:
     """The engine of this delay, and in front of it each proxy (its own process) and LiteLLM."""
-    from load_tests.run import free_port, start_engine
-
     engine, engine_url = start_engine(services, name=f"engine-{delay:g}", delay=delay)
     pin(engine.pid, args.client_cpus)
     targets = [Target("direct", f"{engine_url}/v1/chat/completions")]
@@ -325,8 +270,7 @@ async def phase(args: argparse.Namespace, delay: float, targets: list[Target], e
             turns = args.turns[size]
             runs: dict[str, list[Run]] = {target.name: [] for target in targets}
             for round_index in range(args.rounds):
-                shift = round_index % len(targets)
-                for target in targets[shift:] + targets[:shift]:
+                for target in rotated(targets, round_index):
                     run = await measure(http, target, engine_pid, size, turns)
                     runs[target.name].append(run)
                     print(
@@ -349,8 +293,7 @@ async def long_runs(http: aiohttp.ClientSession, args: argparse.Namespace, targe
     one round does not bend the line)."""
     long: dict[str, Any] = {}
     for round_index in range(args.long_rounds):
-        shift = round_index % len(targets)
-        for target in targets[shift:] + targets[:shift]:
+        for target in rotated(targets, round_index):
             latencies, cpu = await lockstep(http, target, args.long_sessions, args.long_turns)
             entry = long.setdefault(target.name, {"latencies": [[] for _ in latencies], "cpu_by_round": []})
             for turn, values in zip(entry["latencies"], latencies, strict=True):
@@ -385,15 +328,6 @@ def summarize(runs: dict[str, list[Run]], sessions: int, turns: int) -> dict[str
         values["p99_overhead_ms"] = values["p99_ms"] - direct["p99_ms"]
         values["throughput_ratio"] = values["turns_per_s"] / direct["turns_per_s"] if direct["turns_per_s"] else 0
     return {"sessions": sessions, "turns": turns, "targets": merged}
-
-
-def cpu_line(cpu: list[float]) -> tuple[float, float]:
-    """The least-squares line through the CPU per turn of turns 2 to N, read at turn 2 and at turn N
-    (ms): the trend of every turn, where the means of five turns move with the machine's noise."""
-    if len(cpu) < 3:
-        return float("nan"), float("nan")
-    slope, intercept = statistics.linear_regression(range(2, len(cpu) + 1), cpu[1:])
-    return (intercept + 2 * slope) * 1000, (intercept + len(cpu) * slope) * 1000
 
 
 def long_summary(long: dict[str, Any], turns: int) -> dict[str, Any]:
@@ -575,7 +509,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="1 and 32 sessions, 1 round, 20-turn long run")
     parser.add_argument("--replot", type=Path, help="only print the table and draw the plot of a saved JSON report")
-    parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench", help="JSON and PNG (default out/bench)")
+    parser.add_argument("--out", type=Path, default=OUT, help="JSON and PNG (default out/bench)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.turns, args.rounds, args.long_turns, args.long_rounds = "1,32", "10,4", 1, 20, 1
@@ -607,10 +541,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import shutil
-
-    from load_tests.run import Services, start_redis
-
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.replot:
@@ -659,7 +589,7 @@ def main(argv: list[str] | None = None) -> None:
     report["title"] = (
         f"rollout-proxy overhead vs direct (and LiteLLM), {os.cpu_count()} CPUs{pinned}, load {os.getloadavg()[0]:.1f}"
     )
-    (args.out / "proxy_overhead.json").write_text(json.dumps(report, indent=1, default=str))
+    write_report(args.out / "proxy_overhead.json", report, "bench.proxy_overhead", argv)
     plot(report, args.out / "proxy_overhead.png")
     print(table(report))
     print(f"wrote {args.out / 'proxy_overhead.json'} and {args.out / 'proxy_overhead.png'}")

@@ -1,6 +1,6 @@
 """The proxy's CPU per turn of a Codex-shaped conversation, turn 100 against turn 2: Responses and chat side by side.
 
-    python bench/resent_input.py [--turns 100] [--sessions 8] [--rounds 3] [--out out/bench]
+    python -m bench.resent_input [--turns 100] [--sessions 8] [--rounds 3] [--out out/bench]
 
 Codex CLI resends its whole history on every turn (``store: false``, no ``previous_response_id``): at its
 first turn ~27 KB of JSON, a 17.7k-character developer prompt and a second developer message, its
@@ -12,7 +12,7 @@ the engine double's ``fixed`` reply is text). The same conversation as Chat Comp
 messages, the tools in chat form, streamed) runs beside it. ``--sessions`` sessions take turn k
 together (lock step) against one ``rollout-proxy serve`` process (memory store) in front of the engine
 double (``load_tests.engine``, 0 ms); each turn's CPU is the proxy process's, read from the scheduler's
-nanosecond counters (``bench.proxy_overhead.cpu_seconds``), per session, the median over ``--rounds``
+nanosecond counters (``bench.harness.cpu_seconds``), per session, the median over ``--rounds``
 rounds (the two APIs alternate round by round). Reported per API: the CPU per turn over turns 2-6 and
 over the last five, their ratio, and the least-squares line through every turn read at turn 2 and at
 the last (the goal: turn 100 at most 1.2x turn 2). Writes ``resent_input.json`` under ``--out``. A
@@ -34,10 +34,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # load_tests: the engine double and the process helpers; bench: CPU counters
+from bench.harness import OUT, ROOT, Services, cpu_line, cpu_seconds, free_port, rotated, start_engine, write_report
 
-from bench.proxy_overhead import ADMIN_KEY, cpu_line, cpu_seconds  # noqa: E402
+ADMIN_KEY = "bench-admin-key"
 
 FIXTURE = ROOT / "tests" / "fixtures" / "harnesses" / "codex-0.171.0" / "responses-turn1-stock-config.json"
 TEMPLATE = ROOT / "src" / "rollout_proxy" / "devtools" / "templates" / "qwen3_style.jinja"
@@ -140,8 +139,6 @@ def summary(cpu: list[float]) -> dict[str, float]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from load_tests.run import Services, free_port, start_engine
-
     services = Services(Path(tempfile.mkdtemp(prefix="rp-bench-input-")))
     try:
         _, engine_url = start_engine(services, extra=["--chat-template", str(TEMPLATE)])
@@ -157,13 +154,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for api in by_api:  # warm: tokenizer, local rendering decided, connections
                 await lockstep(http, base, proxy.pid, api, 2, 3)
             for round_index in range(args.rounds):
-                order = list(by_api) if round_index % 2 == 0 else list(by_api)[::-1]
-                for api in order:
+                for api in rotated(list(by_api), round_index):
                     by_api[api].append(await lockstep(http, base, proxy.pid, api, args.sessions, args.turns))
                     print(f"  round {round_index + 1}/{args.rounds}: {api} done", flush=True)
     finally:
         services.stop()
-    report: dict[str, Any] = {"settings": vars(args) | {"out": str(args.out)}, "apis": {}}
+    report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "apis": {}}
     for api, rounds in by_api.items():
         median = [statistics.median(values) for values in zip(*rounds, strict=True)]
         report["apis"][api] = {"cpu_per_turn": median, **summary(median)}
@@ -184,16 +180,15 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=100, help="turns per conversation (default 100)")
     parser.add_argument("--sessions", type=int, default=8, help="sessions in lock step (default 8)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per API, alternating (default 3)")
-    parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench", help="where the JSON goes")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=OUT, help="where the JSON goes (default out/bench)")
+    args = parser.parse_args(argv)
     report = asyncio.run(run(args))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "resent_input.json").write_text(json.dumps(report, indent=1))
+    write_report(args.out / "resent_input.json", report, "bench.resent_input", argv)
     print(table(report))
 
 

@@ -1,6 +1,6 @@
 """What a stored token costs: Redis memory and in-process memory per token and per open session.
 
-    python bench/storage_footprint.py [--tokens 1000000] [--turns 8] [--out out/bench]
+    python -m bench.storage_footprint [--tokens 1000000] [--turns 8] [--out out/bench]
 
 Writes multi-turn tool-agent sessions through the real store API (``create_session``, then
 ``put_node`` with nodes built as ``core/turns.py`` builds them: ``prompt_ids``/``output_ids``
@@ -47,7 +47,6 @@ import gc
 import json
 import random
 import shutil
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -58,17 +57,14 @@ from typing import Any
 import numpy as np
 import orjson
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT))  # load_tests: the redis-server helper
-
-from rollout_proxy.ids import new_response_id, new_session_id, new_tool_call_id  # noqa: E402
-from rollout_proxy.records import GenerationConfig, NodeKind, PolicySpan, ResponseNode, SessionRecord  # noqa: E402
-from rollout_proxy.state import codec  # noqa: E402
-from rollout_proxy.state.connection import RedisOptions  # noqa: E402
-from rollout_proxy.state.memory import MemoryStore  # noqa: E402
-from rollout_proxy.state.redis import RedisStore  # noqa: E402
-from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, extend_path_hash  # noqa: E402
+from bench.harness import OUT, Services, start_redis, write_report
+from rollout_proxy.ids import new_response_id, new_session_id, new_tool_call_id
+from rollout_proxy.records import GenerationConfig, NodeKind, PolicySpan, ResponseNode, SessionRecord
+from rollout_proxy.state import codec
+from rollout_proxy.state.connection import RedisOptions
+from rollout_proxy.state.memory import MemoryStore
+from rollout_proxy.state.redis import RedisStore
+from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, extend_path_hash
 
 #: Template tokens around one rendered message (<|im_start|>role\n ... <|im_end|>\n), and the generation prompt.
 MESSAGE_TOKENS = 5
@@ -468,15 +464,26 @@ def result(name: str, n_sessions: int, after: list[int], tally: Tally, kinds: di
     }
 
 
-def tables(report: dict[str, Any]) -> str:
-    main = report["results"][0]
-    s = report["settings"]
-    lines = [
+def workload(report: dict[str, Any]) -> str:
+    """The run's workload in one line: sessions, turns, token counts, what raw means."""
+    main, s = report["results"][0], report["settings"]
+    return (
         f"{main['sessions']} sessions x {s['turns']} turns (tool agent: bridges {s['bridge'][0]}-{s['bridge'][1]}, "
         f"outputs {s['output'][0]}-{s['output'][1]} tokens, {s['chars_per_token']:g} chars/token); "
         f"{main['stored_tokens']:,} stored tokens ({main['generated_tokens']:,} generated); "
-        f"raw = 4 B x stored tokens (int32 ids) + 4 B x generated tokens (float32 logprobs) = {main['raw_bytes']:,} B",
-        "",
+        f"raw = 4 B x stored tokens (int32 ids) + 4 B x generated tokens (float32 logprobs) = {main['raw_bytes']:,} B"
+    )
+
+
+def tables(report: dict[str, Any]) -> str:
+    """The workload, the store table and where Redis's bytes go, as the bench prints them."""
+    return "\n".join([workload(report), "", store_table(report), "", breakdown_table(report)])
+
+
+def store_table(report: dict[str, Any]) -> str:
+    """Bytes per stored token and per open session, every store and variant of the run."""
+    s = report["settings"]
+    lines = [
         "| store | bytes | per stored token | vs raw | per open session: empty | after 1 turn | after 3 turns "
         f"| after {s['turns']} turns |",
         "|---|---|---|---|---|---|---|---|",
@@ -489,9 +496,14 @@ def tables(report: dict[str, Any]) -> str:
             f"| {per[0] / 1024:.1f} KiB | {per[min(1, len(per) - 1)] / 1024:.1f} KiB | {few / 1024:.1f} KiB "
             f"| {per[-1] / 1024:.1f} KiB |"
         )
+    return "\n".join(lines)
+
+
+def breakdown_table(report: dict[str, Any]) -> str:
+    """Where the default Redis run's bytes go: the blobs' parts, then each kind of key."""
+    main = report["results"][0]
     blob = main["blob"]
-    lines += [
-        "",
+    lines = [
         f"what is stored, before Redis's own costs (per stored token): token arrays {blob['arrays'] / main['stored_tokens']:.2f} B "
         f"(= raw), node messages JSON {blob['messages_json'] / main['stored_tokens']:.2f} B, rest of the node headers "
         f"{blob['header_rest'] / main['stored_tokens']:.2f} B, session records {blob['session_json'] / main['stored_tokens']:.2f} B",
@@ -550,7 +562,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the in-process memory store")
     parser.add_argument("--redis-url", help="an empty Redis to use, flushed (default: a private redis-server)")
-    parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench", help="JSON (default out/bench)")
+    parser.add_argument("--out", type=Path, default=OUT, help="JSON (default out/bench)")
     args = parser.parse_args(argv)
     args.variants = [name for name in args.variants.split(",") if name]
     for name in args.variants:
@@ -560,8 +572,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from load_tests.run import Services, start_redis
-
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     sessions = plan(args)
@@ -581,7 +591,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         shutil.rmtree(services.workdir, ignore_errors=True)
     settings = {key: value for key, value in vars(args).items() if key not in ("out", "redis_url")}
     report = {"settings": settings, "results": results, "goal_vs_raw": 1.2, "met": results[0]["vs_raw"] <= 1.2}
-    (args.out / "storage_footprint.json").write_text(json.dumps(report, indent=1, default=str))
+    write_report(args.out / "storage_footprint.json", report, "bench.storage_footprint", argv)
     print(tables(report))
     verdict = "met" if report["met"] else "NOT met"
     print(f"\ngoal: Redis bytes <= 1.2x raw: {verdict} ({results[0]['vs_raw']:.2f}x)")

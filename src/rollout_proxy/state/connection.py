@@ -20,7 +20,7 @@ connection busy waits up to ``pool_timeout`` for one, then fails as ``StoreBusy`
 when full: ``ConnectionGate`` is the same bounded wait, kept by the store.
 
 Commands are packed by hiredis (``packed_by_hiredis``), as redis-py's synchronous client does;
-its asyncio connections pack in Python, ~5x slower for a turn's script calls (bench/redis_packing.py). Not on a cluster,
+its asyncio connections pack in Python, ~5x slower for a turn's script calls (docs/benchmarks: redis_packing). Not on a cluster,
 whose node connections redis-py builds itself.
 
 What is still failing after that becomes ``StoreUnavailable`` (503 with ``Retry-After``)

@@ -1,4 +1,4 @@
-"""``bench/memory_soak.py`` run tiny: every turn answered on both stores, and once every session has expired,
+"""``python -m bench.memory_soak`` run tiny: every turn answered on both stores, and once every session has expired,
 nothing left in the proxy's per-session structures.
 
 Its own process, as the docs run it: a fake engine, both proxies and a private redis-server it starts itself.
@@ -11,12 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_tiny_soak_answers_every_turn_and_leaves_nothing_after_expiry(tmp_path: Path) -> None:
     sessions, turns = 4, 3
-    command = [sys.executable, "bench/memory_soak.py", "--duration", "5", "--sessions", str(sessions)]
+    command = [sys.executable, "-m", "bench.memory_soak", "--duration", "5", "--sessions", str(sessions)]
     # a TTL that outlasts a rollout on busy shared cores; the drain, every session's expiry and a sweep
     command += ["--turns", str(turns), "--ttl", "10", "--warmup", "3", "--drain", "13", "--out", str(tmp_path)]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)

@@ -1,4 +1,4 @@
-"""``bench/resent_input.py`` run tiny: both APIs answer every Codex-shaped turn, the proxy's CPU measured."""
+"""``python -m bench.resent_input`` run tiny: both APIs answer every Codex-shaped turn, the proxy's CPU measured."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_tiny_run_measures_both_apis(tmp_path: Path) -> None:
-    command = [sys.executable, "bench/resent_input.py", "--turns", "7", "--sessions", "1", "--rounds", "1"]
+    command = [sys.executable, "-m", "bench.resent_input", "--turns", "7", "--sessions", "1", "--rounds", "1"]
     run = subprocess.run([*command, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "resent_input.json").read_text())

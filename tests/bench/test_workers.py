@@ -1,6 +1,6 @@
-"""``bench/workers.py`` run tiny: both proxies answer every turn, and the ceiling is read from measured CPU.
+"""``python -m bench.workers`` run tiny: both proxies answer every turn, and the ceiling is read from measured CPU.
 
-Its own process, as the README runs it; redis-server, the engine double and the proxies are its children.
+Its own process, as the docs run it; redis-server, the engine double and the proxies are its children.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_tiny_run_answers_every_turn_and_bounds_the_ratio_by_the_cpu_it_measured(tmp_path: Path) -> None:
-    command = [sys.executable, "bench/workers.py", "--sizes", "3", "--turns", "2", "--rounds", "1"]
+    command = [sys.executable, "-m", "bench.workers", "--sizes", "3", "--turns", "2", "--rounds", "1"]
     run = subprocess.run([*command, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "workers.json").read_text())

@@ -1,6 +1,6 @@
-"""``bench/storage_footprint.py`` run tiny: it writes through both stores and reports consistent numbers.
+"""``python -m bench.storage_footprint`` run tiny: it writes through both stores and reports consistent numbers.
 
-Its own process, as the README runs it, on a private redis-server it starts itself.
+Its own process, as the docs run it, on a private redis-server it starts itself.
 """
 
 from __future__ import annotations
@@ -10,15 +10,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_tiny_run_reports_both_stores_and_the_what_ifs(tmp_path: Path) -> None:
-    command = [sys.executable, "bench/storage_footprint.py", "--tokens", "6000", "--turns", "3", "--out", str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.storage_footprint",
+        "--tokens",
+        "6000",
+        "--turns",
+        "3",
+        "--out",
+        str(tmp_path),
+    ]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "goal: Redis bytes <= 1.2x raw" in run.stdout
     report = json.loads((tmp_path / "storage_footprint.json").read_text())
+    # what a docs page needs to say how and where it ran: the command without this machine's --out path
+    assert report["command"] == "python -m bench.storage_footprint --tokens 6000 --turns 3"
+    assert report["machine"]["cpus"] >= 1 and len(report["machine"]["load_average"]) == 3
     stores = [result["store"] for result in report["results"]]
     assert stores == [
         "redis (zstd level 3, the default)",

@@ -1,6 +1,6 @@
-"""``bench/proxy_overhead.py`` run tiny: direct and both stores answer every turn, measured side by side.
+"""``python -m bench.proxy_overhead`` run tiny: direct and both stores answer every turn, measured side by side.
 
-Its own process, as the README runs it; redis-server, the engine double and the proxies are its children.
+Its own process, as the docs run it; redis-server, the engine double and the proxies are its children.
 LiteLLM is left out (its own venv, not installed by the tests).
 """
 
@@ -11,11 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_tiny_run_measures_direct_and_both_stores_and_writes_json_and_plot(tmp_path: Path) -> None:
-    command = [sys.executable, "bench/proxy_overhead.py", "--sizes", "1,3", "--turns", "3,2", "--delays", "0"]
+    command = [sys.executable, "-m", "bench.proxy_overhead", "--sizes", "1,3", "--turns", "3,2", "--delays", "0"]
     command += ["--rounds", "1", "--long-turns", "4", "--long-sessions", "2", "--long-rounds", "1", "--no-litellm"]
     run = subprocess.run([*command, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
