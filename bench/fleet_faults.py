@@ -56,8 +56,8 @@ async def serve_engine(port: int, delay: float, standby: bool) -> None:
     stdin): a restart's downtime is the benchmark's ``--down``, not the time to import a tokenizer."""
     from aiohttp import web
 
-    from rollout_proxy.devtools.engine_env import ensure_checkpoints
-    from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+    from devtools.engine_env import ensure_checkpoints
+    from devtools.fake_engine import FakeEngine, FakeEngineServer
 
     engine = FakeEngine(ensure_checkpoints()["dense"], delay=delay)
     served = 0

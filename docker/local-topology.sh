@@ -2,7 +2,7 @@
 # compose.yaml's topology without Docker, as local processes on free ports: Redis, the vLLM CPU engine
 # (--engine fake: the fake vLLM engine, a fast run), two `rollout-proxy serve` replicas on the Redis store
 # behind a round-robin balancer, then `rollout-proxy run` on the demo job through the balancer. Same
-# commands and environment as compose.yaml (rollout_proxy.devtools.compose_plan reads it). Prints where
+# commands and environment as compose.yaml (devtools.compose_plan reads it). Prints where
 # everything is and what the replicas served; stops everything on exit.
 #
 #   docker/local-topology.sh [up] [--engine vllm|fake] [--workdir DIR] [--keep] [--json-out FILE]
@@ -18,4 +18,4 @@ case "${1:-}" in
     up|plan|down) command="$1"; shift ;;
     *) command=up ;;
 esac
-exec "$VENV/bin/python" -m rollout_proxy.devtools.topology "$command" "$@"
+exec "$VENV/bin/python" -m devtools.topology "$command" "$@"

@@ -2,7 +2,7 @@
 
     python -m load_tests.engine --port 8000 [--delay 0.05] [--policy tools|fixed] [--chat-template FILE]
 
-``rollout_proxy.devtools.fake_engine`` speaks vLLM's wire format; this adds what a load needs:
+``devtools.fake_engine`` speaks vLLM's wire format; this adds what a load needs:
 
 - a policy: ``tools`` (call the weather tool on a user question, state the tool's answer after a
   tool result: a multi-turn tool agent) or ``fixed`` (the same short reply, costing nothing);
@@ -28,11 +28,11 @@ from typing import Any
 
 from aiohttp import web
 
-from rollout_proxy.devtools.fake_engine import FakeEngine
+from devtools.fake_engine import FakeEngine
 
 #: the reply of the ``fixed`` policy: 16 tokens with SmolLM2's tokenizer, EOS included
 FIXED_REPLY = "The answer is forty-two, and that is all I will say about it."
-TEMPLATES = Path(__file__).resolve().parents[1] / "src" / "rollout_proxy" / "devtools" / "templates"
+TEMPLATES = Path(__file__).resolve().parents[1] / "devtools" / "templates"
 #: the chat template with tool support the load tests use (the engine and the proxy are given the same file)
 TOOL_TEMPLATE = TEMPLATES / "qwen3_style.jinja"
 BACKLOG = 2048
@@ -108,7 +108,7 @@ def chat_completions(engine: FakeEngine) -> Any:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from rollout_proxy.devtools.engine_env import ensure_checkpoints
+    from devtools.engine_env import ensure_checkpoints
 
     tokenizer = args.tokenizer or ensure_checkpoints()["dense"]
     template = args.chat_template.read_text() if args.chat_template else None

@@ -2,10 +2,10 @@
 # The main job: sets up everything it needs (idempotently), starts vLLM and the proxy, runs the
 # bundled short-answer job (rewards that differ within a group: non-zero GRPO advantages), writes
 # the trajectories and a per-step plot, prints a summary, stops (--keep-running: stays up for the
-# viewer until Ctrl-C). Extra arguments go to `python -m rollout_proxy.devtools.demo` (see --help);
+# viewer until Ctrl-C). Extra arguments go to `python -m devtools.demo` (see --help);
 # --train runs the reference GRPO trainer between the steps (make train-demo, docs/training.md).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
 ensure_venv
-exec "$VENV/bin/python" -m rollout_proxy.devtools.demo "$@"
+exec "$VENV/bin/python" -m devtools.demo "$@"

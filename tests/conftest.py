@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.state.memory import MemoryStore
 from tests.harness import ProxyHarness
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "src" / "rollout_proxy" / "devtools" / "templates"
+TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "devtools" / "templates"
 #: The two chat templates every flow test runs with: Qwen3-style (tools, strips earlier
 #: <think>) and SmolLM2's own (injects a default system prompt, no tool support).
 TEMPLATES = {
@@ -43,7 +43,7 @@ def tokenizer_dir() -> Path:
     override = os.environ.get("ROLLOUT_PROXY_TOKENIZER_DIR")
     if override:
         return Path(override)
-    from rollout_proxy.devtools.engine_env import ensure_checkpoints
+    from devtools.engine_env import ensure_checkpoints
 
     return ensure_checkpoints()["dense"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer, Generation
+from devtools.fake_engine import FakeEngine, FakeEngineServer, Generation
 from rollout_proxy.records import PolicySpan, merge_spans
 
 

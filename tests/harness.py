@@ -14,8 +14,8 @@ from typing import Any
 import openai
 from aiohttp import web
 
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.app import create_app
-from rollout_proxy.devtools.fake_engine import FakeEngine
 from rollout_proxy.embedded import serve_app
 from rollout_proxy.sdk.transport import ProxyClient
 from rollout_proxy.settings import Settings

@@ -113,7 +113,9 @@ def test_the_architecture_page_names_every_subpackage_and_nothing_else():
 
 def test_the_modules_the_architecture_page_names_exist():
     named = set(re.findall(r"\b(\w+)\.py\b", layout_block()))
-    files = {path.stem for path in PACKAGE.rglob("*.py")} | {path.stem for path in (ROOT / "bench").glob("*.py")}
+    files = {path.stem for path in PACKAGE.rglob("*.py")}
+    for tree in ("bench", "devtools", "tests"):
+        files |= {path.stem for path in (ROOT / tree).rglob("*.py")}
     assert named - files == set()
 
 

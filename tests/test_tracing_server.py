@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.app import create_app
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.embedded import serve_app
 from rollout_proxy.proxy import keys
 from rollout_proxy.sdk.tracing import wrap_inplace_trace

@@ -100,5 +100,9 @@ def test_the_installed_proxy_serves_a_session_round_trip(installed: Path, tmp_pa
             env=env,
         )
         assert "site-packages" in module.stdout, module.stdout
+        tooling = subprocess.run(  # the fake engine, the checkpoint builder, the demo: not in the product
+            [str(installed / "python"), "-c", "import devtools"], capture_output=True, text=True, cwd=tmp_path, env=env
+        )
+        assert tooling.returncode != 0 and "No module named 'devtools'" in tooling.stderr
     finally:
         services.stop()

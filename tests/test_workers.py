@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.cli import main
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.proxy.workers import WORKER_HEADER
 from rollout_proxy.state.redis import RedisStore
 from tests.conftest import TEMPLATES, free_port

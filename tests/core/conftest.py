@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.core.rendering import Renderers, RenderingConfig
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner
-from rollout_proxy.devtools.fake_engine import FakeEngine
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.metrics import Metrics

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from devtools.fake_engine import FakeEngine, FakeEngineServer, fake_logprob
 from rollout_proxy.app import create_app
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer, fake_logprob
 from rollout_proxy.settings import Settings
 from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.wire.trajectory import Trajectory

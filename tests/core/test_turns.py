@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from devtools.fake_engine import fake_logprob
 from rollout_proxy.core.rendering import Renderers, RenderingConfig
 from rollout_proxy.core.trajectory import assemble
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner, path_tokens
-from rollout_proxy.devtools.fake_engine import fake_logprob
 from rollout_proxy.engines.base import EngineCompletion, EngineInfo, SamplingParams
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.vllm_http import VLLMEngine

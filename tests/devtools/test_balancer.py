@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from rollout_proxy.devtools.balancer import RoundRobinBalancer
+from devtools.balancer import RoundRobinBalancer
 from rollout_proxy.embedded import serve_app
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from rollout_proxy.devtools import demo
-from rollout_proxy.devtools.fake_engine import FakeEngine
+from devtools import demo
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.embedded import BackgroundLoop, serve_app
 from tests.conftest import TEMPLATES
 from tests.runner.test_short_answer_job import answer_policy, demo_job

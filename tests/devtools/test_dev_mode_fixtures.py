@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-dev-0.32"
 #: Scripted reply for in-flight requests: long enough to be cut, no EOS (id 2) in it.

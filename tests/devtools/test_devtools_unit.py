@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_proxy.devtools import engine_env, paths, vllm_server
-from rollout_proxy.devtools.vllm_server import SITECUSTOMIZE, VLLMServer, stop_pid
+from devtools import engine_env, paths, vllm_server
+from devtools.vllm_server import SITECUSTOMIZE, VLLMServer, stop_pid
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_outdated_checkpoint_stamp_forces_rebuild(cache, monkeypatch):
 
 def test_paths_cli_prints_json(cache):
     out = subprocess.run(
-        [sys.executable, "-m", "rollout_proxy.devtools.engine_env", "paths"],
+        [sys.executable, "-m", "devtools.engine_env", "paths"],
         capture_output=True,
         text=True,
         check=True,

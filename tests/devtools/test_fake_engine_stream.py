@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 
 # vLLM 0.32, POST /v1/completions {"prompt": [...], "stream": true, "return_token_ids": true, "logprobs": 0,
 # "stream_options": {"include_usage": true}, "max_tokens": 4}: first, last, usage chunks

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import aiohttp
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer, fake_logprob
+from devtools.fake_engine import FakeEngine, FakeEngineServer, fake_logprob
 
 #: a real vLLM CPU 0.32 exchange (streaming, prompt logprobs, a pause), kept in the repository
 FIXTURE = (

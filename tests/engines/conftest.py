@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.embedded import serve_app
 
 MODELS_BODY = b'{"object": "list", "data": [{"id": "scripted", "object": "model", "max_model_len": 64}]}'

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from rollout_proxy.devtools.fake_engine import fake_logprob
+from devtools.fake_engine import fake_logprob
 from rollout_proxy.engines import control
 from rollout_proxy.engines.base import SamplingParams
 from rollout_proxy.engines.fleet import Fleet, FleetSettings

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from rollout_proxy.devtools.fake_engine import fake_logprob
+from devtools.fake_engine import fake_logprob
 from rollout_proxy.engines.base import SamplingParams
 from rollout_proxy.engines.fleet import Fleet, FleetSettings
 from rollout_proxy.engines.health import EngineState

@@ -6,7 +6,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from rollout_proxy.devtools.fake_engine import fake_logprob
+from devtools.fake_engine import fake_logprob
 from rollout_proxy.engines.base import SamplingParams
 from rollout_proxy.engines.vllm_http import LOGPROB_FLOOR, VLLMEngine
 from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable

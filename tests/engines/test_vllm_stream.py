@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.engines.base import CompletionPiece, SamplingParams
 from rollout_proxy.engines.streaming import DONE, SSEReader
 from rollout_proxy.engines.vllm_http import VLLMEngine

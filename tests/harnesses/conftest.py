@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.engines.vllm_http import is_routing_probe
 from tests.conftest import TEMPLATES, TEMPLATES_DIR
 from tests.harness import ProxyHarness

@@ -11,7 +11,7 @@ import openai
 import pytest
 from agents import Agent, OpenAIProvider, RunConfig, Runner, function_tool
 
-from rollout_proxy.devtools.fake_engine import FakeEngine
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.proxy import keys
 from tests.harness import ProxyHarness
 from tests.harnesses.conftest import assert_exact, open_session, session_trajectory

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine
-from rollout_proxy.devtools.harnesses import ensure_claude_code
+from devtools.fake_engine import FakeEngine
+from devtools.harnesses import ensure_claude_code
 from rollout_proxy.proxy import keys
 from tests.harness import ProxyHarness, store_snapshot
 from tests.harnesses.conftest import assert_exact, connected_addresses, open_session, session_trajectory, strace

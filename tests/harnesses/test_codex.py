@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine
-from rollout_proxy.devtools.harnesses import ensure_codex
+from devtools.fake_engine import FakeEngine
+from devtools.harnesses import ensure_codex
 from rollout_proxy.engines.vllm_http import is_routing_probe
 from rollout_proxy.examples.codex_rollout import codex_environment, codex_home
 from rollout_proxy.proxy import keys

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from rollout_proxy.devtools.fake_engine import FakeEngine
+from devtools.fake_engine import FakeEngine
 from tests.harness import ProxyHarness
 from tests.harnesses.conftest import assert_exact, connected_addresses, open_session, session_trajectory, strace
 

@@ -19,7 +19,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from rollout_proxy.devtools.vllm_server import VLLMServer
+from devtools.vllm_server import VLLMServer
 from rollout_proxy.embedded import serve_app
 from tests.conftest import TEMPLATES_DIR
 from tests.harness import ProxyHarness

@@ -16,10 +16,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from rollout_proxy.devtools.engine_env import ensure_perturbed_checkpoint
-from rollout_proxy.devtools.record_dev_mode import LONG_TEXT, MODEL, PROMPT, completion
-from rollout_proxy.devtools.vllm_dev import DevModeError, VLLMDevClient
-from rollout_proxy.devtools.vllm_server import VLLMServer
+from devtools.engine_env import ensure_perturbed_checkpoint
+from devtools.record_dev_mode import LONG_TEXT, MODEL, PROMPT, completion
+from devtools.vllm_dev import DevModeError, VLLMDevClient
+from devtools.vllm_server import VLLMServer
 from tests.integration.conftest import VLLMServers
 
 GENERATED = "vllm:generation_tokens_total"

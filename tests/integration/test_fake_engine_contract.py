@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
-from rollout_proxy.devtools.paths import model_dir
+from devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.paths import model_dir
 from tests.conftest import TEMPLATES
 from tests.harness import WEATHER_TOOL
 from tests.integration.conftest import VLLMServers

@@ -20,10 +20,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from rollout_proxy.devtools.engine_env import ensure_perturbed_checkpoint
-from rollout_proxy.devtools.record_dev_mode import completion
-from rollout_proxy.devtools.vllm_dev import VLLMDevClient
-from rollout_proxy.devtools.vllm_server import VLLMServer
+from devtools.engine_env import ensure_perturbed_checkpoint
+from devtools.record_dev_mode import completion
+from devtools.vllm_dev import VLLMDevClient
+from devtools.vllm_server import VLLMServer
 from rollout_proxy.proxy import keys
 from tests.harness import ProxyHarness, Session
 from tests.integration.conftest import VLLMServers

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout_proxy.devtools.fake_engine import load_tokenizer
-from rollout_proxy.devtools.vllm_server import VLLMServer
+from devtools.fake_engine import load_tokenizer
+from devtools.vllm_server import VLLMServer
 from rollout_proxy.wire.arrays import decode_array
 from tests.harness import ProxyHarness
 from tests.integration.conftest import SERVER_CONFIGS, RecordingRelay

@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from rollout_proxy.devtools.engine_env import checkpoint_paths
-from rollout_proxy.devtools.vllm_server import VLLMServer
+from devtools.engine_env import checkpoint_paths
+from devtools.vllm_server import VLLMServer
 from rollout_proxy.trainer.batch import rollouts_of
 from rollout_proxy.trainer.mismatch import mismatch_report
 from tests.harness import ProxyHarness

@@ -120,7 +120,7 @@ async def test_four_turn_conversation_is_token_exact(proxy: ProxyHarness, templa
         expected_weights[len(prompt) : len(prompt) + len(output)] = 1.0
     assert np.array_equal(weights, expected_weights)
     assert np.all(logprobs[weights == 0] == 0.0)
-    from rollout_proxy.devtools.fake_engine import fake_logprob
+    from devtools.fake_engine import fake_logprob
 
     for prompt, output in zip(prompts, outputs, strict=True):
         engine_logprobs = [fake_logprob(len(prompt) + i, token) for i, token in enumerate(output)]

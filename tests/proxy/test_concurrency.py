@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.state.connection import RedisOptions
 from rollout_proxy.state.redis import RedisStore
 from tests.conftest import TEMPLATES

@@ -35,7 +35,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.core.parameters import ParameterLocation
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.engines import control
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import AUDIENCE

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.proxy import keys
 from tests.conftest import TEMPLATES, TEMPLATES_DIR
 from tests.harness import ProxyHarness, store_snapshot

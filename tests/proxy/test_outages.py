@@ -23,7 +23,7 @@ import aiohttp
 import openai
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.proxy import keys
 from tests.conftest import free_port
 from tests.harness import ADMIN_KEY, ProxyHarness

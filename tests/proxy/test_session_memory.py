@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.proxy import keys, session_memory
 from rollout_proxy.state.memory import MemoryStore
 from tests.conftest import TEMPLATES_DIR

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import openai
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeMoE
+from devtools.fake_engine import FakeMoE
 from rollout_proxy.proxy import keys
 from tests.fakes import FakeFleet, fake_fleet
 from tests.harness import ProxyHarness, store_snapshot

@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.proxy import keys
 from tests.conftest import TEMPLATES
 from tests.harness import ProxyHarness, store_snapshot

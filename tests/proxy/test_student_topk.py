@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollout_proxy.devtools.fake_engine import fake_logprob
+from devtools.fake_engine import fake_logprob
 from rollout_proxy.wire.trajectory import Trajectory
 from tests.harness import ProxyHarness
 

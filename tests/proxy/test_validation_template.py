@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.engines.base import SamplingParams
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.errors import EngineError, TemplateRenderError

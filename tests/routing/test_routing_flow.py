@@ -8,7 +8,7 @@ import numpy as np
 import openai
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeMoE
+from devtools.fake_engine import FakeMoE
 from rollout_proxy.proxy import keys
 from tests.harness import WEATHER_TOOL, ProxyHarness, store_snapshot
 

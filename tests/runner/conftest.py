@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rollout_proxy.devtools.fake_engine import FakeEngine
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.embedded import BackgroundLoop, serve_app
 from rollout_proxy.examples.weather_tool import WEATHER_TOOL
 from tests.conftest import TEMPLATES

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, fake_logprob
+from devtools.fake_engine import FakeEngine, fake_logprob
 from rollout_proxy.embedded import BackgroundLoop, serve_app
 from rollout_proxy.runner import JobConfig, JobFailed, run_job
 from rollout_proxy.runner.distill import opd_advantages

@@ -123,7 +123,7 @@ def test_run_help_lists_ray():
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])},
     )
     assert "--ray ADDRESS" in result.stdout
 

@@ -8,7 +8,7 @@ from importlib import resources
 
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.examples.short_answer import grade_reply, short_answer_reward
 from rollout_proxy.runner import JobConfig, run_job
 from rollout_proxy.runner.grading import grpo_advantages

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
-from rollout_proxy.devtools.vllm_dev import DevModeError, Exchange, VLLMDevClient
+from devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.vllm_dev import DevModeError, Exchange, VLLMDevClient
 from rollout_proxy.embedded import serve_app
 from rollout_proxy.examples.trainer import ExampleTrainer
 from rollout_proxy.runner import JobConfig, JobError, JobFailed, run_job

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.app import create_app
-from rollout_proxy.devtools.fake_engine import FakeEngine
 from rollout_proxy.embedded import BackgroundLoop, BackgroundServer, serve_app
 from rollout_proxy.sdk import ChatCompletionSample, RolloutInferenceProxy
 from rollout_proxy.sdk.proxy import session_body

@@ -28,8 +28,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.app import create_app
-from rollout_proxy.devtools.fake_engine import FakeEngine
 from rollout_proxy.embedded import BackgroundLoop, BackgroundServer, serve_app
 from rollout_proxy.examples.async_weather_rollout import demo_rollout as async_weather_rollout
 from rollout_proxy.examples.group_rollout import demo_group_rollout

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from redis.asyncio.connection import Connection
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.proxy import keys as app_keys
 from rollout_proxy.state import keys
 from rollout_proxy.state.redis import RedisStore

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout_proxy.devtools.fake_engine import FakeEngine
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.errors import TemplateRenderError
 from rollout_proxy.tokenization import local as local_module
 from rollout_proxy.tokenization import vllm_chat

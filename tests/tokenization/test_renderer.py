@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.errors import MessagesMergeIntoParent, ProxyError
 from rollout_proxy.tokenization.renderer import ChatRenderer

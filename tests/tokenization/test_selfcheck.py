@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.tokenization.local import LocalTemplate
 from rollout_proxy.tokenization.selfcheck import Case, canonical_cases, self_check, token_diff

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.runner import JobConfig
 from rollout_proxy.runner.runner import JobRunner
 from rollout_proxy.sdk.transport import ProxyClient

@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer, FakeMoE
+from devtools.fake_engine import FakeEngine, FakeEngineServer, FakeMoE
 from rollout_proxy.state.feed import JsonlFeed
 from rollout_proxy.state.redis_feed import RedisStreamFeed
 from tests.conftest import TEMPLATES

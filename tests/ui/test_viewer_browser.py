@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer, FakeMoE
+from devtools.fake_engine import FakeEngine, FakeEngineServer, FakeMoE
 from rollout_proxy.state.feed import JsonlFeed
 from tests.conftest import TEMPLATES
 from tests.harness import ADMIN_KEY, ProxyHarness

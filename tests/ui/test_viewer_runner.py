@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_proxy.devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.runner import JobConfig, JobRunner
 from rollout_proxy.state.feed import JsonlFeed
 from tests.conftest import TEMPLATES

@@ -222,6 +222,7 @@ class Renderers:
         try:
             await self._decided(engine)
         except Exception as exc:  # the engine is not up yet: the first turn decides
+            self._metrics.inc("render_checks_total", check="startup", outcome="error")
             log.info("render_source_undecided", engine=engine.url, error=str(exc))
 
     async def _decide(self, engine: GenerationEngine) -> _EngineRendering:

@@ -14,8 +14,8 @@ Codex sends its own generation parameters (``reasoning``, ...): the ones that ch
 accepted by a session's default ``client_sampling: refuse``; a job whose harness sends more sets
 ``proxy.client_sampling: ignore`` (the job's values are used, Codex's recorded).
 
-Codex is found as ``$ROLLOUT_PROXY_CODEX``, else on ``PATH``, else where the project's scripts install
-it (``python -m rollout_proxy.devtools.harnesses setup``). ``$ROLLOUT_PROXY_CODEX_ARGS`` adds arguments to
+Codex is found as ``$ROLLOUT_PROXY_CODEX``, else on ``PATH`` (the demo points the first at the pinned
+install the project's scripts keep in their cache: ``python -m devtools.harnesses setup``, from a clone). ``$ROLLOUT_PROXY_CODEX_ARGS`` adds arguments to
 ``codex exec`` (shell words), e.g. ``-c features.multi_agent=false -c web_search="disabled"`` to leave its
 sub-agent tools and web search out of its requests (its first prompt is then ~6.8k tokens instead of ~9.4k,
 which a model with an 8k context needs).
@@ -78,18 +78,15 @@ PINNED_CODEX = "0.171.0"
 
 
 def codex_executable() -> str:
-    """Codex CLI: ``$ROLLOUT_PROXY_CODEX``, else on ``PATH``, else the project's cached install."""
-    given = os.environ.get("ROLLOUT_PROXY_CODEX") or shutil.which("codex")
-    if given:
-        return given
-    from rollout_proxy.devtools.harnesses import CODEX
-
-    if not CODEX.binary.is_file():
+    """Codex CLI: ``$ROLLOUT_PROXY_CODEX``, else ``codex`` on ``PATH`` (the demo sets the first to the install
+    the project's scripts keep in their cache)."""
+    found = os.environ.get("ROLLOUT_PROXY_CODEX") or shutil.which("codex")
+    if not found:
         raise FileNotFoundError(
-            f"Codex CLI {PINNED_CODEX} is not installed: run `python -m rollout_proxy.devtools.harnesses setup` "
-            "(or set ROLLOUT_PROXY_CODEX to a codex executable)"
+            f"Codex CLI is not installed: `npm install -g @openai/codex@{PINNED_CODEX}`, or from a clone of this "
+            "repository `python -m devtools.harnesses setup` (then ROLLOUT_PROXY_CODEX names the executable)"
         )
-    return str(CODEX.binary)
+    return found
 
 
 def codex_home(directory: Path, base_url: str) -> Path:

@@ -29,11 +29,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import aiohttp
-
-from rollout_proxy.devtools.vllm_dev import VLLMDevClient
+from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.sdk.transport import ProxyClient
 from rollout_proxy.trainer import FeedEntry, TrajectoryConsumer
+
+#: seconds one engine may take to reload a checkpoint in place (vLLM loads and copies every weight)
+RELOAD_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -101,11 +102,14 @@ class ExampleTrainer:
         old weights must not be resumed at the new version (reload it, or remove it with
         ``DELETE /v1/admin/engines?url=``, then resume). The proxy's ``--pause-wait`` bounds the
         queued turns meanwhile."""
-        async with aiohttp.ClientSession() as http:
+        clients = [VLLMEngine(url) for url in engine_urls]  # the product's engine client: its dev-mode calls
+        try:
             results = await asyncio.gather(
-                *(VLLMDevClient(url, http).reload_weights(str(self.weights)) for url in engine_urls),
+                *(client.reload_weights(str(self.weights), within=RELOAD_TIMEOUT_S) for client in clients),
                 return_exceptions=True,
             )
+        finally:
+            await asyncio.gather(*(client.close() for client in clients))
         failed = {url: repr(error) for url, error in zip(engine_urls, results, strict=True) if error is not None}
         if failed:
             raise RuntimeError(

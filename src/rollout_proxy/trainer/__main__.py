@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
         "--model",
         required=True,
         help="the HF checkpoint the fleet serves now (the scripts' dense SmolLM2-135M: model_dense in `python -m "
-        "rollout_proxy.devtools.engine_env paths`); a restarted trainer starts from OUT/weights/v<fleet version> "
+        "devtools.engine_env paths`); a restarted trainer starts from OUT/weights/v<fleet version> "
         "instead when it wrote that one",
     )
     where.add_argument("--out", required=True, help="output directory: step log, metrics, weights, state")
@@ -148,7 +148,7 @@ async def train(args: argparse.Namespace) -> int:
                     f"the fleet is at version {version}, whose weights this trainer did not write: starting from {model}"
                 )
         if not (model / "config.json").is_file():
-            say(f"no checkpoint in {model}: build it with `python -m rollout_proxy.devtools.engine_env setup`")
+            say(f"no checkpoint in {model}: build it with `python -m devtools.engine_env setup`")
             return 2
         say(f"loading {model} (fp32) for the fleet's version {version}")
         learner = await asyncio.to_thread(GRPOLearner, model, config)

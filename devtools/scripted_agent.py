@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Callable
 
-from rollout_proxy.devtools.fake_engine import FakeEngine
+from devtools.fake_engine import FakeEngine
 
 #: the shell tool each harness gives the model, and its argument
 SHELL_TOOLS = (("exec_command", "cmd"), ("shell", "command"), ("bash", "command"))

@@ -8,9 +8,9 @@ what it depends on to be healthy. It prints where everything is, what the replic
 and the job's summary, then stops everything it started (on success, failure, Ctrl-C or
 SIGTERM; ``down`` stops what a killed run left behind).
 
-    python -m rollout_proxy.devtools.topology up [--engine vllm|fake] [--workdir DIR] [--keep] [--json-out F]
-    python -m rollout_proxy.devtools.topology plan [--engine vllm|fake]     # what `up` would run (JSON)
-    python -m rollout_proxy.devtools.topology down --workdir DIR            # stop a killed run's leftovers
+    python -m devtools.topology up [--engine vllm|fake] [--workdir DIR] [--keep] [--json-out F]
+    python -m devtools.topology plan [--engine vllm|fake]     # what `up` would run (JSON)
+    python -m devtools.topology down --workdir DIR            # stop a killed run's leftovers
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from rollout_proxy.devtools.compose_plan import REPO, LocalPlan, LocalService, plan
+from devtools.compose_plan import REPO, LocalPlan, LocalService, plan
 
 STATE_FILE = "topology.json"
 START_TIMEOUT = {"engine": 900.0}  # vLLM on CPU: ~1 min warm, more on a loaded machine
@@ -325,7 +325,7 @@ async def serve_fake_engine(port: int, tokenizer: Path, chat_template: str | Non
     """The fake vLLM engine on ``port`` until SIGTERM/SIGINT (real tokenizer and template, scripted policy)."""
     import asyncio
 
-    from rollout_proxy.devtools.fake_engine import FakeEngine
+    from devtools.fake_engine import FakeEngine
     from rollout_proxy.embedded import serve_app
 
     engine = FakeEngine(
@@ -354,7 +354,7 @@ def _raise_exit(signum: int, frame: object) -> None:
 def up(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rollout-topology-")).resolve()
     if args.engine == "vllm":
-        from rollout_proxy.devtools import engine_env
+        from devtools import engine_env
 
         log("checking the engine venv and the checkpoints (first run: a few minutes)")
         engine_env.setup()
@@ -400,9 +400,7 @@ def down(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rollout_proxy.devtools.topology", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m devtools.topology", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     up_parser = commands.add_parser("up", help="start the topology, run the job, print where everything is, stop")
     up_parser.add_argument("--engine", choices=("vllm", "fake"), default="vllm", help="vllm (default) or fake")

@@ -7,7 +7,7 @@ is the client's. Answers stream back as they arrive (server-sent events included
 and encodings untouched. With no upstream reachable the client gets a 502 with an
 OpenAI-style error body.
 
-    python -m rollout_proxy.devtools.balancer --port 8080 --upstream http://127.0.0.1:8101 --upstream ...
+    python -m devtools.balancer --port 8080 --upstream http://127.0.0.1:8101 --upstream ...
 """
 
 from __future__ import annotations
@@ -136,9 +136,7 @@ async def serve(port: int, upstreams: Sequence[str], host: str = "127.0.0.1") ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rollout_proxy.devtools.balancer", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m devtools.balancer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--upstream", action="append", required=True, metavar="URL")

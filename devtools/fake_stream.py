@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from rollout_proxy.devtools.fake_engine import FakeEngine, Generation
+    from devtools.fake_engine import FakeEngine, Generation
 
 SYSTEM_FINGERPRINT = "vllm-0.32.0-fake"
 
