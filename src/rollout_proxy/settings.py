@@ -100,6 +100,13 @@ class Settings(BaseModel):
     max_body_bytes: int = setting(
         32 * 1024 * 1024, "largest request body accepted (413 beyond)", section="serving", ge=1
     )
+    resent_history: Literal["reuse", "check"] = setting(
+        "reuse",
+        "a conversation a client resends whole each turn (Chat's messages, Responses' input, the Messages API's "
+        "messages): 'reuse' parses, checks and normalizes only what it adds to the last one; 'check' takes every "
+        "body in whole (slower, the same result: the intake's one stage that can be switched off)",
+        section="serving",
+    )
     workers: int = setting(
         1,
         "serving processes sharing the port (SO_REUSEPORT); more than one needs a Redis store and a fixed --port",

@@ -1,5 +1,7 @@
-"""A resent Responses input is checked, folded and keyed only past what the session sent last
-(``proxy.known_input``); the result, or the refusal, is a whole check's."""
+"""A resent list is checked, folded and keyed only past what the session sent last (``proxy.known_input``):
+Responses' ``input`` (Codex resends it whole) and the Messages API's ``messages`` (Claude Code resends them,
+moving its ``cache_control`` marks to the newest message each turn); the result, or the refusal, is a whole
+check's."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ from typing import Any
 import pytest
 
 from rollout_proxy.proxy import keys
-from rollout_proxy.proxy.known_input import InputIntake, KnownInputs
+from rollout_proxy.proxy.known_input import KnownInputs, ListIntake
 from rollout_proxy.tokenization.messages import canonical_key
-from rollout_proxy.wire.responses import input_to_messages
+from rollout_proxy.wire.anthropic import Conversation, conversation
+from rollout_proxy.wire.responses import InputFold, input_to_messages
 from tests.harness import ProxyHarness, store_snapshot
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "harnesses" / "codex-0.171.0"
@@ -28,9 +31,10 @@ SECOND = codex_turn("responses-turn2-after-tool-call.json")  # FIRST, then reaso
 
 
 def folded(known: KnownInputs, items: list[Any], session_id: str = "s") -> tuple[tuple[int, ...] | None, Any]:
-    intake = InputIntake(known)
+    intake = ListIntake(known, api="responses", key="input")
     to_check = intake.look_up(items, session_id=session_id)
-    return to_check, intake.messages(items)
+    fold, message_keys = intake.fold(items, InputFold)
+    return to_check, (fold.messages, message_keys)
 
 
 def whole(items: list[Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
@@ -57,7 +61,7 @@ def test_a_call_joins_the_remembered_assistant_message_without_changing_it():
     call = {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"}
     output = {"type": "function_call_output", "call_id": "c1", "output": "a.txt"}
     _, before = folded(known, start)
-    remembered = known.last("s")
+    remembered = known.last("responses", "s")
     assert remembered is not None
     _, after = folded(known, [*start, call, output])
     assert after == whole([*start, call, output])
@@ -68,20 +72,25 @@ def test_a_call_joins_the_remembered_assistant_message_without_changing_it():
 
 
 @pytest.mark.parametrize(
-    "change",
+    ("change", "changed_from"),
     [
-        lambda items: items[0]["content"][0].update(text="A rewritten developer prompt."),  # history rewritten
-        lambda items: items.pop(2),  # an item dropped
-        lambda items: items[1].update(id="msg_other"),  # the same message, other bytes
+        (lambda items: items[0]["content"][0].update(text="A rewritten developer prompt."), 0),  # rewritten
+        (lambda items: items.pop(2), 2),  # an item dropped
+        (lambda items: items[1].update(id="msg_other"), 1),  # the same message, other bytes
     ],
 )
-def test_an_input_that_does_not_resend_the_last_one_is_checked_whole(change):
+def test_an_input_that_does_not_resend_the_last_one_is_checked_from_its_first_change_and_folded_whole(
+    change, changed_from
+):
+    """Each item's check is its own, so the leading items equal to the last input's are not checked again;
+    but a Responses fold cannot go on from the middle (a later call may join an earlier message): folded
+    whole."""
     known = KnownInputs()
     folded(known, FIRST)
     items = codex_turn("responses-turn2-after-tool-call.json")
     change(items)
     to_check, result = folded(known, items)
-    assert to_check == tuple(range(len(items))) and known.resent == 0
+    assert to_check == tuple(range(changed_from, len(items))) and known.resent == 0
     assert result == whole(items)
 
 
@@ -89,7 +98,53 @@ def test_sessions_are_bounded():
     known = KnownInputs(max_sessions=2)
     for session_id in ("a", "b", "c"):
         folded(known, FIRST, session_id)
-    assert len(known) == 2 and known.last("a") is None and known.last("c") is not None
+    assert len(known) == 2 and known.last("responses", "a") is None and known.last("responses", "c") is not None
+
+
+CLAUDE_SYSTEM = [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]
+
+
+def claude_turns() -> list[list[dict[str, Any]]]:
+    """Messages as Claude Code resends them: each turn moves its cache_control mark to the newest message."""
+    user = {"role": "user", "content": [{"type": "text", "text": "List the files."}]}
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {"cmd": "ls"}}]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.txt"}]}
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "One file: a.txt."}]}
+    follow = {"role": "user", "content": [{"type": "text", "text": "And its size?"}]}
+    turns = [[user], [user, call, result], [user, call, result, answer, follow]]
+    for history in turns:
+        history[:] = copy.deepcopy(history)
+        history[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+    return turns
+
+
+def messages_folded(known: KnownInputs, items: list[Any], system: Any = CLAUDE_SYSTEM):
+    intake = ListIntake(known, api="messages", key="messages")
+    to_check = intake.look_up(items, session_id="s")
+    fold, message_keys = intake.fold(items, lambda: Conversation.starting(system), context=json.dumps(system).encode())
+    return to_check, fold, message_keys
+
+
+def test_messages_whose_cache_marks_moved_are_folded_from_the_first_changed_one():
+    known = KnownInputs()
+    first, second, third = claude_turns()
+    messages_folded(known, first)
+    to_check, fold, message_keys = messages_folded(known, second)
+    assert to_check == (0, 1, 2)  # the first message lost its cache mark: other bytes from the first on
+    to_check, fold, message_keys = messages_folded(known, third)
+    assert to_check == (2, 3, 4) and known.resent == 1  # the first two are the last turn's, byte for byte
+    expected = conversation(CLAUDE_SYSTEM, third)
+    assert fold.messages == expected.messages and fold.signed == expected.signed
+    assert message_keys == [canonical_key(message) for message in expected.messages]
+
+
+def test_another_system_prompt_folds_the_messages_whole():
+    known = KnownInputs()
+    _, second, third = claude_turns()
+    messages_folded(known, second)
+    other = [{"type": "text", "text": "You are someone else."}]
+    _, fold, _ = messages_folded(known, third, system=other)
+    assert fold.messages == conversation(other, third).messages
 
 
 # -- through the proxy --------------------------------------------------------------------------------

@@ -52,10 +52,47 @@ class SignedThinking:
 
 @dataclass(slots=True)
 class Conversation:
-    """A Messages request's conversation in the normal form, and the signed thinking it carries."""
+    """A Messages request's conversation in the normal form, and the signed thinking it carries, folded
+    message by message (``add``): each message folds alone, so a resent history is folded once
+    (``extended()`` goes on from here without changing what this one holds)."""
 
     messages: list[dict[str, Any]]
     signed: list[SignedThinking] = field(default_factory=list)
+
+    @classmethod
+    def starting(cls, system: Any, *, param: str = "system") -> Conversation:
+        """A conversation that begins with the request's top-level ``system`` (if any)."""
+        head = system_message(system, param=param)
+        return cls(messages=[] if head is None else [head])
+
+    @property
+    def settled(self) -> int:
+        """How many of ``messages`` no message added later can change: all of them."""
+        return len(self.messages)
+
+    def extended(self) -> Conversation:
+        return Conversation(list(self.messages), list(self.signed))
+
+    def upto(self, count: int) -> Conversation:
+        """The conversation of the messages that made its first ``count`` (each message folds alone)."""
+        return Conversation(self.messages[:count], [block for block in self.signed if block.message < count])
+
+    def add(self, message: Any, where: str) -> None:
+        """One of the request's ``messages`` (at ``where``), folded into the normal form."""
+        if not isinstance(message, dict):
+            raise WireFormatError("a message must be an object", param=where)
+        role, content = message.get("role"), message.get("content")
+        if role == "assistant":
+            self.messages.append(_assistant(content, where, len(self.messages), self.signed))
+        elif role == "user":
+            self.messages.extend(_user(content, where))
+        elif role == "system":
+            text = _text_of(content, param=f"{where}.content", allowed=TEXT_ONLY)
+            self.messages.append({"role": "system", "content": text})
+        else:
+            raise WireFormatError(
+                f"unknown message role {describe(role)}: user, assistant or system", param=f"{where}.role"
+            )
 
 
 def _text_of(blocks: Any, *, param: str, allowed: frozenset[str]) -> str:
@@ -103,26 +140,9 @@ def conversation(system: Any, messages: Any, *, param: str = "messages") -> Conv
     """A Messages request's ``system`` and ``messages`` in the normal form (see the module docstring)."""
     if not isinstance(messages, list):
         raise WireFormatError("messages must be a list", param=param)
-    found = Conversation(messages=[])
-    head = system_message(system)
-    if head is not None:
-        found.messages.append(head)
+    found = Conversation.starting(system)
     for index, message in enumerate(messages):
-        where = f"{param}[{index}]"
-        if not isinstance(message, dict):
-            raise WireFormatError("a message must be an object", param=where)
-        role, content = message.get("role"), message.get("content")
-        if role == "assistant":
-            found.messages.append(_assistant(content, where, len(found.messages), found.signed))
-        elif role == "user":
-            found.messages.extend(_user(content, where))
-        elif role == "system":
-            text = _text_of(content, param=f"{where}.content", allowed=TEXT_ONLY)
-            found.messages.append({"role": "system", "content": text})
-        else:
-            raise WireFormatError(
-                f"unknown message role {describe(role)}: user, assistant or system", param=f"{where}.role"
-            )
+        found.add(message, f"{param}[{index}]")
     return found
 
 

@@ -72,6 +72,11 @@ class InputFold:
     def extended(self) -> InputFold:
         return InputFold(list(self.messages), self.reasoning)
 
+    def upto(self, count: int) -> InputFold | None:
+        """None: a later item may have changed an earlier message (a call joins the assistant message
+        before it), so only a list that resends the last one whole goes on from a fold."""
+        return None
+
     def add(self, item: Any, where: str) -> None:
         if not isinstance(item, dict):
             raise WireFormatError("an input item must be an object", param=where)

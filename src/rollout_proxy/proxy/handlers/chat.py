@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -13,13 +14,15 @@ from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.chat_stream import ChatChunks, include_usage
 from rollout_proxy.proxy.client_sampling import CHAT_FIELDS
-from rollout_proxy.proxy.handlers.common import plugin_request, turn_meta
+from rollout_proxy.proxy.handlers.common import turn_meta
 from rollout_proxy.proxy.http import json_response
+from rollout_proxy.proxy.intake import ListMemory, Spec, take_in
 from rollout_proxy.proxy.known_messages import MessageIntake
 from rollout_proxy.proxy.schemas import ChatRequest
 from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
-from rollout_proxy.wire.messages import split_tools
+from rollout_proxy.tokenization.messages import path_hashes
+from rollout_proxy.wire.messages import normalize_messages, split_tools
 
 
 def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | None, top: int = 0) -> dict[str, Any]:
@@ -68,19 +71,33 @@ def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | N
     }
 
 
+@dataclass(frozen=True, slots=True)
+class ChatConversation:
+    messages: list[dict[str, Any]]  # normalized
+    hashes: tuple[str, ...]  # their rolling path hashes (the tree attaches by them)
+
+
+def _normalized(body: ChatRequest, memory: ListMemory | None) -> ChatConversation:
+    """The messages' normal forms and path hashes: only those the memory has not seen computed."""
+    if isinstance(memory, MessageIntake):
+        return ChatConversation(*memory.normalize_and_hash(body.messages))
+    messages = normalize_messages(body.messages)
+    return ChatConversation(messages, tuple(path_hashes(messages)))
+
+
+#: how a Chat Completions request is taken in (``proxy.intake``)
+CHAT = Spec(
+    model=ChatRequest,
+    key="messages",
+    sampling=CHAT_FIELDS,
+    memory=lambda app: MessageIntake(app[keys.KNOWN_MESSAGES]),
+    normalize=_normalized,
+    read_ahead=lambda body, conversation: ReadAhead(hashes=match_window(conversation.hashes)),
+)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    normalized: list[list[dict[str, Any]]] = []
-    hashed: list[tuple[str, ...]] = []
-    intake = MessageIntake(request.app[keys.KNOWN_MESSAGES])  # the history's messages are checked once
-
-    def read_ahead(body: ChatRequest) -> ReadAhead:
-        """The path-index entries the turn attaches by (read with its session: one round trip)."""
-        messages, hashes = intake.normalize_and_hash(body.messages)
-        normalized.append(messages)
-        hashed.append(hashes)  # computed once: the tree attaches by the same hashes
-        return ReadAhead(hashes=match_window(hashes))  # what the tree looks up first
-
-    call = await plugin_request(request, ChatRequest, sampling=CHAT_FIELDS, read_ahead=read_ahead, intake=intake)
+    call = await take_in(request, CHAT)
     session, body = call.session, call.body
     recorded = session.generation.top_logprobs
     if body.top_logprobs and (body.top_logprobs > recorded or body.stream):
@@ -90,7 +107,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "logprobs=true alone returns the sampled ones",
             param="top_logprobs",
         )
-    messages, hashes = normalized[0], hashed[0]
+    messages, hashes = call.conversation.messages, call.conversation.hashes
     toolset = split_tools(body.tools)
     tools, meta = toolset.functions, turn_meta(request, "chat", call, toolset)
     if body.stream:

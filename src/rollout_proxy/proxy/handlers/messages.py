@@ -8,8 +8,10 @@ session's ``base_url`` (``…/v1``, hence ``/v1/v1/messages``); ``?beta=true`` a
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import orjson
 import structlog
 from aiohttp import web
 
@@ -21,37 +23,25 @@ from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.anthropic_answers import message_body, signed_node, signing_key
 from rollout_proxy.proxy.anthropic_models import CountTokensRequest, MessagesRequest
 from rollout_proxy.proxy.client_sampling import MESSAGES_FIELDS
-from rollout_proxy.proxy.handlers.common import plugin_request, turn_meta
+from rollout_proxy.proxy.handlers.common import turn_meta
 from rollout_proxy.proxy.http import json_response
+from rollout_proxy.proxy.intake import ListMemory, Spec, take_in
+from rollout_proxy.proxy.known_input import ListIntake
 from rollout_proxy.proxy.messages_stream import MessageEvents
 from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
-from rollout_proxy.tokenization.messages import path_hashes
+from rollout_proxy.tokenization.messages import path_hashes, path_hashes_of_keys
 from rollout_proxy.wire.anthropic import Conversation, conversation, split_tools, stop_sequences, system_message
 
+MR = TypeVar("MR", bound=CountTokensRequest)
 
-class _Read:
-    """The conversation of a request's body, normalized and hashed once (before the session read)."""
 
-    def __init__(self) -> None:
-        self.conversation = Conversation(messages=[])
-        self.hashes: list[str] = []
+@dataclass(frozen=True, slots=True)
+class MessagesConversation:
+    """A request's conversation in the normal form (with its signed thinking), and its path hashes."""
 
-    def __call__(self, body: CountTokensRequest) -> ReadAhead:
-        previous = body.previous_message_id if isinstance(body, MessagesRequest) else None
-        # on a thread, the system is the thread's (checked against it), not a new message
-        self.conversation = conversation(None if previous else body.system, body.messages)
-        messages = self.conversation.messages
-        if messages[-1]["role"] == "assistant":
-            raise InvalidRequest(
-                "the last message is the assistant's: continuing a partial assistant turn (a prefill) is not "
-                "supported; end the conversation with a user message or tool results",
-                param=f"messages[{len(body.messages) - 1}]",
-            )
-        if previous is not None:
-            return ReadAhead(response_id=previous)  # the node the thread continues from, with the session
-        self.hashes = path_hashes(messages)
-        return ReadAhead(hashes=match_window(self.hashes))  # what the tree looks up first
+    conversation: Conversation
+    hashes: list[str]  # none on a thread: the parent is named
 
     def signed(self, key: bytes, session_id: str) -> list[tuple[int, str]]:
         """(message index, node id) of every signed thinking block; a signature this proxy did not issue for
@@ -70,10 +60,59 @@ class _Read:
         return found
 
 
+def _thread(body: CountTokensRequest) -> str | None:
+    return body.previous_message_id if isinstance(body, MessagesRequest) else None
+
+
+def _normalized(body: CountTokensRequest, memory: ListMemory | None) -> MessagesConversation:
+    """The conversation folded message by message (only what the memory has not seen: a resent history is
+    folded once, when its ``system`` is the same); on a thread, the system is the thread's (checked against
+    it later), not a new message."""
+    previous = _thread(body)
+    system = None if previous else body.system
+    if isinstance(memory, ListIntake):
+        context = b"thread" if previous else orjson.dumps(system)
+        found, message_keys = memory.fold(body.messages, lambda: Conversation.starting(system), context=context)
+    else:
+        found, message_keys = conversation(system, body.messages), None
+    messages = found.messages
+    if messages[-1]["role"] == "assistant":
+        raise InvalidRequest(
+            "the last message is the assistant's: continuing a partial assistant turn (a prefill) is not "
+            "supported; end the conversation with a user message or tool results",
+            param=f"messages[{len(body.messages) - 1}]",
+        )
+    if previous is not None:
+        return MessagesConversation(found, [])
+    hashes = path_hashes(messages) if message_keys is None else path_hashes_of_keys(message_keys)
+    return MessagesConversation(found, hashes)
+
+
+def _read_ahead(body: CountTokensRequest, read: MessagesConversation) -> ReadAhead:
+    """The node a thread continues from, or the path-index entries the tree looks up first."""
+    previous = _thread(body)
+    return ReadAhead(response_id=previous) if previous is not None else ReadAhead(hashes=match_window(read.hashes))
+
+
+def _spec(model: type[MR]) -> Spec[MR, MessagesConversation]:
+    """How a Messages request is taken in (``proxy.intake``): a resent history checked and folded once."""
+    return Spec(
+        model=model,
+        key="messages",
+        sampling=MESSAGES_FIELDS if model is MessagesRequest else (),
+        memory=lambda app: ListIntake(app[keys.KNOWN_INPUTS], api=API, key="messages"),
+        normalize=_normalized,
+        read_ahead=_read_ahead,
+    )
+
+
+MESSAGES = _spec(MessagesRequest)  # what a turn takes in
+COUNT_TOKENS = _spec(CountTokensRequest)
+
+
 async def create_message(request: web.Request) -> web.StreamResponse:
-    read = _Read()
-    call = await plugin_request(request, MessagesRequest, sampling=MESSAGES_FIELDS, read_ahead=read)
-    session, body = call.session, call.body
+    call = await take_in(request, MESSAGES)
+    session, body, read = call.session, call.body, call.conversation
     key = signing_key(request.app[keys.SETTINGS].token_secret)
     signed = read.signed(key, session.id)
     toolset = split_tools(body.tools)
@@ -104,9 +143,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    read = _Read()
-    call = await plugin_request(request, CountTokensRequest, sampling=(), read_ahead=read)
-    session, body = call.session, call.body
+    call = await take_in(request, COUNT_TOKENS)
+    session, body, read = call.session, call.body, call.conversation
     signed = read.signed(signing_key(request.app[keys.SETTINGS].token_secret), session.id)
     count = await request.app[keys.MESSAGES].count_tokens(
         session, read.conversation.messages, tools=split_tools(body.tools).functions, hashes=read.hashes, signed=signed

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import structlog
 from aiohttp import web
 
@@ -10,30 +13,49 @@ from rollout_proxy.errors import NotFound
 from rollout_proxy.ids import session_of_response
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.client_sampling import RESPONSES_FIELDS
-from rollout_proxy.proxy.handlers.common import plugin_request, request_caller, turn_meta
+from rollout_proxy.proxy.handlers.common import request_caller, turn_meta
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.known_input import InputIntake
+from rollout_proxy.proxy.intake import ListMemory, Spec, take_in
+from rollout_proxy.proxy.known_input import ListIntake
 from rollout_proxy.proxy.openai_responses import response_body
 from rollout_proxy.proxy.responses_stream import ResponseEvents
 from rollout_proxy.proxy.schemas import ResponsesRequest
 from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
 from rollout_proxy.wire.messages import split_tools
-from rollout_proxy.wire.responses import input_to_messages
+from rollout_proxy.wire.responses import InputFold, input_to_messages
+
+
+@dataclass(frozen=True, slots=True)
+class InputConversation:
+    messages: list[dict[str, Any]]  # the input's items folded into normalized messages
+    keys: list[bytes] | None  # their canonical keys (None: the tree computes them)
+
+
+def _folded(body: ResponsesRequest, memory: ListMemory | None) -> InputConversation:
+    """The input as messages: a list folded item by item (only what the memory has not seen), a string as
+    one user message."""
+    if type(body.input) is list and isinstance(memory, ListIntake):
+        fold, message_keys = memory.fold(body.input, InputFold)
+        return InputConversation(fold.messages, message_keys)
+    return InputConversation(input_to_messages(body.input), None)
+
+
+#: how a Responses request is taken in (``proxy.intake``)
+RESPONSES = Spec(
+    model=ResponsesRequest,
+    key="input",
+    sampling=RESPONSES_FIELDS,
+    memory=lambda app: ListIntake(app[keys.KNOWN_INPUTS], api="responses", key="input"),
+    normalize=_folded,
+    read_ahead=lambda body, conversation: ReadAhead(response_id=body.previous_response_id),
+)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-    intake = InputIntake(request.app[keys.KNOWN_INPUTS])  # a resent input's items are checked once
-    call = await plugin_request(
-        request,
-        ResponsesRequest,
-        sampling=RESPONSES_FIELDS,
-        read_ahead=lambda body: ReadAhead(response_id=body.previous_response_id),
-        intake=intake,
-    )
+    call = await take_in(request, RESPONSES)  # a resent input's items are checked once
     session, body = call.session, call.body
-    folded = intake.messages(body.input)
-    messages, message_keys = (input_to_messages(body.input), None) if folded is None else folded
+    messages, message_keys = call.conversation.messages, call.conversation.keys
     toolset = split_tools(body.tools)
     tools, meta = toolset.functions, turn_meta(request, "responses", call, toolset)
     if body.stream:

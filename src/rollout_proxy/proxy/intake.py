@@ -1,0 +1,101 @@
+"""A plugin's generation request, taken in once: its stages in order, each in a module of its own.
+
+    1 read       the body's bytes, bounded                                 ``proxy.http.read_body``
+    2 parse      a JSON object (the list memory may parse only what is new)  ``proxy.limits``, the memory
+    3 known      which items of the body's list were checked before          the memory
+    4 limits     depth and string bounds, on the rest                        ``proxy.limits``
+    5 validate   the API's request model, on the rest                        ``proxy.validation``
+    6 normalize  the API's conversation: normal forms, keys, path hashes     the API's ``Spec.normalize``
+    7 session    the open session, read with what the turn reads next        ``core.sessions`` (one round trip)
+    8 sampling   the generation parameters sent, against ``client_sampling``   ``proxy.client_sampling``
+
+Each stage runs once and hands on what it made; nothing goes back to an earlier one. The list memory
+(``proxy.known_messages`` for Chat Completions' ``messages``, ``proxy.known_input`` for Responses'
+``input`` and the Messages API's ``messages``) spares a resent history its parse, checks and
+normalization; it is the one stage that can be switched off (``--resent-history check``): every body is
+then taken in whole, and a test holds both ways to the same result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from aiohttp import web
+
+from rollout_proxy.errors import AuthenticationFailed
+from rollout_proxy.proxy import keys
+from rollout_proxy.proxy.client_sampling import SamplingField, check_client_sampling
+from rollout_proxy.proxy.handlers.common import request_caller
+from rollout_proxy.proxy.http import read_body
+from rollout_proxy.proxy.limits import check_json_limits, load_json_object
+from rollout_proxy.proxy.validation import CHECK_ITEMS, M, validate
+from rollout_proxy.records import SessionRecord
+from rollout_proxy.state.store import ReadAhead
+
+C = TypeVar("C")
+#: ``--resent-history``: "reuse" what the list memory holds, or "check" every body whole
+RESENT_HISTORY_MODES = ("reuse", "check")
+
+
+class ListMemory(Protocol):
+    """One request's view of a memory of its body's long list (``key``): the parse (``load``) and which
+    items are still to check (``look_up``); the API's ``normalize`` asks it for the rest."""
+
+    key: str
+
+    def load(self, body: bytes, *, session_id: str | None = None) -> dict[str, Any]: ...
+
+    def look_up(
+        self, items: Any, *, session_id: str | None = None, expires_at: float = 0.0
+    ) -> tuple[int, ...] | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Spec(Generic[M, C]):
+    """How one API's requests are taken in."""
+
+    model: type[M]
+    key: str  # the body's long list: "messages" or "input"
+    sampling: tuple[SamplingField, ...]  # the API's generation parameters (``proxy.client_sampling``)
+    memory: Callable[[web.Application], ListMemory]  # a request's view of the app's memory of the list
+    #: the conversation of a validated body (with the memory's view, or None: taken whole)
+    normalize: Callable[[M, ListMemory | None], C]
+    #: what the turn reads right after the session (read with it, in the same round trip)
+    read_ahead: Callable[[M, C], ReadAhead | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Taken(Generic[M, C]):
+    """A plugin's generation request, taken in: its open session, its body and conversation, and the
+    generation parameters it sent that the session ignores (``client_sampling: ignore``; recorded)."""
+
+    session: SessionRecord
+    body: M
+    conversation: C
+    client_sampling: dict[str, Any]
+
+
+async def take_in(request: web.Request, spec: Spec[M, C]) -> Taken[M, C]:
+    """The stages of the module docstring, in order."""
+    caller = request_caller(request)
+    if caller.session_id is None:
+        raise AuthenticationFailed("this endpoint needs a session token, not the admin key")
+    session_id, expires_at = caller.session_id, caller.expires_at
+    raw = await read_body(request)  # 1
+    memory = spec.memory(request.app) if request.app[keys.SETTINGS].resent_history == "reuse" else None
+    payload = load_json_object(raw) if memory is None else memory.load(raw, session_id=session_id)  # 2
+    to_check = (  # 3
+        None if memory is None else memory.look_up(payload.get(spec.key), session_id=session_id, expires_at=expires_at)
+    )
+    check_json_limits(payload, messages_to_check=to_check, key=spec.key)  # 4
+    body = validate(spec.model, payload, context=None if to_check is None else {CHECK_ITEMS: to_check})  # 5
+    conversation = spec.normalize(body, memory)  # 6
+    ahead = spec.read_ahead(body, conversation)
+    if caller.bound is not None:  # the session's request bound: its slot taken in the same round trip
+        ahead = dataclasses.replace(ahead or ReadAhead(), bound=caller.bound)
+    session = await request.app[keys.SESSIONS].get_open(session_id, read_ahead=ahead)  # 7
+    asked = check_client_sampling(payload, session.generation, spec.sampling, mode=session.client_sampling)  # 8
+    return Taken(session, body, conversation, asked)
