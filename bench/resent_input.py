@@ -1,4 +1,5 @@
-"""The proxy's CPU per turn of a Codex-shaped conversation, turn 100 against turn 2: Responses and chat side by side.
+"""The proxy's CPU per turn of a Codex-shaped conversation, turn 100 against turn 2: Responses, chat and the
+Messages API side by side.
 
     python -m bench.resent_input [--turns 100] [--sessions 8] [--rounds 3] [--out out/bench]
 
@@ -9,7 +10,9 @@ environment context, the task, 12 tools (one a namespace) and ``web_search``; ev
 (``tests/fixtures/harnesses/codex-0.171.0/responses-turn1-stock-config.json``) and grows it as Codex
 does: each turn echoes the answer's output items back and adds the next input (here a user message;
 the engine double's ``fixed`` reply is text). The same conversation as Chat Completions (the developer
-messages, the tools in chat form, streamed) runs beside it. ``--sessions`` sessions take turn k
+messages, the tools in chat form, streamed) and as Claude Code sends the Messages API (the developer
+prompt as system blocks, the tools with ``input_schema``, the newest message's ``cache_control`` mark
+moving each turn, streamed) run beside it. ``--sessions`` sessions take turn k
 together (lock step) against one ``rollout-proxy serve`` process (memory store) in front of the engine
 double (``load_tests.engine``, 0 ms); each turn's CPU is the proxy process's, read from the scheduler's
 nanosecond counters (``bench.harness.cpu_seconds``), per session, the median over ``--rounds``
@@ -61,8 +64,18 @@ def as_message(item: dict[str, Any]) -> dict[str, Any]:
     return {"role": item["role"], "content": "\n".join(part["text"] for part in item["content"])}
 
 
+def anthropic_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same functions as the Messages API's custom tools (``input_schema``)."""
+    return [
+        {"name": spec["name"], "description": spec.get("description", ""), "input_schema": spec.get("parameters", {})}
+        for spec in (tool["function"] for tool in chat_tools(tools))
+    ]
+
+
 class Conversation:
-    """One session's Codex-shaped conversation, sent as Responses input items or as chat messages."""
+    """One session's Codex-shaped conversation, sent as Responses input items, as chat messages, or as the
+    Messages API's messages the way Claude Code sends them (the system in blocks with a cache mark, the
+    newest message's last block marked too, so every turn's body differs from the last one's there)."""
 
     def __init__(self, api: str, index: int, token: str, base: str) -> None:
         first = codex_first_body()
@@ -73,11 +86,31 @@ class Conversation:
         self.input[-1]["content"][0]["text"] = f"[session {index}] " + self.input[-1]["content"][0]["text"]
         self.messages = [as_message(item) for item in self.input]
         self.tools = chat_tools(first["tools"])
+        system = "\n".join(message["content"] for message in self.messages if message["role"] == "developer")
+        self.system = [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]
+        self.anthropic = [
+            {"role": "user", "content": [{"type": "text", "text": message["content"]}]}
+            for message in self.messages
+            if message["role"] == "user"
+        ]
+        self.anthropic_tools = anthropic_tools(first["tools"])
 
     def request(self) -> tuple[str, bytes]:
         if self.api == "responses":
             body = {**self.body, "input": self.input}
             return f"{self.base}/v1/responses", orjson.dumps(body)
+        if self.api == "messages":
+            marked = copy.deepcopy(self.anthropic[-1])
+            marked["content"][-1]["cache_control"] = {"type": "ephemeral"}
+            body = {
+                "model": "policy",
+                "max_tokens": 16,
+                "system": self.system,
+                "messages": [*self.anthropic[:-1], marked],
+                "tools": self.anthropic_tools,
+                "stream": True,
+            }
+            return f"{self.base}/v1/messages", orjson.dumps(body)
         body = {"model": "policy", "messages": self.messages, "tools": self.tools, "stream": True}
         return f"{self.base}/v1/chat/completions", orjson.dumps(body)
 
@@ -88,6 +121,16 @@ class Conversation:
             completed = next(event for event in events if event.get("type") == "response.completed")
             self.input += completed["response"]["output"]
             self.input.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": user}]})
+        elif self.api == "messages":
+            text = "".join(
+                event["delta"].get("text") or ""
+                for event in events
+                if event.get("type") == "content_block_delta" and event["delta"].get("type") == "text_delta"
+            )
+            self.anthropic += [
+                {"role": "assistant", "content": [{"type": "text", "text": text}]},
+                {"role": "user", "content": [{"type": "text", "text": user}]},
+            ]
         else:
             text = "".join(
                 choice["delta"].get("content") or "" for event in events for choice in event.get("choices") or []
@@ -149,7 +192,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         proxy = services.start("proxy", argv)
         base = f"http://127.0.0.1:{port}"
         services.wait_http("proxy", f"{base}/readyz")
-        by_api: dict[str, list[list[float]]] = {"responses": [], "chat": []}
+        by_api: dict[str, list[list[float]]] = {"responses": [], "chat": [], "messages": []}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
             for api in by_api:  # warm: tokenizer, local rendering decided, connections
                 await lockstep(http, base, proxy.pid, api, 2, 3)
