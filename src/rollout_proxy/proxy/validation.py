@@ -63,6 +63,17 @@ def sent_as_items(item: Any, *, min_length: int, max_length: int) -> WrapValidat
     """``sent_as`` a list of ``item``, checking only the items the validation context names (``CHECK_ITEMS``);
     a list with a bad item is checked whole again, so its error is located as ever."""
     shape = Annotated[list[item], Field(min_length=min_length, max_length=max_length)]
+    return _checking_items(shape, item, min_length=min_length, max_length=max_length)
+
+
+def sent_as_with_items(shape: Any, item: Any, *, max_length: int) -> WrapValidator:
+    """``sent_as(shape)`` for a field that may be a list of ``item``s (Responses ``input``): a list of at most
+    ``max_length`` items is checked only at the indices the validation context names (``CHECK_ITEMS``), as
+    ``sent_as_items`` does; any other value, or a list with a bad item, is checked whole."""
+    return _checking_items(shape, item, min_length=0, max_length=max_length)
+
+
+def _checking_items(shape: Any, item: Any, *, min_length: int, max_length: int) -> WrapValidator:
     whole: TypeAdapter[Any] = TypeAdapter(shape)
     one: TypeAdapter[Any] = TypeAdapter(item)
 
@@ -78,29 +89,6 @@ def sent_as_items(item: Any, *, min_length: int, max_length: int) -> WrapValidat
             whole.validate_python(value)  # raises this error, at its place in the list
             raise
         return value  # every item has the shape (checked now or before): kept as sent, not copied again
-
-    return WrapValidator(check, json_schema_input_type=shape)
-
-
-def sent_as_with_items(shape: Any, item: Any, *, max_length: int) -> WrapValidator:
-    """``sent_as(shape)`` for a field that may be a list of ``item``s (Responses ``input``): a list of at most
-    ``max_length`` items is checked only at the indices the validation context names (``CHECK_ITEMS``), as
-    ``sent_as_items`` does; any other value, or a list with a bad item, is checked whole."""
-    whole: TypeAdapter[Any] = TypeAdapter(shape)
-    one: TypeAdapter[Any] = TypeAdapter(item)
-
-    def check(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
-        indices = (info.context or {}).get(CHECK_ITEMS)
-        if indices is None or type(value) is not list or len(value) > max_length:
-            whole.validate_python(value)
-            return handler(value)
-        try:
-            for index in indices:
-                one.validate_python(value[index])
-        except ValidationError:
-            whole.validate_python(value)  # raises this error, at its place in the list
-            raise
-        return value
 
     return WrapValidator(check, json_schema_input_type=shape)
 

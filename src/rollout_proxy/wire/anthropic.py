@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_proxy.wire.errors import WireFormatError
-from rollout_proxy.wire.messages import ToolSet, arguments_json, describe, free_form_json
+from rollout_proxy.wire.messages import ToolSet, arguments_json, describe, function_tool
 
 #: Block types an assistant message may hold; ``redacted_thinking`` is accepted and not rendered.
 ASSISTANT_BLOCKS = frozenset({"text", "thinking", "redacted_thinking", "tool_use"})
@@ -247,18 +247,7 @@ def split_tools(tools: Any, *, param: str = "tools") -> ToolSet:
                 f"two tools are named {name!r}: the policy calls tools by name", param=f"{where}.name"
             )
         names.add(name)
-        spec: dict[str, Any] = {"name": name}
-        description = tool.get("description")
-        if description is not None:
-            if not isinstance(description, str):
-                raise WireFormatError("a tool description must be a string", param=f"{where}.description")
-            spec["description"] = description
-        schema = tool.get("input_schema") or {"type": "object", "properties": {}}
-        if not isinstance(schema, dict):
-            raise WireFormatError("input_schema must be a JSON Schema object", param=f"{where}.input_schema")
-        free_form_json(schema, what="input_schema", param=f"{where}.input_schema")
-        spec["parameters"] = schema
-        found.functions.append({"type": "function", "function": spec})
+        found.functions.append(function_tool(name, tool, at=where, schema_field="input_schema", what="input_schema"))
     return found
 
 

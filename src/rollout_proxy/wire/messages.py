@@ -209,17 +209,26 @@ def _function_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise WireFormatError("a function tool needs a name", param=where)
     at = f"{where}.function" if nested else where
-    spec: dict[str, Any] = {"name": function["name"]}
-    description = function.get("description")
+    return function_tool(function["name"], function, at=at)
+
+
+def function_tool(
+    name: str, declared: dict[str, Any], *, at: str, schema_field: str = "parameters", what: str = "tool parameters"
+) -> dict[str, Any]:
+    """The normal form of a function tool named ``name`` from its declaration (an OpenAI ``function``, an
+    Anthropic tool): its description checked, its schema (``schema_field``, an empty object schema when
+    absent) a bounded JSON Schema object."""
+    spec: dict[str, Any] = {"name": name}
+    description = declared.get("description")
     if description is not None:
         if not isinstance(description, str):
             raise WireFormatError("a tool description must be a string", param=f"{at}.description")
         spec["description"] = description
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
-    if not isinstance(parameters, dict):
-        raise WireFormatError("tool parameters must be a JSON Schema object", param=f"{at}.parameters")
-    free_form_json(parameters, what="tool parameters", param=f"{at}.parameters")
-    spec["parameters"] = parameters
+    schema = declared.get(schema_field) or {"type": "object", "properties": {}}
+    if not isinstance(schema, dict):
+        raise WireFormatError(f"{what} must be a JSON Schema object", param=f"{at}.{schema_field}")
+    free_form_json(schema, what=what, param=f"{at}.{schema_field}")
+    spec["parameters"] = schema
     return {"type": "function", "function": spec}
 
 
