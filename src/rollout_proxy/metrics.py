@@ -114,6 +114,11 @@ DECLARED: dict[str, Declared] = {
     ),
     "nonfinite_logprobs_total": _counter("Sampled tokens whose logprob was not finite (stored as a placeholder)."),
     "injected_nodes_total": _counter("Nodes of messages the policy did not generate (POST .../messages)."),
+    "parents_by_signature_total": _counter(
+        "Turns whose parent was named by the signature of the thinking the client echoed, not by content alone "
+        "(two nodes with the same messages and different tokens), by API.",
+        "api",
+    ),
     "tool_parse_total": _counter(
         "Tool-call parsing of generated turns, by outcome (none, calls, unparsed).", "outcome"
     ),
