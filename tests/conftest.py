@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.state.memory import MemoryStore
@@ -29,6 +30,18 @@ TEMPLATES = {
     "qwen3_style": (TEMPLATES_DIR / "qwen3_style.jinja").read_text(),
     "smollm2_default": None,
 }
+
+
+@pytest.fixture(autouse=True)
+def structlog_as_pytest_started() -> Iterator[None]:
+    """Every test starts with structlog's defaults, printing to the stdout of the moment.
+
+    ``cli.main``, run in-process by a test, configures structlog for good: onto the ``sys.stderr``
+    of its moment (a capture stream pytest closes afterwards) and with its ``--log-level`` filter,
+    which drops lower events before ``capture_logs`` can see them."""
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()
 
 
 def free_port() -> int:

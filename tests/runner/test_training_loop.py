@@ -20,8 +20,8 @@ import pytest
 from aiohttp import web
 
 from devtools.fake_engine import FakeEngine, FakeEngineServer
-from devtools.vllm_dev import DevModeError, Exchange, VLLMDevClient
 from rollout_proxy.embedded import serve_app
+from rollout_proxy.engines.vllm_http import EngineRejected, VLLMEngine
 from rollout_proxy.examples.trainer import ExampleTrainer
 from rollout_proxy.runner import JobConfig, JobError, JobFailed, run_job
 from rollout_proxy.runner.admin import AdminClient
@@ -302,12 +302,12 @@ async def test_the_trainer_reloads_every_paused_engine_or_leaves_the_fleet_pause
 
         reloaded: list[str] = []
 
-        async def flaky(self: VLLMDevClient, weights_path: str) -> None:
-            reloaded.append(self.base_url)
+        async def flaky(self: VLLMEngine, weights_path: str, *, within: float) -> None:
+            reloaded.append(self.url)
             if len(reloaded) == 2:
-                raise DevModeError(Exchange("POST", "/collective_rpc", None, 500, "application/json", "{}", 0.0, 0.0))
+                raise EngineRejected("collective_rpc reload_weights: 500", engine_status=500)
 
-        monkeypatch.setattr(VLLMDevClient, "reload_weights", flaky)
+        monkeypatch.setattr(VLLMEngine, "reload_weights", flaky)  # the client the trainer reloads with
         with pytest.raises(RuntimeError, match="failed on 1 engine"):
             await trainer.train_step(1, [])
         fleet_now = (await proxy.request("GET", "/v1/admin/engines", token=ADMIN_KEY))[1]
