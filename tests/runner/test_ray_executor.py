@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
+from ray.exceptions import TaskCancelledError, WorkerCrashedError
 
 import rollout_proxy
 from rollout_proxy.runner import JobConfig, JobError, ray_executor
@@ -27,6 +30,7 @@ from rollout_proxy.runner.ray_executor import (
 from rollout_proxy.sdk.types import PluginStatus
 from tests.runner.conftest import write_dataset
 from tests.runner.ray_cluster import free_port
+from tests.runner.ray_plugins import sleeper
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -150,3 +154,86 @@ def test_a_ray_task_whose_plugin_runs_past_its_timeout_says_it_lingers(monkeypat
     assert next(task) == LINGERING
     assert time.monotonic() - started < 1.9  # said while the plugin's thread still ran
     task.close()  # what the kill is to the worker
+
+
+class ScriptedTask:
+    """What ``ray.remote(...).remote()`` gives a streaming task, driven by the test: each ``__anext__``
+    hands back the next value once the test releases it; a cancel makes the stream fail as Ray's does."""
+
+    def __init__(self) -> None:
+        self.values: asyncio.Queue[object] = asyncio.Queue()
+        self.forced: list[bool] = []
+
+    def __aiter__(self) -> ScriptedTask:
+        return self
+
+    async def __anext__(self) -> asyncio.Future[object]:
+        value = await self.values.get()
+        if value is StopAsyncIteration:
+            raise StopAsyncIteration
+        future = asyncio.get_running_loop().create_future()
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+        return future
+
+
+def scripted_executor(monkeypatch, task: ScriptedTask) -> ray_executor.RayExecutor:
+    executor = ray_executor.RayExecutor(
+        RaySection(address="127.0.0.1:1"),
+        base_dir=REPO,
+        python_funcs={id(sleeper): "tests.runner.ray_plugins:sleeper"},
+        runtime_env={},
+        owns_connection=False,
+    )
+    monkeypatch.setattr(executor, "_remote", SimpleNamespace(remote=lambda *args: task))
+    monkeypatch.setattr(ray_executor.ray, "cancel", lambda cancelled, force: cancelled.forced.append(force))
+    return executor
+
+
+async def test_a_call_cancelled_before_its_task_started_is_not_force_killed_and_holds_its_slot_until_gone(
+    monkeypatch,
+):
+    """A sibling's failure cancels a call whose task is still queued: a forced cancel would kill the worker
+    it was pushed to, and the call that worker is finishing with it. Its slot is the plugin's until the
+    task is gone, so max_concurrency holds across the cancel."""
+    task = ScriptedTask()
+    executor = scripted_executor(monkeypatch, task)
+    limit = asyncio.Semaphore(1)
+    call = asyncio.create_task(executor.attempt(sleeper, None, 0.0, None, limit=limit))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert task.forced == [False]
+    assert limit.locked()  # the task has not ended yet
+    task.values.put_nowait(TaskCancelledError())
+    await executor.aclose()
+    assert not limit.locked()
+
+
+async def test_a_started_call_that_is_cancelled_is_killed_and_gives_its_slot_back_once_gone(monkeypatch):
+    task = ScriptedTask()
+    executor = scripted_executor(monkeypatch, task)
+    limit = asyncio.Semaphore(1)
+    task.values.put_nowait(STARTED)
+    call = asyncio.create_task(executor.attempt(sleeper, None, 5.0, None, limit=limit))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert task.forced == [True] and limit.locked()
+    task.values.put_nowait(WorkerCrashedError())  # what the killed worker's stream says
+    await executor.aclose()
+    assert not limit.locked()
+
+
+async def test_a_task_that_fails_before_it_starts_is_a_failed_attempt_and_its_slot_comes_back(monkeypatch):
+    task = ScriptedTask()
+    executor = scripted_executor(monkeypatch, task)
+    limit = asyncio.Semaphore(1)
+    task.values.put_nowait(WorkerCrashedError())
+    outcome = await executor.attempt(sleeper, None, 0.0, None, limit=limit)
+    assert outcome.status is PluginStatus.FAILURE and "WorkerCrashedError" in (outcome.error or "")
+    assert not limit.locked() and task.forced == []

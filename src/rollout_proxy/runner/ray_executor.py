@@ -20,6 +20,11 @@ The plugin's ``Runtime``, across the cluster:
   does not get a healthy worker killed (which could be running the next task by then).
   A worker that does not answer within the timeout and ``ANSWER_GRACE`` (its event loop
   blocked), or does not end within ``END_WAIT`` of its answer, is killed the same way.
+- cancellation (a sibling call failed the job, or dropped its sample): a task seen to start is
+  killed; one not yet seen to start is cancelled without force (a forced cancel of a queued task
+  kills the worker it was pushed to, and the call that worker is finishing: a crashed-worker
+  failure of another sample), and killed only if it still runs ``ANSWER_GRACE`` later. Either
+  way its ``max_concurrency`` slot is given back once the task is gone, not at the cancel.
 - retries stay the runner's: Ray's own are off (``max_retries=0``: a call must not run
   twice in one session); a worker or node lost mid-call is a ``failure`` of that
   attempt, retried in a new session like any other.
@@ -221,6 +226,7 @@ class RayExecutor:
         self._base_dir = str(base_dir)
         self._python_funcs = dict(python_funcs)
         self._owns_connection = owns_connection
+        self._stopping: set[asyncio.Task[None]] = set()  # cancelled calls' tasks, until each is gone
         self._remote = ray.remote(run_plugin_call).options(
             num_returns="streaming",
             num_cpus=section.num_cpus,
@@ -266,35 +272,73 @@ class RayExecutor:
         payload = tuple(SessionHandle.of(arg) if isinstance(arg, RolloutInferenceProxy) else arg for arg in args)
         if limit is not None:
             await limit.acquire()
-        try:
-            return await self._run(python_func, plugin.spec.runtime.timeout, payload)
-        finally:
-            if limit is not None:
-                limit.release()
-
-    async def _run(self, python_func: str, plugin_timeout: int | None, payload: tuple[Any, ...]) -> Attempt:
         task = self._remote.remote(python_func, self._base_dir, payload)
+        started = False
         try:
             await _next(task)  # started on a worker: the plugin's time starts now
-            try:
-                deadline = None if plugin_timeout is None else plugin_timeout + ANSWER_GRACE
-                outcome: Attempt = await asyncio.wait_for(_next(task), deadline)
-            except TimeoutError:
-                outcome = Attempt(PluginStatus.FAILURE, f"timed out after {plugin_timeout}s")
-                await self._kill(task, python_func, "no answer")
-                return outcome
-            if not await self._ended(task, END_WAIT):  # False at once when the worker says LINGERING
-                await self._kill(task, python_func, "still running after its answer")
-            return outcome
+            started = True
+            return await self._outcome(task, python_func, plugin.spec.runtime.timeout)
         except RayError as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             log.warning("ray_task_failed", plugin=python_func, error=type(exc).__name__, message=message)
             return Attempt(PluginStatus.FAILURE, f"the Ray task failed: {type(exc).__name__}: {message}")
         except StopAsyncIteration:  # ended without an answer (not something run_plugin_call does)
             return Attempt(PluginStatus.FAILURE, "the Ray task ended without an answer")
-        except BaseException:  # cancelled (a sibling call failed the job): the task stops too
-            ray.cancel(task, force=True)
+        except BaseException:  # cancelled (a sibling call failed the job, or dropped the sample): the task stops too
+            self._stop_cancelled(task, python_func, started=started, limit=limit)
+            limit = None  # given back once the task is gone, not now
             raise
+        finally:
+            if limit is not None:
+                limit.release()
+
+    async def _outcome(self, task: Any, python_func: str, plugin_timeout: int | None) -> Attempt:
+        """The started task's ``Attempt``; a task that does not answer in time, or does not end after its
+        answer, is killed first (its worker runs nothing else: it is still in this task)."""
+        try:
+            deadline = None if plugin_timeout is None else plugin_timeout + ANSWER_GRACE
+            outcome: Attempt = await asyncio.wait_for(_next(task), deadline)
+        except TimeoutError:
+            await self._kill(task, python_func, "no answer")
+            return Attempt(PluginStatus.FAILURE, f"timed out after {plugin_timeout}s")
+        if not await self._ended(task, END_WAIT):  # False at once when the worker says LINGERING
+            await self._kill(task, python_func, "still running after its answer")
+        return outcome
+
+    def _stop_cancelled(self, task: Any, python_func: str, *, started: bool, limit: asyncio.Semaphore | None) -> None:
+        """Stop a cancelled call's task, and give its concurrency slot back once the task is gone.
+
+        A task not seen to start is cancelled without force: a forced cancel of a task still queued
+        kills the worker it was pushed to, which may be finishing another call (ray#30760), and that
+        call would fail as a crashed worker. Only if it is still there ``ANSWER_GRACE`` later (it was
+        running after all, in a thread no interrupt stops) is it killed."""
+        ray.cancel(task, force=started)
+
+        async def release_when_gone() -> None:
+            try:
+                if not started and not await self._drained(task, ANSWER_GRACE):
+                    await self._kill(task, python_func, "cancelled, still running")
+                elif started and not await self._drained(task, KILL_WAIT):
+                    log.warning("ray_task_kill_unconfirmed", plugin=python_func, waited=KILL_WAIT)
+            finally:
+                if limit is not None:
+                    limit.release()
+
+        stopping = asyncio.get_running_loop().create_task(release_when_gone())
+        self._stopping.add(stopping)
+        stopping.add_done_callback(self._stopping.discard)
+
+    @staticmethod
+    async def _drained(task: Any, within: float) -> bool:
+        """Whether the task ends (or fails) within ``within`` seconds, whatever it still yields meanwhile."""
+        try:
+            async with asyncio.timeout(within):
+                while True:
+                    await _next(task)
+        except (StopAsyncIteration, RayError):
+            return True
+        except TimeoutError:
+            return False
 
     async def _ended(self, task: Any, within: float) -> bool:
         """Whether the task ends within ``within`` seconds (an error is an end too)."""
@@ -311,10 +355,13 @@ class RayExecutor:
     async def _kill(self, task: Any, python_func: str, why: str) -> None:
         log.warning("ray_task_killed", plugin=python_func, reason=why)
         ray.cancel(task, force=True)
-        if not await self._ended(task, KILL_WAIT):
+        if not await self._drained(task, KILL_WAIT):
             log.warning("ray_task_kill_unconfirmed", plugin=python_func, waited=KILL_WAIT)
 
     async def aclose(self) -> None:
-        """Leave the cluster if ``open`` joined it (the cluster itself keeps running)."""
+        """Wait for cancelled calls' tasks to be gone, then leave the cluster if ``open`` joined it
+        (the cluster itself keeps running)."""
+        if self._stopping:
+            await asyncio.gather(*self._stopping, return_exceptions=True)
         if self._owns_connection and ray.is_initialized():
             await asyncio.to_thread(ray.shutdown)
