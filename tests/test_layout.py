@@ -82,7 +82,6 @@ TESTED_IN: dict[str, str] = {
     "runner/progress.py": "tests/runner/test_summary_plot.py",
     "runner/rollouts.py": "tests/runner/test_runner_e2e.py",
     "runner/runner.py": "tests/runner/test_job_file.py",
-    "runner/staleness.py": "tests/runner/test_training_loop.py",
     "sdk/proxy.py": "tests/sdk/test_inference_proxy.py",
     "sdk/runtime.py": "tests/sdk/test_decorators.py",
     "sdk/types.py": "tests/sdk/test_local.py",
