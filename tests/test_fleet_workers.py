@@ -23,7 +23,7 @@ from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.state.redis import RedisStore
 from tests.fakes import FakeFleet, fake_fleet
 from tests.harness import ProxyHarness
-from tests.proxy.test_outages import RedisServer
+from tests.scenarios.test_outages import RedisServer
 
 USER = [{"role": "user", "content": "Tell me about maples."}]
 SETTINGS = {"engine_probe_interval": 0.2, "pause_wait": 60.0}

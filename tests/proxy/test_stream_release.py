@@ -25,7 +25,7 @@ from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.proxy import keys
 from tests.conftest import TEMPLATES
 from tests.harness import ProxyHarness, store_snapshot
-from tests.proxy.test_stream_faults import until
+from tests.scenarios.test_stream_faults import until
 
 QUESTION = [{"role": "user", "content": "Tell me a long story about rivers."}]
 STORY = " ".join(f"river{n}" for n in range(30))

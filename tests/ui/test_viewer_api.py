@@ -25,7 +25,7 @@ from rollout_proxy.state.feed import JsonlFeed
 from rollout_proxy.state.redis_feed import RedisStreamFeed
 from tests.conftest import TEMPLATES
 from tests.harness import ADMIN_KEY, ProxyHarness
-from tests.proxy.test_outages import RedisServer
+from tests.scenarios.test_outages import RedisServer
 from tests.ui.recording import ADVANTAGE, ANSWER, REWARD, open_session, record
 
 

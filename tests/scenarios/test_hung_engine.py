@@ -29,7 +29,7 @@ from rollout_proxy.engines.health import EngineState
 from rollout_proxy.proxy import keys
 from rollout_proxy.settings import Settings
 from tests.harness import ProxyHarness
-from tests.proxy.test_stream_faults import until
+from tests.scenarios.test_stream_faults import until
 
 QUESTION = [{"role": "user", "content": "What is the answer?"}]
 #: what the defaults promise: a client has an answer within this long of its engine hanging
