@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
 from devtools.fake_engine import fake_logprob
+from rollout_proxy.engines import vllm_http
 from rollout_proxy.engines.base import SamplingParams
 from rollout_proxy.engines.vllm_http import LOGPROB_FLOOR, VLLMEngine
 from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable
@@ -310,3 +314,31 @@ async def test_a_long_prompt_echoed_by_the_engine_is_checked_without_parsing_it(
     assert np.array_equal(completion.prompt_ids, prompt) and completion.text == "Hi there"
     answers = [body for body in parsed if b'"token_ids"' in body]
     assert len(answers) == 1 and b'"prompt_token_ids":null' in answers[0] and len(answers[0]) < len(prompt)
+
+
+async def test_a_connection_idle_longer_than_vllm_keeps_it_is_not_reused(monkeypatch):
+    """vLLM's server closes a connection idle for 5 s; a client that reuses one it kept longer races that
+    close and its call is reset. After ENGINE_KEEPALIVE_S of quiet the client dials a new connection."""
+    monkeypatch.setattr(vllm_http, "ENGINE_KEEPALIVE_S", 0.3)
+    transports: list[int] = []
+
+    async def weight_info(request: web.Request) -> web.Response:
+        transports.append(id(request.transport))
+        return web.json_response({"weight_version": "3"})
+
+    app = web.Application()
+    app.router.add_get("/weight_info", weight_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    engine = VLLMEngine(f"http://127.0.0.1:{port}")
+    try:
+        await engine.weight_version()
+        await engine.weight_version()  # at once: the same connection
+        await asyncio.sleep(0.8)  # longer than the client keeps an idle one
+        await engine.weight_version()
+    finally:
+        await engine.close()
+        await runner.cleanup()
+    assert transports[0] == transports[1] and transports[2] != transports[1]

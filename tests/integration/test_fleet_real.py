@@ -24,6 +24,7 @@ from devtools.engine_env import ensure_perturbed_checkpoint
 from devtools.record_dev_mode import completion
 from devtools.vllm_dev import VLLMDevClient
 from devtools.vllm_server import VLLMServer
+from rollout_proxy.engines.vllm_http import ENGINE_KEEPALIVE_S
 from rollout_proxy.proxy import keys
 from tests.harness import ProxyHarness, Session
 from tests.integration.conftest import VLLMServers
@@ -44,7 +45,10 @@ def dev_server(vllm_servers: VLLMServers) -> Iterator[VLLMServer]:
 
 @pytest.fixture
 async def engine(dev_server: VLLMServer) -> AsyncIterator[VLLMDevClient]:
-    async with aiohttp.ClientSession() as http:
+    # connections kept idle no longer than vLLM keeps them (5 s), as the proxy's engine client does: a
+    # reused one the server has just closed would reset the test's own call (seen after a keep pause)
+    connector = aiohttp.TCPConnector(keepalive_timeout=ENGINE_KEEPALIVE_S)
+    async with aiohttp.ClientSession(connector=connector) as http:
         yield VLLMDevClient(dev_server.base_url, http, timeout=300)
 
 

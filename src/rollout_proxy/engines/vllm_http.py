@@ -61,6 +61,11 @@ CONTROL_CONNECTIONS = 8
 #: Times a call that failed on a reused keep-alive connection, before any answer, is sent again (on
 #: another connection) before the failure counts as the engine's.
 STALE_CONNECTION_RETRIES = 2
+#: Seconds an idle connection to an engine is kept for reuse: under the 5 s after which vLLM's server
+#: closes an idle one (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``). aiohttp keeps them 15 s by default, so a
+#: call after 5-15 s of quiet raced the server's close and was reset (seen on a resume after a keep
+#: pause); the stale-connection retry above stays for a server configured shorter.
+ENGINE_KEEPALIVE_S = 3.0
 #: Error statuses that mean "this engine does not serve that route" (vLLM without dev mode).
 NOT_SERVED = frozenset({404})
 
@@ -272,7 +277,9 @@ class VLLMEngine:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._max_connections + CONTROL_CONNECTIONS)
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections + CONTROL_CONNECTIONS, keepalive_timeout=ENGINE_KEEPALIVE_S
+            )
             self._session = aiohttp.ClientSession(
                 connector=connector, timeout=self._timeout, trace_configs=[_tracing()]
             )
