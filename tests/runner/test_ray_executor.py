@@ -237,3 +237,16 @@ async def test_a_task_that_fails_before_it_starts_is_a_failed_attempt_and_its_sl
     outcome = await executor.attempt(sleeper, None, 0.0, None, limit=limit)
     assert outcome.status is PluginStatus.FAILURE and "WorkerCrashedError" in (outcome.error or "")
     assert not limit.locked() and task.forced == []
+
+
+async def test_a_call_that_cannot_be_submitted_gives_its_slot_back(monkeypatch):
+    executor = scripted_executor(monkeypatch, ScriptedTask())
+
+    def unserializable(*args: object) -> None:
+        raise TypeError("cannot pickle '_thread.lock' object")
+
+    monkeypatch.setattr(executor, "_remote", SimpleNamespace(remote=unserializable))
+    limit = asyncio.Semaphore(1)
+    with pytest.raises(TypeError, match="pickle"):
+        await executor.attempt(sleeper, None, 0.0, None, limit=limit)
+    assert not limit.locked()

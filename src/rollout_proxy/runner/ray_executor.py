@@ -272,7 +272,12 @@ class RayExecutor:
         payload = tuple(SessionHandle.of(arg) if isinstance(arg, RolloutInferenceProxy) else arg for arg in args)
         if limit is not None:
             await limit.acquire()
-        task = self._remote.remote(python_func, self._base_dir, payload)
+        try:
+            task = self._remote.remote(python_func, self._base_dir, payload)
+        except BaseException:  # not submitted (its arguments would not serialize): nothing holds the slot
+            if limit is not None:
+                limit.release()
+            raise
         started = False
         try:
             await _next(task)  # started on a worker: the plugin's time starts now
