@@ -36,9 +36,9 @@ TEMPLATES = {
 def structlog_as_pytest_started() -> Iterator[None]:
     """Every test starts with structlog's defaults, printing to the stdout of the moment.
 
-    ``cli.main``, run in-process by a test, configures structlog for good: onto the ``sys.stderr``
-    of its moment (a capture stream pytest closes afterwards) and with its ``--log-level`` filter,
-    which drops lower events before ``capture_logs`` can see them."""
+    ``cli.main`` and the demo's ``main``, run in-process by a test, configure structlog for good: onto
+    the ``sys.stderr`` of their moment (a capture stream pytest closes afterwards) and with a level
+    filter (the demo's: warning), which drops lower events before ``capture_logs`` can see them."""
     structlog.reset_defaults()
     yield
     structlog.reset_defaults()

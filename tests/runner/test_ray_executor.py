@@ -192,6 +192,15 @@ def scripted_executor(monkeypatch, task: ScriptedTask) -> ray_executor.RayExecut
     return executor
 
 
+async def cancelled_in_flight(executor: ray_executor.RayExecutor, limit: asyncio.Semaphore, seconds: float) -> None:
+    """A call of ``sleeper`` (``seconds``) cancelled while it waits on its task, as a sibling's failure does."""
+    call = asyncio.create_task(executor.attempt(sleeper, None, seconds, None, limit=limit))
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+
 async def test_a_call_cancelled_before_its_task_started_is_not_force_killed_and_holds_its_slot_until_gone(
     monkeypatch,
 ):
@@ -201,11 +210,7 @@ async def test_a_call_cancelled_before_its_task_started_is_not_force_killed_and_
     task = ScriptedTask()
     executor = scripted_executor(monkeypatch, task)
     limit = asyncio.Semaphore(1)
-    call = asyncio.create_task(executor.attempt(sleeper, None, 0.0, None, limit=limit))
-    await asyncio.sleep(0.05)
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
+    await cancelled_in_flight(executor, limit, 0.0)
     assert task.forced == [False]
     assert limit.locked()  # the task has not ended yet
     task.values.put_nowait(TaskCancelledError())
@@ -218,11 +223,7 @@ async def test_a_started_call_that_is_cancelled_is_killed_and_gives_its_slot_bac
     executor = scripted_executor(monkeypatch, task)
     limit = asyncio.Semaphore(1)
     task.values.put_nowait(STARTED)
-    call = asyncio.create_task(executor.attempt(sleeper, None, 5.0, None, limit=limit))
-    await asyncio.sleep(0.05)
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
+    await cancelled_in_flight(executor, limit, 5.0)
     assert task.forced == [True] and limit.locked()
     task.values.put_nowait(WorkerCrashedError())  # what the killed worker's stream says
     await executor.aclose()
