@@ -68,7 +68,8 @@ def test_the_codex_job_runs_codex_on_the_fake_engine(tmp_path, capsys):
     for line in lines:
         roles = [message["role"] for message in line["messages"]]
         assert roles[:2] == ["developer", "developer"] and roles[-3:] == ["assistant", "tool", "assistant"]
-        assert line["extra"]["final_message"].startswith("The file says: ")
+        assert line["extra"]["harness"]["final_message"].startswith("The file says: ")
+        assert line["extra"]["harness"]["exit_code"] == 0 and not line["extra"]["harness"]["timed_out"]
 
 
 def test_keep_running_serves_the_viewer_and_feed_until_ctrl_c(engine, tmp_path, capsys):
