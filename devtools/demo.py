@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     harness = job.custom_rl_pipeline.rollout.harness
     if args.job in CODEX_JOBS and harness is not None:  # Codex's default prompt (~9.4k tokens) overflows SmolLM2's 8k
         harness.args = [*harness.args, *shlex.split(CODEX_ON_VLLM)]
+    if args.train:  # before the engine's minutes of set-up: the feed's server (apt, first run only)
+        from devtools import apt
+
+        apt.ensure_command("redis-server", why="the training demo's feed (a Redis Stream)")
     log("checking the engine venv and the checkpoints (first run: a few minutes)")
     engine_env.setup()
     if args.train:
