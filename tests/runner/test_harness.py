@@ -6,9 +6,12 @@ started by the runner as any command harness is; the real pinned ones run in ``t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
+import signal
+import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -362,3 +365,41 @@ async def test_the_swe_grader_runs_the_samples_tests_in_the_workdir_restoring_th
     assert (await swe_tests_reward(context, sample, rollout_in(cheated))).reward == 0.0  # its tests put back
     gone_ = await swe_tests_reward(context, sample, Trajectory(extra={}))
     assert gone_.reward == 0.0 and gone_.metrics["ran"] == 0.0
+
+
+async def test_a_runner_stopped_with_sigterm_stops_its_harnesses(engine, tmp_path):
+    """`rollout-proxy run` under a scheduler's SIGTERM: the job is cancelled as by Ctrl-C, and the harness
+    processes it started (each in a process group of its own) go with it."""
+    pids = tmp_path / "pids.jsonl"
+    job = harness_job(tmp_path, probe("hang", env={"PIDS_FILE": str(pids)}), generations=2)
+    raw = job.model_dump(mode="json", exclude_none=True)
+    raw["proxy"]["engines"] = [engine.url]
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    runner = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "rollout_proxy",
+        "run",
+        str(path),
+        "--no-progress",
+        env=env,
+        cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    for _ in range(1200):  # both harnesses have started (and made their model call)
+        if lines(pids) == 2:
+            break
+        await asyncio.sleep(0.05)
+    runner.send_signal(signal.SIGTERM)
+    _, stderr = await asyncio.wait_for(runner.communicate(), 60)
+    assert runner.returncode == 143 and "stopped (SIGTERM)" in stderr.decode()
+    for run in map(json.loads, pids.read_text().splitlines()):
+        assert await gone(run["pid"]) and await gone(run["child"])
+        assert not exists(run["cwd"])
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
