@@ -114,6 +114,19 @@ DECLARED: dict[str, Declared] = {
     ),
     "nonfinite_logprobs_total": _counter("Sampled tokens whose logprob was not finite (stored as a placeholder)."),
     "injected_nodes_total": _counter("Nodes of messages the policy did not generate (POST .../messages)."),
+    "sibling_parents_total": _counter(
+        "Turns whose conversation ends where several nodes of the same content do (a group's samples with the "
+        "same visible answer) and that continue the one the client was answered, by API and by what told it: "
+        "tool_call_id, reasoning, signature (a signed thinking block), history (an earlier turn's reasoning).",
+        "api",
+        "by",
+    ),
+    "parent_ambiguities_total": _counter(
+        "Turns whose conversation ends where several nodes of the same content do and nothing the client echoed "
+        "tells which it was answered: the newest not yet continued was taken (else the newest), recorded on the "
+        "node as parent_ambiguity, by API.",
+        "api",
+    ),
     "parents_by_signature_total": _counter(
         "Turns whose parent was named by the signature of the thinking the client echoed, not by content alone "
         "(two nodes with the same messages and different tokens), by API.",

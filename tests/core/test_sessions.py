@@ -203,3 +203,85 @@ async def test_trajectories_are_found_only_in_their_session(service, store):
     assert (await service.latest_trajectory(session.id)).response_id == response_id
     with pytest.raises(NotFound):
         await service.latest_trajectory(other.id)
+
+
+def trained_nodes(trajectory, path) -> list[str]:
+    """The nodes of ``path`` whose output tokens the trajectory trains (all of them: weight 1, else none: 0)."""
+    weights, logprobs, position, trained = trajectory.total_loss_weight, trajectory.total_token_logprobs, 0, []
+    for node in path:
+        position += len(node.prompt_ids)
+        span = slice(position, position + len(node.output_ids))
+        assert set(weights[span].tolist()) in ({1.0}, {0.0}, set())
+        if weights[span].all() and len(node.output_ids):
+            trained.append(node.id)
+            assert (logprobs[span] == node.output_logprobs).all()
+        else:
+            assert (logprobs[span] == 0.0).all()  # as the export weights a turn trained elsewhere
+        position += len(node.output_ids)
+    assert weights.sum() == sum(len(n.output_ids) for n in path if n.id in trained)
+    return trained
+
+
+async def test_a_finish_naming_responses_trains_each_shared_turn_once_in_the_first_named(service, store):
+    """An edited turn shares the turns before it: the first named response that holds a turn trains it."""
+    session = await create(service)
+    first = await put_node(store, session.id, [], [*SAMPLE, ANSWER])
+    main = await put_node(store, session.id, first, [{"role": "user", "content": "And 3+3?"}, ANSWER])
+    edited = await put_node(store, session.id, first, [{"role": "user", "content": "And 4+4?"}, ANSWER])
+    _, (a, b) = await finish(service, session.id, responses=[{"id": edited[-1].id}, {"id": main[-1].id}])
+    assert trained_nodes(a, edited) == [first[0].id, edited[-1].id]
+    assert trained_nodes(b, main) == [main[-1].id]  # the shared first turn: weight 0, logprob 0.0
+    # named the other way round, the other one trains it
+    again = await create(service)
+    first = await put_node(store, again.id, [], [*SAMPLE, ANSWER])
+    main = await put_node(store, again.id, first, [{"role": "user", "content": "And 3+3?"}, ANSWER])
+    _, (a, b) = await finish(service, again.id, responses=[{"id": main[-1].id}, {"id": first[-1].id}])
+    assert trained_nodes(a, main) == [first[0].id, main[-1].id] and trained_nodes(b, first) == []
+    # a response fetched by its id is the whole path, trained: the finish's rule is the finish's
+    assert trained_nodes(await service.trajectory(first[-1].id), first) == [first[0].id]
+
+
+async def test_a_named_retry_is_trained_though_the_sessions_retry_policy_drops_it(service, store):
+    """``retry: drop`` decides for the finish that names nothing; naming a response trains it."""
+    session = await create(service)
+    first = await put_node(store, session.id, [], [*SAMPLE, ANSWER])
+    retried = [{"role": "user", "content": "And 3+3?"}, ANSWER]
+    one = await put_node(store, session.id, first, retried)
+    two = await put_node(store, session.id, first, retried)
+    export = await service.rollout(session.id)
+    assert export.dropped_tokens == len(one[-1].output_ids)  # the export drops one of the two
+    _, (a, b) = await finish(service, session.id, responses=[{"id": one[-1].id}, {"id": two[-1].id}])
+    assert trained_nodes(a, one) == [first[0].id, one[-1].id] and trained_nodes(b, two) == [two[-1].id]
+    assert a.rollout_counts is None and b.rollout_counts is None  # each named one is what it is
+
+
+async def test_a_group_whose_samples_share_a_turn_trains_it_in_the_first_sample_that_holds_it(service, store):
+    """The seed's group example: three responses, two of them continuing the first."""
+    session = await create(service, n_sample=3)
+    r1 = await put_node(store, session.id, [], [*SAMPLE, ANSWER])
+    r2 = await put_node(store, session.id, r1, [{"role": "user", "content": "And 3+3?"}, ANSWER])
+    r3 = await put_node(store, session.id, r1, [{"role": "user", "content": "And 4+4?"}, ANSWER])
+    _, (a, b, c) = await finish(service, session.id, responses=[{"id": r[-1].id} for r in (r1, r2, r3)])
+    assert trained_nodes(a, r1) == [r1[0].id]
+    assert trained_nodes(b, r2) == [r2[-1].id] and trained_nodes(c, r3) == [r3[-1].id]
+
+
+async def test_a_whole_rollout_carries_its_counts_dropped_retries_included(service, store):
+    session = await create(service)
+    first = await put_node(store, session.id, [], [*SAMPLE, ANSWER])
+    retried = [{"role": "user", "content": "And 3+3?"}, ANSWER]
+    for _ in range(2):
+        await put_node(store, session.id, first, retried)
+    await put_node(store, session.id, [], [{"role": "user", "content": "A subagent's task."}, ANSWER])
+    export = await service.rollout(session.id)
+    _, (main,) = await finish(service, session.id)
+    assert main.rollout_counts == {
+        "sequences": 2,  # the main one (the subagent's: the latest leaf) and the retry kept (the latest of two)
+        "sampled_tokens": 12,
+        "trained_tokens": 9,
+        "dropped_tokens": 3,
+        "dropped_sequences": 1,
+    }
+    assert main.rollout_counts["sampled_tokens"] == export.sampled_tokens
+    assert sum(float(s.total_loss_weight.sum()) for s in [main, *main.branches]) == export.trained_tokens
+    assert len(export.sequences) == 3 and [s.dropped for s in export.sequences].count(True) == 1

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_proxy.core.tree import ResponseTree, SamplePlacement, choose_parent, place_sample
+from rollout_proxy.core.tree import (
+    ResponseTree,
+    SamplePlacement,
+    child_mark,
+    choose_parent,
+    echo_marks,
+    place_sample,
+)
 from rollout_proxy.errors import InvalidRequest, NotFound
 from rollout_proxy.ids import new_response_id
 from rollout_proxy.metrics import Metrics
@@ -25,6 +32,26 @@ A2_CALL = {
 T2 = {"role": "tool", "tool_call_id": "call_1", "content": "4"}
 A2 = {"role": "assistant", "content": "Confirmed: 4."}
 U3 = {"role": "user", "content": "Thanks."}
+
+
+# -- what tells siblings of the same content apart ---------------------------------------------
+
+
+def test_an_echo_carries_the_marks_its_node_wrote_whatever_its_content_looks_like():
+    """The node's output and the client's echo (no content, its own spelling of the arguments) key alike."""
+    output = {**A2_CALL, "content": "", "reasoning_content": "Use the tool."}
+    echoed = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": A2_CALL["tool_calls"],
+        "reasoning_content": "Use the tool.",
+    }
+    assert echo_marks(echoed, "h") == echo_marks(output, "h")
+    assert [what for what, _ in echo_marks(output, "h")] == ["tool_call_id", "reasoning"]
+    assert echo_marks(output, "h")[1] != echo_marks(output, "other path")[1]  # reasoning is keyed by its path
+    assert echo_marks({**A1, "reasoning_content": "x"}, "h") != echo_marks({**A1, "reasoning_content": "y"}, "h")
+    assert echo_marks(A1, "h") == [] and echo_marks({**U1, "reasoning_content": "x"}, "h") == []
+    assert child_mark("resp_1") not in {key for _, key in echo_marks(output, "h")}
 
 
 # -- choose_parent on hand-built path-index answers ------------------------------------------

@@ -214,8 +214,9 @@ async def test_claude_codes_generation_parameters_are_recorded_when_the_session_
 
 @one_config
 async def test_the_thinking_signature_names_its_node_and_a_changed_block_is_refused(proxy: ProxyHarness):
-    """Two answers with the same tool call reached by different reasoning: content alone names the last one
-    stored; the echoed signature names the one this client was answered."""
+    """Two answers with the same tool call reached by different reasoning: content alone cannot tell them
+    apart; the echoed signature names the one this client was answered, and so do the proxy's tool_use ids
+    when the thinking is dropped."""
     fake = proxy.fake
     other = THINK_AND_CALL.replace("I need the weather for Paris.", "Paris: look it up.")
     fake.queue(THINK_AND_CALL, other, ANSWER, ANSWER)
@@ -232,8 +233,8 @@ async def test_the_thinking_signature_names_its_node_and_a_changed_block_is_refu
             return [*question, {"role": "assistant", "content": content}, tool_result(answer.content[1].id)]
 
         from_a = await sdk.messages.create(model="policy", max_tokens=256, messages=after(a, a.content), tools=[TOOL])
-        unsigned = [a.content[1]]  # without its thinking: by content, the sibling stored last
-        by_content = await sdk.messages.create(
+        unsigned = [a.content[1]]  # without its thinking: its tool_use id names it
+        by_call_id = await sdk.messages.create(
             model="policy", max_tokens=256, messages=after(a, unsigned), tools=[TOOL]
         )
 
@@ -245,13 +246,14 @@ async def test_the_thinking_signature_names_its_node_and_a_changed_block_is_refu
         with pytest.raises(anthropic.BadRequestError) as refused:
             await sdk.messages.create(model="policy", max_tokens=256, messages=after(a, changed), tools=[TOOL])
     assert (await nodes(proxy, session.session_id, from_a.id))[-2].id == a.id
-    assert (await nodes(proxy, session.session_id, by_content.id))[-2].id == b.id
+    assert (await nodes(proxy, session.session_id, by_call_id.id))[-2].id == a.id
     assert refused.value.body["type"] == "error"
     assert refused.value.body["error"]["type"] == "invalid_request_error"
     assert refused.value.body["error"]["param"] == "messages[1].content[0].signature"
     assert await store_snapshot(proxy.app[keys.STORE]) == before
     assert len(sampled(fake)) == 4
     assert proxy.app[keys.METRICS].value("parents_by_signature_total", api="messages") == 1
+    assert proxy.app[keys.METRICS].value("sibling_parents_total", api="messages", by="tool_call_id") == 1
 
 
 @one_config

@@ -174,6 +174,49 @@ async def test_a_finish_naming_no_responses_emits_the_whole_rollout(proxy: Proxy
         assert got.total_token_ids == want["total_token_ids"] and got.total_loss_weight == want["total_loss_weight"]
         assert got.extra == {"score": 1}
     assert sum(sum(s.total_loss_weight or []) for s in main.sequences()) == export["trained_tokens"]
+    # the dropped retry is in no sequence: its counts travel on the main trajectory
+    assert main.rollout_counts is not None and main.rollout_counts.model_dump() == {
+        "sequences": len(kept),
+        "sampled_tokens": export["sampled_tokens"],
+        "trained_tokens": export["trained_tokens"],
+        "dropped_tokens": export["dropped_tokens"],
+        "dropped_sequences": 1,
+    }
+    assert export["dropped_tokens"] > 0 and all(branch.rollout_counts is None for branch in main.branches)
+
+
+async def test_a_finish_naming_responses_trains_a_shared_turn_in_the_first_named_only(proxy: ProxyHarness):
+    """The main agent's second turn and the edited one share its first turn; the dropped retry is named too."""
+    session = await harness_session(proxy)
+    turns = await run_harness(proxy, session)
+    named = [turns["main2"], turns["edited"], turns["compact"]]
+    status, finished = await proxy.request(
+        "POST",
+        f"/v1/sessions/{session.session_id}/finish",
+        json={"status": "success", "responses": [{"id": response_id} for response_id in named]},
+    )
+    assert status == 200, finished
+    nodes = {node.id: node for node in await proxy.app[keys.STORE].get_nodes(session.session_id)}
+    trajectories = finished["trajectories"]
+    assert [t["response_id"] for t in trajectories] == named
+    trained: dict[str, list[int]] = {}
+    for index, trajectory in enumerate(trajectories):
+        path = [nodes[turns["main1"]], nodes[trajectory["response_id"]]]
+        if trajectory["response_id"] == turns["compact"]:
+            path = [nodes[turns["compact"]]]
+        weights = np.asarray(trajectory["total_loss_weight"])
+        logprobs = np.asarray(trajectory["total_token_logprobs"])
+        for node_id, (start, end) in node_spans({"response_ids": [n.id for n in path]}, nodes).items():
+            if weights[start:end].all():
+                trained.setdefault(node_id, []).append(index)
+                assert logprobs[start:end].tolist() == nodes[node_id].output_logprobs.tolist()
+            else:
+                assert not weights[start:end].any() and not logprobs[start:end].any()
+    # each named turn once: the shared first turn by the first named response that holds it
+    assert trained == {turns["main1"]: [0], turns["main2"]: [0], turns["edited"]: [1], turns["compact"]: [2]}
+    assert sum(sum(t["total_loss_weight"]) for t in trajectories) == sum(
+        len(nodes[turns[name]].output_ids) for name in ("main1", "main2", "edited", "compact")
+    )
 
 
 async def test_the_export_is_the_admins_or_the_sessions_own(proxy: ProxyHarness):

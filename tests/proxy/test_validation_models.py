@@ -140,8 +140,6 @@ def test_responses_output_items_are_taken_back_as_input():
         ({"role": "user", "content": 3}, "messages[0].content"),
         ({"role": "user", "content": "x", "name": ["bob"]}, "messages[0].name"),
         ({"role": "user", "content": "x", "name": "b" * (MAX_NAME_CHARS + 1)}, "messages[0].name"),
-        ({"role": "assistant", "content": None}, "messages[0].content"),
-        ({"role": "assistant", "tool_calls": None}, "messages[0].content"),
         (
             {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]},
             "messages[0].tool_calls[0].function.arguments",
@@ -160,6 +158,15 @@ def test_bad_messages_name_their_field(message, param):
     for model, where in ((ChatRequest, {}), (AppendMessages, {})):
         assert refused(model, {"messages": [message], **where}).param == param
     assert refused(SessionCreate, {"sample": {"messages": [message]}}).param == f"sample.{param}"
+
+
+def test_an_assistant_message_may_carry_neither_content_nor_tool_calls():
+    """An answer that was all reasoning, echoed by a client that drops an empty content (as litellm drops a
+    null one): an empty assistant turn, as vLLM takes it (the OpenAI API would refuse it)."""
+    for message in ({"role": "assistant", "content": None}, {"role": "assistant", "tool_calls": None}):
+        for model in (ChatRequest, AppendMessages):
+            validate(model, {"messages": [USER, message]})
+        validate(SessionCreate, {"sample": {"messages": [USER, message]}})
 
 
 def test_message_counts_are_bounded():

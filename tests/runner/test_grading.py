@@ -76,6 +76,35 @@ async def test_custom_advantages_are_weighted_and_sequence_ones_spread_over_toke
     assert kind == "tok" and advantages == [[0.625], [0.375, 0.375], [0.125, 0.125, 0.125]]
 
 
+BRANCHED = [
+    GROUP[0].model_copy(
+        update={"branches": [Trajectory(total_token_ids=[2] * 2), Trajectory(total_token_ids=[3] * 3)]}
+    ),
+    GROUP[1],
+]
+
+
+@group_grader(name="per_sequence")
+def per_sequence(context, sample, trajectories):
+    advantages = [[[float(k)] * len(s.total_token_ids) for k, s in enumerate(t.sequences())] for t in trajectories]
+    return GroupGraderResult(rewards=[0.0] * len(trajectories), tok_advantages=advantages)
+
+
+@group_grader(name="seq_pair")
+def seq_pair(context, sample, trajectories):
+    return GroupGraderResult(rewards=[0.0, 0.0], seq_advantages=[1.0, -1.0])
+
+
+async def test_token_advantages_are_per_sequence_of_a_rollout_with_branches():
+    """A rollout of three sequences (its main one and two branches) beside one of one sequence."""
+    grade = await Graders([(per_sequence, 1.0), (seq_pair, 1.0)]).grade_group("s0", CONTEXT, SAMPLE, BRANCHED)
+    kind, advantages = grade.custom
+    # each sequence gets its own row, the sequence-level advantage spread over each sequence's tokens; a rollout
+    # of one sequence keeps the seed's flat form
+    assert kind == "tok"
+    assert advantages == [[[0.5], [1.0, 1.0], [1.5, 1.5, 1.5]], [-0.5, -0.5]]
+
+
 async def test_a_grader_saying_retry_is_called_again_and_counted():
     failed = []
     graders = Graders([(parity, 1.0)], on_failed_attempt=lambda: failed.append(1))

@@ -20,7 +20,7 @@ import yaml
 from devtools.fake_engine import FakeEngine, fake_logprob
 from rollout_proxy.embedded import BackgroundLoop, serve_app
 from rollout_proxy.runner import JobConfig, JobFailed, run_job
-from rollout_proxy.runner.distill import opd_advantages
+from rollout_proxy.runner.distill import _on_trained, opd_advantages
 from rollout_proxy.runner.job import OPDSection
 from rollout_proxy.state.feed import JsonlFeed
 from rollout_proxy.wire.arrays import encode_array
@@ -198,6 +198,44 @@ def test_opd_formula_by_hand():
     assert kind == "tok"
     assert advantages[0] == pytest.approx([0.0, 2 - 0.5 * (-1.0 + 0.25), 2 - 0.5 * (-0.5 + 2.0), 0.0])
     assert advantages[1] == pytest.approx([0.0, -2.0, -2.0])
+
+
+def test_opd_advantages_of_a_rollout_with_branches_are_one_row_per_sequence():
+    """The teacher pass scores the main sequence; a branch (a subagent) gets the task term alone."""
+    branch = trajectory(total_token_ids=[7, 8, 9], total_loss_weight=[0, 1, 1], total_token_logprobs=[0, -3.0, -3.0])
+    main = trajectory(
+        total_token_ids=[1, 2],
+        total_loss_weight=[0, 1],
+        total_token_logprobs=[0, -1.0],
+        teacher="t",
+        total_teacher_logprobs=[None, -0.5],
+        branches=[branch.model_dump()],
+    )
+    section = OPDSection(task_reward_coef=2, kl_reward_coef=0.5)
+    kind, advantages = opd_advantages([main], ("seq", [1.0]), section)
+    assert kind == "tok" and advantages == [[pytest.approx([0.0, 2 - 0.5 * (-1.0 + 0.5)]), [0.0, 2.0, 2.0]]]
+    _, per_token = opd_advantages([main], ("tok", [[[9.0, 1.0], [9.0, 0.5, -1.0]]]), section)
+    assert per_token == [[pytest.approx([0.0, 2 - 0.5 * (-1.0 + 0.5)]), [0.0, 1.0, -2.0]]]
+    with pytest.raises(JobFailed, match="trajectory 0: task advantages: a flat list of 2"):
+        opd_advantages([main], ("tok", [[0.0, 1.0]]), section)
+
+
+def test_the_teacher_pass_is_kept_to_the_tokens_a_trajectory_trains():
+    """A group sample whose first turn an earlier sample trains: the pass's values and top-k rows of it go."""
+    shared_later = trajectory(total_token_ids=[1, 2, 3, 4, 5], total_loss_weight=[0, 0, 0, 0, 1])
+    ids = np.arange(9, dtype=np.int32).reshape(3, 3)
+    logprobs = -np.arange(9, dtype=np.float32).reshape(3, 3)
+    answer = {
+        "teacher": "t",
+        "total_teacher_logprobs": [None, -1.0, -2.0, None, -3.0],  # the pass scored the path's every generated token
+        "teacher_topk": {"ids": encode_array(ids), "logprobs": encode_array(logprobs)},
+    }
+    kept = _on_trained(shared_later, answer)
+    assert kept["total_teacher_logprobs"] == [None, None, None, None, -3.0]
+    read = trajectory(teacher_topk=kept["teacher_topk"]).teacher_topk_arrays()
+    assert read is not None and read[0].tolist() == [[6, 7, 8]] and read[1].tolist() == [[-6.0, -7.0, -8.0]]
+    whole = trajectory(total_token_ids=[1, 2, 3, 4, 5], total_loss_weight=[0, 1, 1, 0, 1])
+    assert _on_trained(whole, answer) == answer
 
 
 def test_opd_refuses_a_teacher_missing_on_a_trained_token():

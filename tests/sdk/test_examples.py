@@ -99,6 +99,10 @@ async def test_group_rollout_then_graders(stack: Stack):
     trajectories = [Trajectory.model_validate(t) for t in finished["trajectories"]]
     first, second, third = (t.total_token_ids for t in trajectories)
     assert second[: len(first)] == first == third[: len(first)]
+    # the shared first turn is trained once: by the first response naming it, weighted 0 in the two after it
+    head = trajectories[0].loss_weight()
+    assert head.sum() > 0 and all(not t.loss_weight()[: len(first)].any() for t in trajectories[1:])
+    assert all(t.loss_weight()[len(first) :].sum() > 0 for t in trajectories[1:])
     assert trajectories[2].extra == {"reward": 1.0}
 
     random_result = random_reward_fn(CONTEXT, sample, trajectories)

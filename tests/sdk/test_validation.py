@@ -75,6 +75,28 @@ def test_tok_advantages_one_value_per_token():
         grade(tok_advantages=[[0.0] * 3, [0.0] * 3])
 
 
+def test_tok_advantages_of_a_rollout_with_branches_are_one_list_per_sequence():
+    """A trajectory with branches (a subagent: 2 tokens, a compaction: 4) is a rollout of three sequences."""
+    branches = [{"total_token_ids": [7, 8], "total_loss_weight": [0, 1]}, {"total_token_ids": [1] * 4}]
+    trajectories = [{**TRAJECTORIES[0], "branches": branches}, TRAJECTORIES[1]]
+
+    def grade_branches(tok_advantages):
+        @group_grader
+        def grader(context, sample, trajectories):
+            return GroupGraderResult(rewards=[0.0, 1.0], tok_advantages=tok_advantages)
+
+        return grader({}, {}, trajectories)
+
+    per_sequence = [[[0.0] * 3, [1.0] * 2, [2.0] * 4], [[0.5] * 2]]  # any rollout may use the per-sequence form
+    assert grade_branches(per_sequence).tok_advantages == per_sequence
+    with pytest.raises(PluginValidationError, match=r"tok_advantages\[0\]: a flat list of 3 .* rollout of 3 sequences"):
+        grade_branches([[0.0] * 3, [0.0] * 2])  # the seed's flat form fits a rollout of one sequence only
+    with pytest.raises(PluginValidationError, match=r"tok_advantages\[0\]\[2\]: 3 per-token advantages for 4 tokens"):
+        grade_branches([[[0.0] * 3, [1.0] * 2, [2.0] * 3], [[0.5] * 2]])
+    with pytest.raises(PluginValidationError, match=r"tok_advantages\[0\]\[1\]\[0\] is nan"):
+        grade_branches([[[0.0] * 3, [math.nan, 1.0], [2.0] * 4], [[0.5] * 2]])
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_advantages_must_be_finite(bad):
     with pytest.raises(PluginValidationError, match=r"seq_advantages\[1\] is .*finite"):

@@ -91,6 +91,29 @@ async def test_a_turns_read_brings_only_the_nodes_below_the_path_this_worker_hol
         await second.close()
 
 
+async def test_a_turns_read_walks_the_newest_of_siblings_that_share_a_path(redis_store):
+    """A path-index entry naming several nodes (``a|b``): the read ahead walks the newest's path, and a later
+    read of another sibling's path is a fresh one, not the one read ahead."""
+    from rollout_proxy.state.store import ReadAhead
+    from tests.state.test_store_contract import node, put, session_record
+
+    record = session_record()
+    await redis_store.create_session(record)
+    root = node(record.id, None, seed=1)
+    await put(redis_store, record.id, root)
+    older, newer = node(record.id, root.id, seed=2), node(record.id, root.id, seed=3)
+    for sibling in (older, newer):
+        await put(redis_store, record.id, sibling, paths={"p-same": sibling.id})
+    ahead = ReadAhead(hashes=("p-same",))
+    await redis_store.get_session(record.id, read_ahead=ahead)
+    held = redis_store._ahead.get()
+    assert held is not None and held.leaf == newer.id and [n.id for n in held.path] == [root.id, newer.id]
+    assert await redis_store.match_paths(record.id, ["p-same"]) == [f"{newer.id}|{older.id}"]
+    assert [n.id for n in await redis_store.get_path(record.id, newer.id)] == [root.id, newer.id]
+    await redis_store.get_session(record.id, read_ahead=ahead)
+    assert [n.id for n in await redis_store.get_path(record.id, older.id)] == [root.id, older.id]
+
+
 async def test_node_blobs_are_stored_compressed_and_read_back_whatever_the_setting(redis_url):
     """A proxy restarted with another ``--redis-node-compression`` (or a second worker set otherwise)
     still reads every node already stored; a node's message text shrinks in Redis."""

@@ -21,7 +21,7 @@ from rollout_proxy.records import (
 )
 from rollout_proxy.state.codec import BlobCompressor
 from rollout_proxy.state.memory import MemoryStore
-from rollout_proxy.state.store import Idempotency
+from rollout_proxy.state.store import SIBLINGS, Idempotency
 from tests.harness import store_snapshot
 
 
@@ -163,10 +163,23 @@ async def test_partial_path_entries_never_overwrite(store):
         second.id,
         None,
     ]
-    # a full entry does overwrite
+    # a full entry overwrites a partial one, and keeps the nodes of a full one behind it, newest first
     third = node(record.id, None, seed=3)
-    await put(store, record.id, third, paths={"p-end": third.id})
-    assert await store.match_paths(record.id, ["p-end"]) == [third.id]
+    await put(store, record.id, third, paths={"p-end": third.id, "p-mid": third.id})
+    assert await store.match_paths(record.id, ["p-end", "p-mid"]) == [f"{third.id}|{first.id}", third.id]
+
+
+async def test_a_full_path_entry_keeps_at_most_siblings_nodes(store):
+    """Nodes whose paths end at one hash (a group's samples with the same answer): the newest SIBLINGS."""
+    record = session_record()
+    await store.create_session(record)
+    written = []
+    for seed in range(SIBLINGS + 2):
+        sibling = node(record.id, None, seed=seed)
+        await put(store, record.id, sibling, paths={"p-end": sibling.id})
+        written.append(sibling.id)
+    [entry] = await store.match_paths(record.id, ["p-end"])
+    assert entry is not None and entry.split("|") == written[::-1][:SIBLINGS]
 
 
 async def test_session_and_nodes_expire_together(store):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -56,6 +57,22 @@ def test_tokens_are_split_by_version_and_other_versions_are_counted_apart():
     assert report.worst[0].position == 12 and report.worst[0].token_id == 502
     as_dict = report.as_dict()
     assert as_dict["by_version"]["3"]["over"] == 2 and as_dict["worst"][0]["delta"] == pytest.approx(1e-4, rel=0.05)
+
+
+def test_worst_names_the_sequence_within_its_rollout():
+    """A rollout's sequences (its main one, a subagent's): the worst token says which, by index, leaf and kind."""
+    main = scored([-1.0, -2.0], [-1.0, -2.0], [0, 0])
+    subagent = dataclasses.replace(
+        main,
+        sequence=1,
+        sampler=np.asarray([-1.0, -2.5], np.float32),
+        response_id="resp_sub",
+        branch="new_conversation",
+    )
+    report = mismatch_report([main, subagent], trainer_version=0, threshold=1e-2)
+    worst = report.worst[0]
+    assert (worst.rollout, worst.sequence, worst.response_id, worst.branch) == (0, 1, "resp_sub", "new_conversation")
+    assert report.as_dict()["worst"][0]["response_id"] == "resp_sub" and report.tokens == 4
 
 
 def test_a_mismatch_on_the_trainer_version_fails_the_report():

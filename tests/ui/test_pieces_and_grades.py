@@ -96,6 +96,13 @@ async def test_the_grade_book_follows_the_feed_and_rereads_token_advantages(tmp_
     assert book.of_response("resp_4_0") is None
     await book.refresh()
     assert book.of_response("resp_4_0").step == 4  # read on from where it stopped
+    # a rollout with branches: one list per sequence; the graded trajectory's tokens are its main sequence's
+    branched = group(5, kind="tok")
+    branched.trajectories[0].branches = [Trajectory(total_token_ids=[4, 5])]
+    branched.advantages[0] = [[0.1, 0.2, 0.3], [0.4, 0.5]]
+    await feed.publish(branched)
+    await book.refresh()
+    assert await book.token_advantages(book.of_response("resp_5_0")) == [0.1, 0.2, 0.3]
 
 
 async def test_no_feed_no_grades():

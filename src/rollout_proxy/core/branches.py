@@ -128,21 +128,30 @@ def rollout(nodes: Sequence[ResponseNode], *, retry: str = "drop") -> Rollout:
     kept = [leaf for leaf in leaves if leaf.id not in dropped]
     ordered = [*kept[-1:], *kept[:-1], *(leaf for leaf in leaves if leaf.id in dropped)]
     found = branches(nodes)
-    trained_somewhere: set[str] = set()
+    paths = [_path(leaf, by_id) for leaf in ordered]
+    assigned = train_once([[] if leaf.id in dropped else path for leaf, path in zip(ordered, paths, strict=True)])
     sequences = []
-    for index, leaf in enumerate(ordered):
-        path = _path(leaf, by_id)
+    for index, (leaf, path, mine) in enumerate(zip(ordered, paths, assigned, strict=True)):
         is_dropped = leaf.id in dropped
-        mine = frozenset(
-            () if is_dropped else (n.id for n in path if n.kind is NodeKind.GENERATED and n.id not in trained_somewhere)
-        )
-        trained_somewhere |= mine
         departs = next((n for n in reversed(path) if found[n.id].kind is not BranchKind.CONTINUATION), path[0])
         main = index == 0 and not is_dropped
         sequences.append(RolloutSequence(path, mine, found[departs.id], main=main, dropped=is_dropped))
     sampled = sum(len(node.output_ids) for node in generated)
-    trained = sum(len(by_id[node_id].output_ids) for node_id in trained_somewhere)
+    trained = sum(len(by_id[node_id].output_ids) for mine in assigned for node_id in mine)
     return Rollout(sequences, found, sampled, trained, sampled - trained)
+
+
+def train_once(paths: Sequence[Sequence[ResponseNode]]) -> list[frozenset[str]]:
+    """The generated nodes each path trains, every node in exactly one: the first path (in the given order)
+    that holds it. The one rule of every finish: the export's order (main first, then oldest leaf first) and
+    a finish's naming order alike."""
+    trained_somewhere: set[str] = set()
+    assigned = []
+    for path in paths:
+        mine = frozenset(n.id for n in path if n.kind is NodeKind.GENERATED and n.id not in trained_somewhere)
+        trained_somewhere |= mine
+        assigned.append(mine)
+    return assigned
 
 
 def _dropped_retries(generated: Sequence[ResponseNode], generated_below: set[str]) -> set[str]:

@@ -8,9 +8,10 @@ never given the sample (``core.tree.place_sample``, ``insert=False``).
 
 A ``thinking`` block the proxy answered carries a signature naming its node (``proxy.anthropic_answers``).
 Content alone cannot tell apart two siblings that differ only in their reasoning (a group's samples that
-reach the same answer by different thoughts: the path index names the last one written), so when the
-conversation's last covered assistant message is signed by another node of the same content, that node is
-the parent: the trajectory goes on from the tokens this client was answered.
+reach the same answer by different thoughts), so the signed blocks the conversation echoes name their
+nodes to the tree (``core.tree``: with the proxy's ``tool_use`` ids and the reasoning, what tells siblings
+apart), and a covered assistant message signed by another node of the same content makes that node the
+parent: the trajectory goes on from the tokens this client was answered.
 """
 
 from __future__ import annotations
@@ -121,9 +122,9 @@ class MessagesService:
         sample."""
         if thread is not None:
             return await self._continue(session, messages, thread)
-        placement = await self._tree.locate(session, messages, api=API, hashes=hashes)
-        covered = len(messages) - len(placement.new_messages)
         named = dict(signed)
+        placement = await self._tree.locate(session, messages, api=API, hashes=hashes, named=named)
+        covered = len(messages) - len(placement.new_messages)
         last = covered - 1
         if placement.parent and last in named and placement.parent[-1].id != named[last]:
             path = await self._tree.path(session.id, named[last], param="messages")

@@ -169,7 +169,11 @@ class SessionService:
 
         Every response id must be in the session; a group session (``n_sample``) that
         succeeds must name exactly ``n_sample``. A single rollout that names none emits
-        the whole rollout (``core.branches``): its main sequence, the others as its ``branches``.
+        the whole rollout (``core.branches``): its main sequence, the others as its ``branches``,
+        its counts (``rollout_counts``) on the main one. Named responses are trained once each too:
+        a generated turn that several named paths hold (a shared prefix, the turns before an edit)
+        is trained by the first one named, weighted 0 in the others; naming a response trains it (a
+        retry the session's ``retry: drop`` would drop included) and a group's samples alike.
         """
         session = await self.get_open(session_id)
         if responses is None and session.n_sample is None and status == "success":
@@ -187,6 +191,13 @@ class SessionService:
                 return FinishPlan(session_id=session_id, result=result, trajectories=[])
             result["responses"] = [{"id": main.response_id, "extra": None}]
             main.branches = [sequence for sequence in whole.sequences[1:] if not sequence.dropped]
+            main.rollout_counts = {
+                "sequences": 1 + len(main.branches),
+                "sampled_tokens": whole.sampled_tokens,
+                "trained_tokens": whole.trained_tokens,
+                "dropped_tokens": whole.dropped_tokens,
+                "dropped_sequences": sum(1 for sequence in whole.sequences if sequence.dropped),
+            }
             return FinishPlan(session_id=session_id, result=result, trajectories=[main])
         responses = responses if responses is not None else []
         ids = [response["id"] for response in responses]
@@ -211,9 +222,10 @@ class SessionService:
             paths.append(path)
         result = {"status": status, "error": error, "extra": extra, "responses": responses, "config": config}
         finished = dataclasses.replace(session, status=SessionStatus.FINISHED, result=result)
+        # every generated turn trained once: by the first named trajectory that holds it (core.branches.train_once)
         trajectories = [
-            assemble(session_id, path, extra=_result_extra(finished, response_id))
-            for response_id, path in zip(ids, paths, strict=True)
+            assemble(session_id, path, extra=_result_extra(finished, response_id), trained=mine)
+            for response_id, path, mine in zip(ids, paths, branches.train_once(paths), strict=True)
         ]
         return FinishPlan(session_id=session_id, result=result, trajectories=trajectories)
 

@@ -57,6 +57,9 @@ class AssembledTrajectory:
     dropped: bool | None = None  # a retry the conversation did not go on from: nothing in it is trained
     #: the rollout's other sequences (not dropped), on the main one a finish emits for a whole rollout
     branches: list[AssembledTrajectory] = field(default_factory=list)
+    #: on that main one: the rollout's counts (``wire.trajectory.RolloutCounts``: sequences, sampled, trained and
+    #: dropped tokens, dropped sequences), since the dropped retries are not among its branches
+    rollout_counts: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -88,6 +91,7 @@ class AssembledTrajectory:
             "main": self.main,
             "dropped": self.dropped,
             "branches": [branch.to_json() for branch in self.branches],
+            "rollout_counts": self.rollout_counts,
         }
 
 

@@ -10,6 +10,15 @@ Two ways to name a parent:
   splicing silently;
 - by id (``previous_response_id``): that node, within the session.
 
+Content leaves out what tells two siblings apart (reasoning, the proxy's tool-call ids), so the nodes of a
+group's samples that reach the same visible answer share a path: its path-index entry names them all,
+newest first (``state.store.with_sibling``). A conversation that ends at such a path continues the one the
+client was answered, named by what it echoes of that answer (``sibling``): the proxy's tool-call ids, the
+reasoning, a signed thinking block (the Messages API), or, failing those, the reasoning it echoes of an
+earlier turn (each sibling's path read once). Where nothing it echoes tells them apart the proxy cannot
+know: it takes the newest sibling no turn has continued yet (else the newest), counts it
+(``parent_ambiguities_total``) and records it on the new node (``parent_ambiguity``); never a silent pick.
+
 Where the session's sample goes in a conversation that starts at the root (``place_sample``): the
 policy sees every message once, in the order the client sent it. A conversation that starts with the
 sample, or holds it in order elsewhere (a harness's own prompt around the task), is taken as sent; one
@@ -21,7 +30,9 @@ conversation as sent.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -30,7 +41,7 @@ import structlog
 
 from rollout_proxy.errors import InvalidRequest, NotFound
 from rollout_proxy.metrics import Metrics
-from rollout_proxy.records import ResponseNode, SessionRecord
+from rollout_proxy.records import NodeKind, ResponseNode, SessionRecord
 from rollout_proxy.state.store import StateStore
 from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, path_hashes
 
@@ -50,6 +61,9 @@ class Placement:
     fork: dict[str, Any] | None = None
     #: how the session's sample stands in a conversation placed at the root (``place_sample``); None: not asked
     sample: SamplePlacement | None = None
+    #: the parent is one of several siblings nothing the client echoed tells apart (``sibling``): how many, and
+    #: the rule that chose it; None: the parent is the only node the conversation can continue
+    ambiguity: dict[str, Any] | None = None
 
     @property
     def parent_id(self) -> str | None:
@@ -101,6 +115,57 @@ def choose_parent(
                 return parent_id, covered, {"diverged_from": value.split("#", 1)[0], "at_message": at}
             break
     return parent_id, covered, None
+
+
+# -- siblings: what tells apart nodes whose messages are equal by content -----------------------------
+#
+# Entries of the path index beside the path hashes (a hash is hex, these have a prefix), written with each
+# node (``node_entries``, never overwritten): its output's tool-call ids and reasoning, and its first child.
+
+
+def call_mark(call_id: str) -> str:
+    return "call:" + call_id
+
+
+def reasoning_mark(path_hash: str, reasoning: str) -> str:
+    digest = hashlib.blake2b(f"{path_hash}\x00{reasoning}".encode(), digest_size=16).hexdigest()
+    return "think:" + digest
+
+
+def child_mark(node_id: str) -> str:
+    return "child:" + node_id
+
+
+def echo_marks(message: dict[str, Any], path_hash: str) -> list[tuple[str, str]]:
+    """(what, index key) of what an assistant message carries beyond its content: each tool-call id, its
+    reasoning (keyed with the path it ends, ``path_hash``); the same for a node's output and a client's echo."""
+    if message["role"] != "assistant":
+        return []
+    marks = [("tool_call_id", call_mark(call["id"])) for call in message.get("tool_calls") or ()]
+    if reasoning := message.get("reasoning_content"):
+        marks.append(("reasoning", reasoning_mark(path_hash, reasoning)))
+    return marks
+
+
+def node_entries(node: ResponseNode) -> dict[str, str]:
+    """The sibling entries a node writes (``node.path_hash`` set): its output's marks and its parent's child."""
+    entries = {}
+    if node.kind is NodeKind.GENERATED and node.messages:
+        entries = {key: node.id for _, key in echo_marks(node.messages[-1], node.path_hash)}
+    if node.parent_id is not None:
+        entries[child_mark(node.parent_id)] = node.id
+    return entries
+
+
+def _agrees(output: dict[str, Any], echoed: dict[str, Any]) -> bool:
+    """Whether what ``echoed`` carries of an answer beyond its content is ``output``'s (what it leaves out
+    agrees with anything)."""
+    if echoed["role"] != "assistant":
+        return True
+    if (reasoning := echoed.get("reasoning_content")) and reasoning != output.get("reasoning_content"):
+        return False
+    calls = echoed.get("tool_calls")
+    return not calls or [call["id"] for call in calls] == [call["id"] for call in output.get("tool_calls") or ()]
 
 
 class SamplePlacement(str, Enum):
@@ -180,9 +245,16 @@ class ResponseTree:
         return path
 
     async def locate(
-        self, session: SessionRecord, messages: list[dict[str, Any]], *, api: str, hashes: Sequence[str] | None = None
+        self,
+        session: SessionRecord,
+        messages: list[dict[str, Any]],
+        *,
+        api: str,
+        hashes: Sequence[str] | None = None,
+        named: Mapping[int, str] | None = None,
     ) -> Placement:
-        """Attach a whole conversation by content (``hashes``: its path hashes, if the caller has them)."""
+        """Attach a whole conversation by content (``hashes``: its path hashes, if the caller has them;
+        ``named``: message index -> the node an echoed message names, a signed thinking block)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         hashes = path_hashes(messages) if hashes is None else list(hashes)
@@ -191,11 +263,94 @@ class ResponseTree:
         if offset and not any(value is not None and "#" not in value for value in matches):
             matches, offset = await self._store.match_paths(session.id, hashes), 0  # no node ends in the window
         parent_id, covered, fork = choose_parent(matches, len(messages), offset=offset)
+        ambiguity = None
+        if parent_id is not None and "|" in parent_id:  # siblings end here: the one the client was answered
+            parent_id, ambiguity = await self.sibling(
+                session, messages, hashes, covered, parent_id.split("|"), api=api, named=named or {}
+            )
         if fork is not None:
             self._metrics.inc("forks_total", api=api)
             log.info("history_rewritten", parent_id=parent_id, **fork)
         parent = [] if parent_id is None else await self.path(session.id, parent_id, param="messages")
-        return Placement(parent=parent, new_messages=messages[covered:], new_hashes=hashes[covered:], fork=fork)
+        return Placement(
+            parent=parent,
+            new_messages=messages[covered:],
+            new_hashes=hashes[covered:],
+            fork=fork,
+            ambiguity=ambiguity,
+        )
+
+    async def sibling(
+        self,
+        session: SessionRecord,
+        messages: Sequence[dict[str, Any]],
+        hashes: Sequence[str],
+        covered: int,
+        candidates: Sequence[str],
+        *,
+        api: str,
+        named: Mapping[int, str],
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Which of ``candidates`` (newest first, their paths end at ``messages[:covered]``) the conversation
+        continues, and the ambiguity when nothing it echoes tells (module docstring). One index read; the
+        siblings' paths only when an earlier turn's echoed reasoning is all there is to go by."""
+        last = covered - 1
+        if named.get(last) in candidates:
+            self._metrics.inc("sibling_parents_total", api=api, by="signature")
+            self._metrics.inc("parents_by_signature_total", api=api)
+            return named[last], None
+        marks = echo_marks(messages[last], hashes[last])
+        keys = [key for _, key in marks] + [child_mark(candidate) for candidate in candidates]
+        found = dict(zip(keys, await self._store.match_paths(session.id, keys), strict=True))
+        by_mark = {node: what for what, key in marks if (node := found[key]) is not None and node in candidates}
+        if len(by_mark) == 1:
+            chosen, what = next(iter(by_mark.items()))
+            self._metrics.inc("sibling_parents_total", api=api, by=what)
+            return chosen, None
+        pool = [candidate for candidate in candidates if candidate in by_mark] or list(candidates)
+        if any(index < last for index in named) or any(
+            messages[index].get("reasoning_content") for index in range(last)
+        ):
+            agreeing = await self._agreeing(session, messages, pool, covered, named)
+            if len(agreeing) == 1:
+                self._metrics.inc("sibling_parents_total", api=api, by="history")
+                return agreeing[0], None
+            pool = agreeing or pool
+        free = [candidate for candidate in pool if found[child_mark(candidate)] is None]
+        chosen, rule = (free[0], "newest_not_continued") if free else (pool[0], "newest")
+        self._metrics.inc("parent_ambiguities_total", api=api)
+        log.info("parent_ambiguous", parent_id=chosen, candidates=len(pool), rule=rule, api=api)
+        return chosen, {"candidates": len(pool), "rule": rule}
+
+    async def _agreeing(
+        self,
+        session: SessionRecord,
+        messages: Sequence[dict[str, Any]],
+        candidates: Sequence[str],
+        covered: int,
+        named: Mapping[int, str],
+    ) -> list[str]:
+        """The candidates whose every answer agrees with what ``messages`` echoes of it (``_agrees``) and whose
+        nodes are the ones ``named`` names."""
+        paths = await asyncio.gather(*(self._store.get_path(session.id, candidate) for candidate in candidates))
+        agreeing = []
+        for candidate, path in zip(candidates, paths, strict=True):
+            if not path:
+                continue
+            at, agrees = 0, True
+            for node in path:
+                at += len(node.messages)
+                end = at - 1
+                if end >= covered:
+                    break
+                if named.get(end, node.id) != node.id or (
+                    node.kind is NodeKind.GENERATED and not _agrees(node.messages[-1], messages[end])
+                ):
+                    agrees = False
+                    break
+            if agrees:
+                agreeing.append(candidate)
+        return agreeing
 
     async def after(
         self, session: SessionRecord, previous_response_id: str, messages: list[dict[str, Any]]

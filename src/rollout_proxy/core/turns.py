@@ -28,7 +28,7 @@ import structlog
 
 from rollout_proxy import tracing
 from rollout_proxy.core.rendering import Renderers
-from rollout_proxy.core.tree import Placement, SamplePlacement
+from rollout_proxy.core.tree import Placement, SamplePlacement, node_entries
 from rollout_proxy.core.turn_routing import align_routing
 from rollout_proxy.engines.base import EngineInfo, GenerationEngine, PieceSink, SamplingParams
 from rollout_proxy.engines.fleet import Fleet
@@ -263,6 +263,8 @@ class TurnRunner:
         view = view or self.parse(completion.text, opened=turn.reasoning_opened)
         node_meta = dict(meta or {})
         self._note_sample(placement, api, node_meta)
+        if placement.ambiguity is not None:
+            node_meta["parent_ambiguity"] = placement.ambiguity
         if completion.nonfinite_logprobs:
             node_meta["nonfinite_logprobs"] = completion.nonfinite_logprobs
         if isinstance(completion.stop_reason, str) and completion.finish_reason == "stop":
@@ -354,6 +356,8 @@ class TurnRunner:
             model=info.model,
         )
         self._note_sample(placement, api, node.meta)
+        if placement.ambiguity is not None:
+            node.meta["parent_ambiguity"] = placement.ambiguity
         node = await self._save(session, node, placement.new_hashes, idempotency=idempotency)
         if placement.parent:  # only a conversation's latest generated node keeps its path's ids
             placement.parent[-1].path_ids = None
@@ -429,6 +433,7 @@ class TurnRunner:
         idempotency key stored."""
         node.path_hash = hashes[-1]
         partial = {path_hash: f"{node.id}#{index + 1}" for index, path_hash in enumerate(hashes[:-1])}
+        partial.update(node_entries(node))  # what tells it apart from siblings of the same content (core.tree)
         stored_id = await self._store.put_node(
             session.id,
             node,

@@ -107,8 +107,6 @@ class ChatMessage(BaseModel):
     def _what_the_role_needs(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise field_error("content", f"a {self.role} message needs content")
-        if self.content is None and not self.tool_calls:
-            raise field_error("content", "an assistant message needs content or tool_calls")
         if self.role == "tool" and self.tool_call_id is None:
             raise field_error("tool_call_id", "a tool message needs a tool_call_id")
         return self

@@ -8,7 +8,9 @@ Standard GRPO, as the seed's example computes it: within a group,
 ``(r - mean) / (std + 1e-6)`` with the sample standard deviation (n - 1); a group of
 one gets its raw reward (mean 0, std 1). Custom advantages from group graders
 replace it; several are averaged with the graders' weights (one is used as is),
-sequence-level ones expanded to every token when mixed with token-level ones.
+sequence-level ones expanded to every token when mixed with token-level ones. A rollout's
+advantage applies to each of its sequences (``Trajectory.sequences()``: the main one and its
+branches); token-level ones are per sequence (``wire.feed.token_advantage_rows``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rollout_proxy.runner.retries import with_retries
 from rollout_proxy.sdk.decorators import Plugin
 from rollout_proxy.sdk.execution import Attempt, Grades, PluginCall, grade
 from rollout_proxy.sdk.types import ChatCompletionSample, GroupGraderResult, PluginContext, Trajectory
+from rollout_proxy.wire.feed import token_advantage_rows, token_advantage_value
 
 EPSILON = 1e-6
 
@@ -57,9 +60,13 @@ def aggregate_metrics(records: Iterable[dict[str, float]]) -> dict[str, dict[str
 
 
 def custom_advantages(
-    results: Sequence[tuple[float, GroupGraderResult]], token_counts: Sequence[int]
+    results: Sequence[tuple[float, GroupGraderResult]], token_counts: Sequence[Sequence[int]]
 ) -> tuple[str, list[Any]] | None:
-    """("seq" | "tok", advantages) from the graders that returned any, or None."""
+    """("seq" | "tok", advantages) from the graders that returned any, or None.
+
+    ``token_counts[i]``: the token count of each sequence of rollout i (``trajectory.sequences()``). A "tok"
+    rollout's advantages are one flat list for a rollout of one sequence, else one list per sequence
+    (``wire.feed.token_advantage_rows``)."""
     custom = [(w, r) for w, r in results if r.seq_advantages is not None or r.tok_advantages is not None]
     if not custom:
         return None
@@ -71,22 +78,22 @@ def custom_advantages(
             for index, value in enumerate(result.seq_advantages or []):
                 total[index] += weight * value
         return "seq", total
-    tokens = [[0.0] * count for count in token_counts]
+    tokens = [[[0.0] * count for count in counts] for counts in token_counts]
     for weight, result in custom:
-        for index, count in enumerate(token_counts):
-            values = _token_advantages(result, index, count)
-            row = tokens[index]
-            for position, value in enumerate(values):
-                row[position] += weight * value
-    return "tok", tokens
+        for index, counts in enumerate(token_counts):
+            for rows, values in zip(tokens[index], _token_advantages(result, index, counts), strict=True):
+                for position, value in enumerate(values):
+                    rows[position] += weight * value
+    return "tok", [token_advantage_value(rows) for rows in tokens]
 
 
-def _token_advantages(result: GroupGraderResult, index: int, count: int) -> list[float]:
-    """Trajectory ``index``'s per-token advantages (a sequence-level one repeated on its ``count`` tokens)."""
+def _token_advantages(result: GroupGraderResult, index: int, counts: Sequence[int]) -> list[list[float]]:
+    """Rollout ``index``'s per-token advantages, one row per sequence (a sequence-level one repeated on each
+    sequence's tokens)."""
     if result.tok_advantages is not None:
-        return result.tok_advantages[index]
+        return token_advantage_rows(result.tok_advantages[index], counts)
     assert result.seq_advantages is not None  # only results carrying one or the other get here
-    return [result.seq_advantages[index]] * count
+    return [[result.seq_advantages[index]] * count for count in counts]
 
 
 @dataclass(slots=True)
@@ -102,7 +109,7 @@ class GroupGrade:
 def combine_grades(weighted: Sequence[tuple[float, Grades]], trajectories: Sequence[Trajectory]) -> GroupGrade:
     """Weighted rewards, rewards by grader, every call's metrics, and custom advantages, if any."""
     group_results = [(weight, g.group_result) for weight, g in weighted if g.group_result is not None]
-    token_counts = [len(t.total_token_ids or []) for t in trajectories]
+    token_counts = [[len(s.total_token_ids or []) for s in t.sequences()] for t in trajectories]
     return GroupGrade(
         rewards=weighted_rewards([(weight, g.rewards) for weight, g in weighted], len(trajectories)),
         grader_rewards={g.grader: g.rewards for _, g in weighted},

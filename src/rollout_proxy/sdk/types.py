@@ -154,4 +154,7 @@ class GroupGraderResult(BaseModel):
     status: PluginStatus = PluginStatus.SUCCESS
     error: str | None = ""
     seq_advantages: list[float] | None = None
-    tok_advantages: list[list[float]] | None = None
+    #: one entry per trajectory: one value per token of its ``total_token_ids`` (the seed's form, for rollouts of
+    #: one sequence), or, for any rollout, one such list per sequence of ``trajectory.sequences()`` (the main one,
+    #: then its branches): one form for the whole result
+    tok_advantages: list[list[float]] | list[list[list[float]]] | None = None

@@ -14,6 +14,7 @@ from rollout_proxy.sdk.types import (
     TeacherContext,
     Trajectory,
 )
+from rollout_proxy.wire.feed import TokenAdvantageError, token_advantage_rows
 
 
 class PluginValidationError(ValueError):
@@ -107,14 +108,37 @@ def check_group_grader(result: GroupGraderResult, trajectories: Sequence[Traject
             raise PluginValidationError(
                 f"tok_advantages has {len(result.tok_advantages)} lists for {n} trajectories; one per trajectory"
             )
-        for index, (values, trajectory) in enumerate(zip(result.tok_advantages, trajectories, strict=True)):
-            tokens = trajectory.total_token_ids
-            if tokens is not None and len(values) != len(tokens):
-                raise PluginValidationError(
-                    f"tok_advantages[{index}] has {len(values)} values but trajectory {index} has {len(tokens)} tokens; "
-                    "give one per token of total_token_ids (masked positions may hold any finite value)"
-                )
-            _finite(values, f"tok_advantages[{index}]")
+        entries: list[Any] = list(result.tok_advantages)
+        for index, (values, trajectory) in enumerate(zip(entries, trajectories, strict=True)):
+            _check_token_advantages(values, trajectory, index)
+
+
+def _check_token_advantages(values: list[Any], trajectory: Trajectory, index: int) -> None:
+    """``tok_advantages[index]``: one value per token, of the trajectory's one sequence (the seed's form), or one
+    list per sequence of ``trajectory.sequences()`` (``wire.feed.token_advantage_rows``)."""
+    sequences = trajectory.sequences()
+    if trajectory.total_token_ids is None:  # no tokens to check against (a mocked trajectory): values only
+        nested = bool(values) and all(isinstance(row, list) for row in values)
+        for k, row in enumerate(values if nested else [values]):
+            _finite(row, f"tok_advantages[{index}][{k}]" if nested else f"tok_advantages[{index}]")
+        return
+    lengths = [len(sequence.total_token_ids or []) for sequence in sequences]
+    flat = not any(isinstance(row, list) for row in values)
+    if flat and len(lengths) == 1 and len(values) != lengths[0]:
+        raise PluginValidationError(
+            f"tok_advantages[{index}] has {len(values)} values but trajectory {index} has {lengths[0]} tokens; "
+            "give one per token of total_token_ids (masked positions may hold any finite value)"
+        )
+    try:
+        rows = token_advantage_rows(values, lengths)
+    except TokenAdvantageError as exc:
+        where = f"tok_advantages[{index}]" + ("" if exc.sequence is None else f"[{exc.sequence}]")
+        raise PluginValidationError(
+            f"{where}: {exc.message}; trajectory {index} has {len(lengths)} sequence(s) "
+            f"(trajectory.sequences(): the main one and its branches) of {lengths} tokens"
+        ) from None
+    for k, row in enumerate(rows):
+        _finite(row, f"tok_advantages[{index}]" if flat else f"tok_advantages[{index}][{k}]")
 
 
 def check_advantage_batch(results: Sequence[GroupGraderResult]) -> None:

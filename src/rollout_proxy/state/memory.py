@@ -24,7 +24,7 @@ from rollout_proxy.errors import SessionFinished, SessionNotFound
 from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus, TeacherScores
 from rollout_proxy.state import listing
 from rollout_proxy.state.listing import SessionPage, SessionSummary, Where
-from rollout_proxy.state.store import Idempotency, ReadAhead, json_bytes
+from rollout_proxy.state.store import Idempotency, ReadAhead, json_bytes, with_sibling
 
 #: Seconds between expiry sweeps: how long an expired session may still hold memory.
 SWEEP_EVERY = 1.0
@@ -140,7 +140,8 @@ class MemoryStore:
             path.append(node)  # the held list is never handed out (get_path returns copies)
         for path_hash, value in partial_paths.items():
             state.paths.setdefault(path_hash, value)
-        state.paths.update(paths)
+        for path_hash, value in paths.items():
+            state.paths[path_hash] = with_sibling(state.paths.get(path_hash), value)
         if latest is not None:
             state.latest[latest] = state.latest["*"] = node.id
         if engine is not None:

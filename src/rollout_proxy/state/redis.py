@@ -56,7 +56,14 @@ from rollout_proxy.state import keys, listing
 from rollout_proxy.state.codec import BlobCompressor, decode_node, decode_scores, encode_node, encode_scores
 from rollout_proxy.state.connection import ConnectionGate, RedisOptions, connect_redis, translate_errors
 from rollout_proxy.state.listing import SessionPage, SessionSummary, Where
-from rollout_proxy.state.store import REQUEST_LEASE_S, Idempotency, ReadAhead, RequestBound, json_bytes
+from rollout_proxy.state.store import (
+    REQUEST_LEASE_S,
+    SIBLINGS,
+    Idempotency,
+    ReadAhead,
+    RequestBound,
+    json_bytes,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -139,8 +146,9 @@ _PUT_NODE = """
 -- KEYS: session, nodes, parents, paths, latest, routing, finished marker, idempotency, engine
 -- ARGV: id, blob, parent, latest api, routing blob ("" = none),
 --       idempotency key ("" = none), its fingerprint, engine to move the session to ("" = stay),
---       n partial, partial pairs, full pairs
+--       n partial, siblings kept, partial pairs, full pairs
 -- Returns 1 when written, or what the idempotency key already holds ("<fingerprint> <id>").
+-- A full pair whose hash already names another whole node keeps it: "<new>|<older>..." (state.store.SIBLINGS).
 local ttl = redis.call("PTTL", KEYS[1])
 if ttl < 0 then return redis.error_reply("NOSESSION session expired or unknown") end
 if redis.call("EXISTS", KEYS[7]) == 1 then return redis.error_reply("FINISHED session already finished") end
@@ -154,13 +162,23 @@ redis.call("HSET", KEYS[2], ARGV[1], ARGV[2])
 redis.call("HSET", KEYS[3], ARGV[1], ARGV[3])
 if ARGV[5] ~= "" then redis.call("HSET", KEYS[6], ARGV[1], ARGV[5]) end
 local n_partial = tonumber(ARGV[9])
-local i = 10
+local kept_siblings = tonumber(ARGV[10])
+local i = 11
 for _ = 1, n_partial do
   redis.call("HSETNX", KEYS[4], ARGV[i], ARGV[i + 1])
   i = i + 2
 end
 while i <= #ARGV do
-  redis.call("HSET", KEYS[4], ARGV[i], ARGV[i + 1])
+  local value = ARGV[i + 1]
+  local held = redis.call("HGET", KEYS[4], ARGV[i])
+  if held and not string.find(held, "#", 1, true) then
+    local ids = {value}
+    for other in string.gmatch(held, "[^|]+") do
+      if other ~= value and #ids < kept_siblings then ids[#ids + 1] = other end
+    end
+    value = table.concat(ids, "|")
+  end
+  redis.call("HSET", KEYS[4], ARGV[i], value)
   i = i + 2
 end
 if ARGV[4] ~= "" then redis.call("HSET", KEYS[5], ARGV[4], ARGV[1], "*", ARGV[1]) end
@@ -183,7 +201,9 @@ local leaf = ARGV[1]
 for i = 4, #ARGV do
   local value = redis.call("HGET", KEYS[3], ARGV[i])
   out[#out + 1] = value
-  if value and ARGV[1] == "" and not string.find(value, "#", 1, true) then leaf = value end
+  if value and ARGV[1] == "" and not string.find(value, "#", 1, true) then
+    leaf = string.match(value, "^[^|]+")  -- the newest of the nodes with this path
+  end
 end
 out[#out + 1] = leaf
 local ids = {}
@@ -764,6 +784,7 @@ class RedisStore:
             idempotency.fingerprint if idempotency else "",
             engine or "",
             len(partial_paths),
+            SIBLINGS,
         ]
         for entries in (partial_paths, paths):
             for path_hash, value in entries.items():

@@ -17,7 +17,10 @@ Contract (tested once, over both, in tests/state/test_store_contract.py):
   be encoded as JSON raises ``InvalidRequest`` and changes nothing;
 - ``get_path`` returns root-to-leaf nodes in one round trip, whatever the depth
   (routing rows too, when asked);
-- ``match_paths`` answers for many path hashes in one round trip;
+- ``match_paths`` answers for many path hashes in one round trip; a whole-node entry (``paths``) written
+  where another node's path already ends keeps both, newest first: ``"<id>|<older id>..."``, at most
+  ``SIBLINGS`` ids (nodes whose messages are equal by content: a group's samples that reach the same
+  visible answer, told apart by ``core.tree``);
 - ids are looked up within the given session only: another session's id is absent;
 - a write to a session that is unknown or expired raises ``SessionNotFound``;
 - ``get_nodes`` returns every node of a session in one round trip;
@@ -60,6 +63,18 @@ class Idempotency:
                 f"idempotency key {self.key!r} was already used with another request", param="Idempotency-Key"
             )
         return response_id
+
+
+#: How many nodes one whole-node path-index entry names at most (newest first; the oldest beyond go).
+SIBLINGS = 64
+
+
+def with_sibling(held: str | None, node_id: str) -> str:
+    """The whole-node path-index entry after ``node_id`` is written where ``held`` was (the Redis store's
+    script does the same): a whole-node entry keeps its nodes behind the new one, a partial one goes."""
+    if held is None or "#" in held:
+        return node_id
+    return "|".join([node_id, *(other for other in held.split("|") if other != node_id)][:SIBLINGS])
 
 
 #: Seconds after which a request slot whose holder died (never gave it back) is free again; a live
@@ -132,7 +147,8 @@ class StateStore(Protocol):
     ) -> str:
         """Store a node (and, with ``engine``, move the session there, as ``set_session_engine``); returns the id stored for this write: ``node.id``, or, for an
         idempotency key already used with the same request, the earlier node's (and
-        nothing is written). ``paths`` entries overwrite, ``partial_paths`` never do; the
+        nothing is written). ``paths`` entries overwrite a partial entry and keep a whole-node one's
+        nodes behind theirs (``with_sibling``), ``partial_paths`` never overwrite; the
         latest pointer is set for ``latest`` (an api name) and for ``"*"``.
 
         Raises ``SessionNotFound`` when the session is unknown or expired,

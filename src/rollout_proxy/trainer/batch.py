@@ -1,10 +1,13 @@
 """From feed groups to what a policy-gradient step needs: rollouts, their sequences, padded micro-batches.
 
 A **rollout** is one attempt at a sample: one reward, one advantage, and the token sequences it
-produced. Today every trajectory is one rollout of one sequence (``total_token_ids`` from the
-sample's first message to the end). A rollout that carries several sequences (subagents,
-compaction branches: each sampled token trained in exactly one of them) changes ``rollouts_of``
-alone: the batch is built from ``Rollout.sequences`` and the advantage is the rollout's.
+produced: a feed group's trajectory and its branches (``Trajectory.sequences()``: the main
+conversation, subagents, compactions, edits, kept retries), each sampled token trained in exactly
+one of them. The rollout's reward and advantage apply to each sequence; per-token ("tok")
+advantages are per sequence (``wire.feed.token_advantage_rows``: a flat list for a rollout of one
+sequence, else one list per sequence). A whole rollout's main trajectory carries its counts
+(``rollout_counts``): they must agree with its sequences (a feed that lost a branch on the way is
+refused, not trained short), and they bring the retries the export dropped, which no sequence holds.
 
 A sequence's arrays are aligned with its tokens: ``loss_weight`` is > 0 where the policy sampled
 the token (what is trained), ``sampling_logprobs`` the engine's logprob of it (the old policy),
@@ -19,12 +22,13 @@ padding needs only the standard causal mask. numpy only: the base package never 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from rollout_proxy.wire.feed import FeedGroup
+from rollout_proxy.wire.feed import FeedGroup, TokenAdvantageError, token_advantage_rows
 from rollout_proxy.wire.trajectory import Trajectory
 
 #: the version of a token whose sampling version was not recorded
@@ -32,7 +36,7 @@ NO_VERSION = -1
 
 
 class BatchError(ValueError):
-    """A group the trainer cannot train on, and why (it names the group and the trajectory)."""
+    """A group the trainer cannot train on, and why (it names the group, the rollout and the sequence)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,9 @@ class TrainSequence:
     versions: np.ndarray  # int64 (n,): the policy version that sampled each token, NO_VERSION elsewhere
     #: one advantage per token ("tok" advantages), else None: the rollout's advantage applies
     token_advantages: np.ndarray | None = None
+    #: where it comes from, for reports: its leaf response id and where it leaves the tree (``branch.kind``)
+    response_id: str | None = None
+    branch: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -63,6 +70,9 @@ class Rollout:
     reward: float
     advantage: float | None  # None when the advantages are per token (each sequence has its own)
     sequences: tuple[TrainSequence, ...]
+    #: the retries the export dropped (``retry: drop``): sequences and sampled tokens no sequence trains
+    dropped_sequences: int = 0
+    dropped_tokens: int = 0
 
     def advantages(self, sequence: TrainSequence) -> np.ndarray:
         """The advantage of every token of one of this rollout's sequences."""
@@ -87,11 +97,26 @@ def sequence_of(trajectory: Trajectory, *, where: str) -> TrainSequence:
         if not 0 <= span.start <= span.end <= len(ids):
             raise BatchError(f"{where}: policy version span [{span.start}, {span.end}) outside its {len(ids)} tokens")
         versions[span.start : span.end] = span.version
-    return TrainSequence(ids, weight, logprobs, versions)
+    kind = (trajectory.branch or {}).get("kind")
+    return TrainSequence(
+        ids,
+        weight,
+        logprobs,
+        versions,
+        response_id=trajectory.response_id,
+        branch=kind if isinstance(kind, str) else None,
+    )
+
+
+def _named(where: str, index: int, trajectory: Trajectory) -> str:
+    """``where`` with the sequence: its index within the rollout, its leaf and branch kind where known."""
+    known = [part for part in (trajectory.response_id, (trajectory.branch or {}).get("kind")) if part]
+    return f"{where}, sequence {index}" + (f" ({', '.join(map(str, known))})" if known else "")
 
 
 def rollouts_of(group: FeedGroup) -> list[Rollout]:
-    """A feed group's rollouts, each with its sequences and its advantage (per rollout, or per token)."""
+    """A feed group's rollouts, each with all its sequences (``Trajectory.sequences()``) and its advantage
+    (per rollout, or per token of each sequence); ``BatchError`` names the group, rollout and sequence."""
     count = len(group.trajectories)
     if len(group.rewards) != count or len(group.advantages) != count:
         raise BatchError(
@@ -102,18 +127,44 @@ def rollouts_of(group: FeedGroup) -> list[Rollout]:
     for index, (trajectory, reward, advantage) in enumerate(
         zip(group.trajectories, group.rewards, group.advantages, strict=True)
     ):
-        where = f"group {group.group_id}, trajectory {index}"
-        sequence = sequence_of(trajectory, where=where)
-        if isinstance(advantage, list):  # "tok": one per token of the trajectory
-            values = np.asarray(advantage, dtype=np.float32)
-            if len(values) != len(sequence):
-                raise BatchError(f"{where}: {len(values)} token advantages for {len(sequence)} tokens")
-            sequence = TrainSequence(
-                sequence.token_ids, sequence.loss_weight, sequence.sampling_logprobs, sequence.versions, values
-            )
-            rollouts.append(Rollout(group.group_id, index, float(reward), None, (sequence,)))
+        where = f"group {group.group_id}, rollout {index}"
+        members = trajectory.sequences()
+        sequences = [sequence_of(member, where=_named(where, k, member)) for k, member in enumerate(members)]
+        per_rollout: float | None = None
+        if isinstance(advantage, list):  # "tok": one per token of each sequence
+            try:
+                rows = token_advantage_rows(advantage, [len(sequence) for sequence in sequences])
+            except TokenAdvantageError as exc:
+                place = where if exc.sequence is None else _named(where, exc.sequence, members[exc.sequence])
+                raise BatchError(f"{place}: {exc.message}") from None
+            sequences = [
+                dataclasses.replace(sequence, token_advantages=np.asarray(row, dtype=np.float32))
+                for sequence, row in zip(sequences, rows, strict=True)
+            ]
         else:
-            rollouts.append(Rollout(group.group_id, index, float(reward), float(advantage), (sequence,)))
+            per_rollout = float(advantage)
+        counts = trajectory.rollout_counts
+        dropped_sequences = dropped_tokens = 0
+        if counts is not None:
+            trained = sum(int(sequence.trained.sum()) for sequence in sequences)
+            if counts.sequences != len(sequences) or counts.trained_tokens != trained:
+                raise BatchError(
+                    f"{where}: its rollout counts {counts.sequences} sequences and {counts.trained_tokens} trained "
+                    f"tokens, the feed carries {len(sequences)} sequences and {trained} trained tokens: a branch "
+                    "was lost on the way"
+                )
+            dropped_sequences, dropped_tokens = counts.dropped_sequences, counts.dropped_tokens
+        rollouts.append(
+            Rollout(
+                group.group_id,
+                index,
+                float(reward),
+                per_rollout,
+                tuple(sequences),
+                dropped_sequences=dropped_sequences,
+                dropped_tokens=dropped_tokens,
+            )
+        )
     return rollouts
 
 
@@ -195,3 +246,11 @@ def micro_batches(rollouts: Sequence[Rollout], *, max_tokens: int, pad_id: int =
 
 def trained_tokens(rollouts: Sequence[Rollout]) -> int:
     return sum(int(sequence.trained.sum()) for rollout in rollouts for sequence in rollout.sequences)
+
+
+def dropped_counts(rollouts: Sequence[Rollout]) -> dict[str, int]:
+    """The sequences and sampled tokens the export dropped (retries the conversation did not go on from)."""
+    return {
+        "dropped_sequences": sum(r.dropped_sequences for r in rollouts),
+        "dropped_tokens": sum(r.dropped_tokens for r in rollouts),
+    }

@@ -2,7 +2,9 @@
 
     async with TrajectoryConsumer("redis://localhost:6379/0", consumer="trainer-0") as feed:
         async for entry in feed:
-            train_on(entry.group)          # a wire.FeedGroup: trajectories, rewards, advantages
+            # a wire.FeedGroup: rollouts (each a trajectory and its branches), rewards, advantages
+            for rollout, sequence, advantage in entry.group.sequence_advantages():
+                train_on(sequence, advantage)  # every sequence of every rollout, each sampled token in one
             await feed.ack(entry)
 
 At least once, in order: an entry stays pending for its consumer until acknowledged

@@ -249,6 +249,7 @@ def _scored(rollouts: Sequence[Rollout], batch: PaddedBatch, logprobs: torch.Ten
     for row, ref in enumerate(batch.rows):
         columns = np.flatnonzero(batch.loss_weight[row, lo:hi] > 0)
         positions = lo + columns
+        sequence = rollouts[ref.rollout].sequences[ref.sequence]
         out.append(
             ScoredSequence(
                 group_id=rollouts[ref.rollout].group_id,
@@ -259,6 +260,8 @@ def _scored(rollouts: Sequence[Rollout], batch: PaddedBatch, logprobs: torch.Ten
                 versions=batch.versions[row, positions],
                 trainer=values[row, columns],
                 sampler=batch.sampling_logprobs[row, positions],
+                response_id=sequence.response_id,
+                branch=sequence.branch,
             )
         )
     return out

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rollout_proxy.trainer.batch import BatchError, Rollout, rollouts_of, trained_tokens
+from rollout_proxy.trainer.batch import BatchError, Rollout, dropped_counts, rollouts_of, trained_tokens
 from rollout_proxy.trainer.consumer import TrajectoryConsumer
 from rollout_proxy.trainer.fleet import FleetDriver
 from rollout_proxy.trainer.mismatch import DEFAULT_THRESHOLD, MetricsFile, ScoredSequence, mismatch_report
@@ -153,7 +153,8 @@ class ReferenceTrainer:
         rollouts = [rollout for group in groups for rollout in rollouts_of(group)]
         rewards = np.asarray([r.reward for r in rollouts], dtype=np.float64)
         self.log(
-            f"step {step}: {len(groups)} group(s), {len(rollouts)} rollouts, {trained_tokens(rollouts)} trained "
+            f"step {step}: {len(groups)} group(s), {len(rollouts)} rollouts of {sum(len(r.sequences) for r in rollouts)} "
+            f"sequences, {trained_tokens(rollouts)} trained "
             f"tokens, mean reward {rewards.mean() if len(rewards) else float('nan'):.4f}; training at version "
             f"{self.version}"
         )
@@ -182,6 +183,7 @@ class ReferenceTrainer:
             "rollouts": len(rollouts),
             "sequences": sum(len(r.sequences) for r in rollouts),
             "trained_tokens": trained_tokens(rollouts),
+            **dropped_counts(rollouts),  # the retries the export dropped: in no sequence
             "reward": _spread(rewards),
             "mismatch": report.as_dict(),
             "metrics": result.metrics,

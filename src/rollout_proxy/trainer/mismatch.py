@@ -63,12 +63,14 @@ class WorstToken:
 
     group_id: str
     rollout: int
-    sequence: int
+    sequence: int  # its index within the rollout (``Trajectory.sequences()``: 0 is the main one)
     position: int  # in the sequence's token ids
     token_id: int
     version: int
     trainer: float
     sampler: float
+    response_id: str | None = None  # the sequence's leaf, where known
+    branch: str | None = None  # where the sequence leaves the tree (``branch.kind``), where known
 
     @property
     def delta(self) -> float:
@@ -87,6 +89,8 @@ class ScoredSequence:
     versions: np.ndarray  # int64
     trainer: np.ndarray  # float32: the trainer's logprobs
     sampler: np.ndarray  # float32: the recorded sampling logprobs
+    response_id: str | None = None  # the sequence's leaf (``TrainSequence.response_id``)
+    branch: str | None = None  # its branch kind (``TrainSequence.branch``)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,8 @@ def _worst(parts: Sequence[ScoredSequence], trainer_version: int) -> list[WorstT
                         int(part.versions[index]),
                         float(part.trainer[index]),
                         float(part.sampler[index]),
+                        part.response_id,
+                        part.branch,
                     ),
                 )
             )

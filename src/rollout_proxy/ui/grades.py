@@ -133,7 +133,8 @@ class GradeBook:
         }
 
     async def token_advantages(self, grade: Grade) -> list[float] | None:
-        """A per-token (``tok``) grade's advantages, read again from its feed entry; None otherwise."""
+        """A per-token (``tok``) grade's advantages (of its main sequence, the graded trajectory's tokens), read
+        again from its feed entry; None otherwise."""
         if self._feed is None or grade.advantage_kind != "tok":
             return None
         entries = await self._feed.read(grade.reread_after, 1)
@@ -143,4 +144,6 @@ class GradeBook:
         values = advantages[grade.index] if grade.index < len(advantages) else None
         if not isinstance(values, list):
             return None
+        if values and isinstance(values[0], list):  # one list per sequence: the graded (main) one's is first
+            values = values[0]
         return [float(value) for value in values]

@@ -7,11 +7,62 @@ yields ``FeedEntry``s (the entry id, for acknowledging, and the typed group).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout_proxy.wire.errors import WireFormatError
 from rollout_proxy.wire.trajectory import Trajectory
+
+
+class TokenAdvantageError(WireFormatError):
+    """Per-token advantages that do not fit a rollout's sequences; ``sequence``: which one (None: all), which
+    ``message`` leaves to the caller to name (``where``)."""
+
+    def __init__(self, message: str, *, sequence: int | None = None) -> None:
+        super().__init__(message, param=None if sequence is None else f"[{sequence}]")
+        self.sequence = sequence
+
+
+def token_advantage_rows(value: Any, lengths: Sequence[int]) -> list[list[float]]:
+    """One rollout's per-token ("tok") advantages as one row per sequence, checked against the sequences'
+    token counts (``lengths``: ``len(total_token_ids)`` of each of ``Trajectory.sequences()``, in order).
+
+    Two forms: **a flat list**, one value per token, for a rollout of one sequence (the seed's
+    ``tok_advantages[i]``); **a list of lists**, one per sequence (the main one, then its branches), for
+    any rollout. A flat list for a rollout of several sequences is refused: it cannot say which tokens
+    it is for. ``TokenAdvantageError`` (a ``ValueError``) says what is wrong, and in which sequence."""
+    if not isinstance(value, list):
+        raise TokenAdvantageError(f"per-token advantages must be a list, not {type(value).__name__}")
+    if all(isinstance(row, list) for row in value) and value:
+        rows = value
+    elif any(isinstance(row, list) for row in value):
+        raise TokenAdvantageError(
+            "per-token advantages mix values and lists: give one value per token or one list per sequence"
+        )
+    elif len(lengths) == 1:
+        rows = [value]
+    else:
+        raise TokenAdvantageError(
+            f"a flat list of {len(value)} per-token advantages for a rollout of {len(lengths)} sequences (its "
+            f"branches): give one list per sequence, [main, *branches], each with one value per token"
+        )
+    if len(rows) != len(lengths):
+        raise TokenAdvantageError(
+            f"{len(rows)} lists of per-token advantages for a rollout of {len(lengths)} sequences"
+        )
+    for index, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        if len(row) != length:
+            raise TokenAdvantageError(f"{len(row)} per-token advantages for {length} tokens", sequence=index)
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in row):
+            raise TokenAdvantageError("per-token advantages that are not all numbers", sequence=index)
+    return [[float(v) for v in row] for row in rows]
+
+
+def token_advantage_value(rows: list[list[float]]) -> list[Any]:
+    """The feed's form of one rollout's rows: flat for one sequence (as the seed has it), else one list each."""
+    return rows[0] if len(rows) == 1 else list(rows)
 
 
 class FeedGroup(BaseModel):
@@ -27,7 +78,9 @@ class FeedGroup(BaseModel):
     trajectories: list[Trajectory]
     rewards: list[float]
     grader_rewards: dict[str, list[float]] = Field(default_factory=dict)
-    #: one per trajectory ("grpo", "seq") or one per token of each trajectory ("tok")
+    #: one per rollout (``trajectories[i]``: "grpo", "seq"), applying to each of its sequences; or per token
+    #: ("tok"): for a rollout of one sequence a flat list (one value per token), for any rollout one list per
+    #: sequence of ``trajectories[i].sequences()`` (``token_advantage_rows``)
     advantages: list[Any]
     advantage_kind: str
     metrics: list[dict[str, float]] = Field(default_factory=list)
@@ -46,6 +99,28 @@ class FeedGroup(BaseModel):
         return [
             (index, sequence) for index, rollout in enumerate(self.trajectories) for sequence in rollout.sequences()
         ]
+
+    def sequence_advantages(self) -> list[tuple[int, Trajectory, float | list[float]]]:
+        """(rollout index, sequence, its advantage) for every sequence of every rollout: the rollout's one
+        advantage, or (``advantage_kind`` "tok") that sequence's own per-token list, aligned with its
+        ``total_token_ids``. ``WireFormatError`` for advantages that do not fit the rollouts."""
+        if len(self.advantages) != len(self.trajectories):
+            raise WireFormatError(
+                f"{len(self.advantages)} advantages for {len(self.trajectories)} rollouts", param="advantages"
+            )
+        out: list[tuple[int, Trajectory, float | list[float]]] = []
+        for index, (rollout, advantage) in enumerate(zip(self.trajectories, self.advantages, strict=True)):
+            sequences = rollout.sequences()
+            if isinstance(advantage, list):
+                try:
+                    rows = token_advantage_rows(advantage, [len(s.total_token_ids or []) for s in sequences])
+                except TokenAdvantageError as exc:
+                    where = f"advantages[{index}]" + ("" if exc.sequence is None else f", sequence {exc.sequence}")
+                    raise WireFormatError(f"{where}: {exc.message}", param=f"advantages[{index}]") from None
+                out += [(index, sequence, row) for sequence, row in zip(sequences, rows, strict=True)]
+            else:
+                out += [(index, sequence, float(advantage)) for sequence in sequences]
+        return out
 
 
 class FeedEntry(BaseModel):

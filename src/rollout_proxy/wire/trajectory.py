@@ -25,6 +25,23 @@ class PolicyVersionSpan(BaseModel):
     end: int
 
 
+class RolloutCounts(BaseModel):
+    """A whole rollout's token and sequence counts, on its main trajectory (a finish that named no responses):
+    what the export counted, so that what the finish leaves out (dropped retries are not in ``branches``)
+    still reaches a trainer. ``sampled_tokens == trained_tokens + dropped_tokens``."""
+
+    #: ``len(sequences())``: the main sequence and its branches
+    sequences: int
+    #: every token the engine generated for the session's nodes
+    sampled_tokens: int
+    #: loss weight 1, over all of ``sequences()`` (each sampled token in exactly one)
+    trained_tokens: int
+    #: the tokens of the dropped retries (``retry: drop``), trained nowhere
+    dropped_tokens: int = 0
+    #: the dropped retries' sequences, left out of ``branches``
+    dropped_sequences: int = 0
+
+
 class Trajectory(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -73,6 +90,8 @@ class Trajectory(BaseModel):
     #: the rollout's other sequences, on the main one (a finish that named no responses): every sampled token
     #: of the rollout has loss weight 1 in exactly one of ``[self, *branches]``
     branches: list[Trajectory] = Field(default_factory=list)
+    #: on the main trajectory of a whole rollout: its counts, the dropped retries' among them; None elsewhere
+    rollout_counts: RolloutCounts | None = None
 
     def sequences(self) -> list[Trajectory]:
         """This trajectory and its branches: what a trainer trains for one rollout, each token once."""
