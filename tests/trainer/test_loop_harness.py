@@ -100,6 +100,8 @@ async def test_a_harness_step_trains_every_sampled_token_of_every_sequence_once(
 
     # the trainer's step: those tokens, scored exactly as the engine sampled them, the reward recorded
     assert record["trained_tokens"] == sampled
+    assert (record["rollouts"], record["sequences"]) == (6, 12)  # 3 samples x 2 rollouts, 2 sequences each
+    assert record["dropped_sequences"] == record["dropped_tokens"] == 0
     assert record["mismatch"]["current"]["tokens"] == sampled and record["mismatch"]["current"]["max_abs"] <= rounding
     assert record["mismatch"]["other_version"]["tokens"] == 0 and record["mismatch"]["unversioned"] == 0
     assert record["reward"]["mean"] == pytest.approx(0.5) and record["metrics"]["grad_norm"] > 0
