@@ -277,8 +277,10 @@ def test_a_rollout_is_a_plugin_or_a_harness(tmp_path):
 
 
 def test_what_a_harness_cannot_do_is_refused_in_words(tmp_path):
-    with pytest.raises(JobError, match=r"claude-code sends max_tokens: 128000.*client_sampling: ignore"):
+    with pytest.raises(JobError, match=r"claude-code sends max_tokens: 128000.*client_sampling: ignore") as raised:
         harness_job(tmp_path, {"name": "claude-code"})
+    assert "\n  custom_rl_pipeline.rollout.harness: claude-code sends" in str(raised.value)  # its path first
+    assert "Value error" not in str(raised.value) and "(top level)" not in str(raised.value)
     assert harness_job(tmp_path, {"name": "claude-code"}, client_sampling="ignore").proxy.client_sampling == "ignore"
     raw = harness_job(tmp_path, probe()).model_dump(mode="json")
     with pytest.raises(JobError, match="ray: a harness rollout runs in the runner's process"):

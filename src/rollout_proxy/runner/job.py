@@ -46,6 +46,8 @@ HARNESS_NAMES = ("codex", "claude-code", "mini-swe-agent", "command")
 #: what the words ``{name}`` in a harness's command, args and wrapper become, per rollout
 PLACEHOLDERS = ("task", "workdir", "home", "python", "job_dir", "base_url")
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
+#: a message that starts with the path it is about (``section.field: ...``)
+_NAMES_ITS_PATH = re.compile(r"^[a-z_]+(\.[a-z_]+)*: ")
 #: what a harness's end means for the rollout: "grade" it as it is (a success: the graders see the exit code,
 #: ``timed_out`` and the output tails in ``extra.harness``), or the seed's statuses
 HarnessOutcome = Literal["grade", "retry", "discard", "failure"]
@@ -321,9 +323,14 @@ class JobConfig(Strict):
         except ValidationError as exc:
             problems = []
             for error in exc.errors():
-                where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+                where = ".".join(str(part) for part in error["loc"])
                 message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"]
-                problems.append(f"  {where}: {message}")
+                if error["type"] == "value_error":  # our own checks' words, without pydantic's prefix
+                    message = message.removeprefix("Value error, ")
+                if not where and _NAMES_ITS_PATH.match(message):  # a check across sections names where
+                    problems.append(f"  {message}")
+                else:
+                    problems.append(f"  {where or '(top level)'}: {message}")
             raise JobError(f"{source} has {len(problems)} problem(s):\n" + "\n".join(problems)) from None
         missing = [str(file) for file in job.dataset_files() if not file.is_file()]
         if missing:
