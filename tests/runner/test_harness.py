@@ -318,6 +318,24 @@ def test_a_sample_without_a_task_is_refused_with_its_index(tmp_path):
         JobRunner(job, proxy_url="http://127.0.0.1:9", admin_key="k", feed=JsonlFeed(tmp_path / "f.jsonl"))
 
 
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (["a.py"], "must map relative paths to their text, got list"),
+        ({"a.py": 3}, "'a.py': its text must be a string, got int"),
+        ({"../a.py": "x"}, "'../a.py' is outside the working directory"),
+        ({"/etc/a.py": "x"}, "'/etc/a.py' is outside the working directory"),
+    ],
+)
+def test_sample_files_that_cannot_be_written_are_refused_before_anything_runs(tmp_path, files, expected):
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(json.dumps({"extra": {"task": "t", "files": files}}) + "\n")
+    job = harness_job(tmp_path, probe(), dataset=dataset)
+    with pytest.raises(JobError, match=r"sample 0 of the training set: extra\.files ") as raised:
+        JobRunner(job, proxy_url="http://127.0.0.1:9", admin_key="k", feed=JsonlFeed(tmp_path / "f.jsonl"))
+    assert expected in str(raised.value)
+
+
 # -- the parts --------------------------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import structlog
@@ -205,6 +205,19 @@ def substitute(words: Iterable[str], values: Mapping[str, str]) -> list[str]:
     return [_PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), word) for word in words]
 
 
+def _files_problem(files: Any) -> str:
+    """What is wrong with a sample's ``extra.files`` ("" when nothing): a mapping of relative paths to text."""
+    if not isinstance(files, dict):
+        return f"must map relative paths to their text, got {type(files).__name__}"
+    for name, text in files.items():
+        if not isinstance(text, str):
+            return f"{name!r}: its text must be a string, got {type(text).__name__}"
+        parts = PurePosixPath(str(name)).parts
+        if not parts or str(name).startswith("/") or ".." in parts:
+            return f"{name!r} is outside the working directory"
+    return ""
+
+
 @dataclass(frozen=True, slots=True)
 class Scratch:
     """One rollout's directories."""
@@ -361,11 +374,16 @@ class HarnessRollout:
     def check_samples(self, records: Iterable[dict[str, Any]]) -> None:
         """Every sample has a task (``extra.task`` or a user message), or a ``JobError`` naming the first that has none."""
         for index, record in enumerate(records):
-            if task_of(ChatCompletionSample.model_validate(record)) is None:
+            sample = ChatCompletionSample.model_validate(record)
+            if task_of(sample) is None:
                 raise JobError(
                     f"{WHERE}: sample {index} of the training set has no task for the harness: give it "
                     "extra.task (or a user message)"
                 )
+            files = (sample.extra or {}).get("files") or {}
+            problem = _files_problem(files)
+            if problem:
+                raise JobError(f"{WHERE}: sample {index} of the training set: extra.files {problem}")
 
     def plugin(self) -> Plugin:
         """The job's rollout: one harness run per call (``max_concurrency`` at once)."""
