@@ -9,15 +9,17 @@ under OUT/<run>/, prints a summary, and stops everything it started, or, with
 --keep-running, keeps the proxy and vLLM up so the trajectories just recorded can be
 browsed in the proxy's viewer (the URL and admin key are printed; Ctrl-C stops).
 
-    python -m devtools.demo [--job short-answer|weather|codex|FILE] [--engine vllm|fake]
+    python -m devtools.demo [--job short-answer|weather|codex|swe|FILE] [--engine vllm|fake]
         [--samples N] [--generations N] [--steps N] [--out DIR] [--keep-running]
         --train [--steps N] [--lr LR] [--seed N]     # the reference trainer between the steps (train_demo)
 
-``--job codex`` runs Codex CLI (``codex exec``, installed into the cache on first use) as the rollout
-harness on small file-reading tasks; ``--engine fake`` runs any job on the in-process fake engine instead
-of vLLM (seconds, no engine venv: the codex job's fake policy is a scripted shell agent, other jobs get
-the fake's default sentences). ``--train`` runs the short-answer job on vLLM with the reference trainer
-between its steps.
+``--job codex`` runs Codex CLI (``codex exec``) as the rollout harness on small file-reading tasks, ``--job
+swe`` on small bug fixes graded by their tests (the runner's harness rollouts: ``runner.harness``); npm and
+the pinned Codex are installed on first use (apt, then the npm registry). ``--engine fake`` runs any job on
+the in-process fake engine instead of vLLM (seconds, no engine venv: the codex job's fake policy is a
+scripted shell agent, the swe job's one that fixes every other rollout, other jobs get the fake's default
+sentences). ``--train`` runs the short-answer job on vLLM with the reference trainer between its steps
+(redis-server for its feed is installed with apt on first use).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import contextlib
 import json
 import os
 import secrets
+import shlex
 import signal
 import sys
 import threading
@@ -48,10 +51,17 @@ if TYPE_CHECKING:
 
 TEMPLATE = Path(__file__).parent / "templates" / "qwen3_style.jinja"
 #: the bundled jobs, by the name ``--job`` takes
-JOBS = {"short-answer": "short_answer_job.yaml", "weather": "weather_job.yaml", "codex": "codex_job.yaml"}
+JOBS = {
+    "short-answer": "short_answer_job.yaml",
+    "weather": "weather_job.yaml",
+    "codex": "codex_job.yaml",
+    "swe": "swe_job.yaml",
+}
+#: the bundled jobs whose rollout is Codex CLI
+CODEX_JOBS = ("codex", "swe")
 ENGINES = ("vllm", "fake")
 #: tokens of context the engine gets: Codex's first prompt alone is ~7k tokens (instructions and tools)
-CONTEXT = {"codex": 8192}
+CONTEXT = {"codex": 8192, "swe": 8192}
 #: what `codex exec` is given on vLLM: its sub-agent tools and web search left out of its requests (~6.8k tokens)
 CODEX_ON_VLLM = '-c features.multi_agent=false -c web_search="disabled"'
 
@@ -200,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "--job",
         default="short-answer",
         help="a bundled job (short-answer, the default: a learning signal; weather: the seed's tool-calling "
-        "agent) or a job file",
+        "agent; codex: Codex CLI reading files; swe: Codex CLI fixing bugs, graded by their tests) or a job file",
     )
     parser.add_argument(
         "--engine",
@@ -237,18 +247,23 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
     job = load_job(args.job, samples=args.samples, generations=args.generations, steps=args.steps)
     started = time.monotonic()
-    if args.job == "codex":
+    if args.job in CODEX_JOBS:
         from devtools.harnesses import ensure_codex
 
-        log("checking Codex CLI (first run: installs it from the npm registry)")
-        os.environ.setdefault("ROLLOUT_PROXY_CODEX", str(ensure_codex()))  # what the example plugin runs
+        log("checking Codex CLI (first run: installs npm with apt, then Codex from the npm registry)")
+        os.environ.setdefault("ROLLOUT_PROXY_CODEX", str(ensure_codex()))  # what the job's harness runs
     if args.engine == "fake":
-        with fake_engine(scripted=args.job == "codex") as engine_url:
+        with fake_engine(job=args.job) as engine_url:
             demo_on(engine_url, job, Path(args.out), keep_running=args.keep_running)
         log(f"done in {time.monotonic() - started:.0f}s")
         return 0
-    if args.job == "codex":  # Codex's whole default prompt (~9.4k tokens) does not fit SmolLM2's 8k context
-        os.environ.setdefault("ROLLOUT_PROXY_CODEX_ARGS", CODEX_ON_VLLM)
+    harness = job.custom_rl_pipeline.rollout.harness
+    if args.job in CODEX_JOBS and harness is not None:  # Codex's default prompt (~9.4k tokens) overflows SmolLM2's 8k
+        harness.args = [*harness.args, *shlex.split(CODEX_ON_VLLM)]
+    if args.train:  # before the engine's minutes of set-up: the feed's server (apt, first run only)
+        from devtools import apt
+
+        apt.ensure_command("redis-server", why="the training demo's feed (a Redis Stream)")
     log("checking the engine venv and the checkpoints (first run: a few minutes)")
     engine_env.setup()
     if args.train:
@@ -275,18 +290,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def swe_solutions() -> dict[str, dict[str, str]]:
+    """The bundled SWE job's tasks and their reference fixes (what its scripted fake policy writes)."""
+    dataset = resources.files("rollout_proxy.examples") / "data" / "swe_tasks.jsonl"
+    records = [json.loads(line)["extra"] for line in dataset.read_text().splitlines() if line.strip()]
+    return {record["task"]: record["solution"] for record in records}
+
+
 @contextlib.contextmanager
-def fake_engine(*, scripted: bool) -> Iterator[str]:
-    """The fake engine (SmolLM2's tokenizer, the template vLLM would get) served on a thread; its URL."""
+def fake_engine(*, job: str) -> Iterator[str]:
+    """The fake engine (SmolLM2's tokenizer, the template vLLM would get) served on a thread; its URL. The
+    Codex jobs get a scripted policy (a shell agent; for ``swe``, one that writes the fix every other time)."""
     from devtools.fake_engine import FakeEngine
-    from devtools.scripted_agent import shell_agent
+    from devtools.scripted_agent import shell_agent, swe_agent
     from rollout_proxy.embedded import BackgroundServer
 
     tokenizer = engine_env.ensure_checkpoints()["dense"]
+    solutions = swe_solutions() if job == "swe" else {}
 
     def app() -> web.Application:
         engine = FakeEngine(tokenizer, chat_template=TEMPLATE.read_text(), max_model_len=32768)
-        if scripted:
+        if job == "swe":
+            engine.policy = swe_agent(engine, solutions)
+        elif job == "codex":
             engine.policy = shell_agent(engine)
         return engine.app()
 

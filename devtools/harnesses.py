@@ -3,7 +3,8 @@
 The Python harnesses (the OpenAI Agents SDK, mini-swe-agent, litellm) come with the project's ``dev``
 extra; a harness shipped on npm is installed here, by name and version, into
 ``$ROLLOUT_PROXY_CACHE/npm/<name>@<version>`` (``npm install --global --prefix``: its own ``bin/``), with
-the registry's update notifier, audit and funding calls off. Idempotent: an installed version is a
+the registry's update notifier, audit and funding calls off; npm itself is installed with apt when it is
+missing (``devtools.apt``). Idempotent: an installed version is a
 ``--version`` call; an interrupted install is redone (it is written to a temporary folder and renamed).
 
 CLI::
@@ -24,7 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from devtools import paths
+from devtools import apt, paths
+from rollout_proxy.runner.harness import NPM_PINS
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +44,12 @@ class NpmHarness:
         return self.directory / "bin" / self.executable
 
 
-#: Codex CLI: `codex exec` speaks the Responses API (streamed) to a custom provider.
-CODEX = NpmHarness("@openai/codex", "0.171.0", "codex")
+#: Codex CLI: `codex exec` speaks the Responses API (streamed) to a custom provider (the pins are the runner's:
+#: ``runner.harness.NPM_PINS``, where a job's harness finds the install)
+CODEX = NpmHarness(*NPM_PINS["codex"])
 #: Claude Code: `claude -p` speaks the Anthropic Messages API (streamed) to ANTHROPIC_BASE_URL; the package
 #: ships its native executable (a registry package of its own, ~400 MB unpacked)
-CLAUDE_CODE = NpmHarness("@anthropic-ai/claude-code", "2.1.332", "claude")
+CLAUDE_CODE = NpmHarness(*NPM_PINS["claude-code"])
 NPM_HARNESSES = {"codex": CODEX, "claude-code": CLAUDE_CODE}
 
 
@@ -71,9 +74,7 @@ def ensure(harness: NpmHarness, *, force: bool = False) -> Path:
     """The harness's executable, installed from the npm registry if it is not there yet."""
     if not force and installed_version(harness) == harness.version:
         return harness.binary
-    npm = shutil.which("npm")
-    if npm is None:
-        raise RuntimeError(f"npm is not installed: it is needed to install {harness.package} (apt-get install npm)")
+    npm = apt.ensure_command("npm", why=f"installing {harness.package}@{harness.version}")
     target = harness.directory
     staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)

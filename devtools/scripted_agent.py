@@ -48,3 +48,31 @@ def shell_agent(engine: FakeEngine) -> Callable[[list[int]], str]:
         return f"<think>\nI should read the file first.\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
 
     return policy
+
+
+def swe_agent(engine: FakeEngine, solutions: dict[str, dict[str, str]]) -> Callable[[list[int]], str]:
+    """A policy for the SWE-style job (``examples/swe_job.yaml``): ``solutions`` maps each task to its fixed files.
+
+    The odd asks of a task write the fix with the harness's shell tool, the even ones only run the test, so
+    the rollouts of a task disagree (a learning signal); after a tool result it says it is done."""
+    asked: dict[str, int] = {}
+
+    def policy(prompt_ids: list[int]) -> str:
+        text = engine.decode(prompt_ids)
+        if "<tool_response>" in _last_turn(text):
+            return "<think>\nThe command ran.\n</think>\n\nDone."
+        task = next((task for task in solutions if task in text), None)
+        tool, argument = next(((name, arg) for name, arg in SHELL_TOOLS if f'"name": "{name}"' in text), SHELL_TOOLS[0])
+        if task is None:
+            command = "ls"
+        else:
+            asked[task] = asked.get(task, 0) + 1
+            files = solutions[task]
+            if asked[task] % 2:
+                command = "".join(f"cat > {name} <<'EOF'\n{body}EOF\n" for name, body in files.items())
+            else:
+                command = "python3 " + " ".join(f"test_{name}" for name in files)
+        call = json.dumps({"name": tool, "arguments": {argument: command}})
+        return f"<think>\nI should change the code, then run the test.\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
+
+    return policy

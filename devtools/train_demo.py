@@ -1,7 +1,7 @@
 """``./scripts/demo.sh --train``: the short-answer job for N steps with the reference trainer between them.
 
 What it starts, all on 127.0.0.1 and stopped at the end: a redis-server (the feed, a Redis Stream
-the trainer reads with a consumer group), vLLM (CPU, fp32 dense SmolLM2-135M, dev mode: pause,
+the trainer reads with a consumer group; installed with apt on first use: ``devtools.apt``), vLLM (CPU, fp32 dense SmolLM2-135M, dev mode: pause,
 resume, ``reload_weights``), a rollout-proxy in front of it, the reference trainer
 (``python -m rollout_proxy.trainer``, its own process) and the rollout runner with
 ``training_loop.max_staleness: 0``: step k rolls out with the weights trained on steps 0..k-1.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from devtools import engine_env
+from devtools import apt, engine_env
 from devtools.vllm_server import VLLMServer
 
 if TYPE_CHECKING:
@@ -59,9 +58,7 @@ class RedisProcess:
         self.url = ""
 
     def start(self, timeout: float = 10.0) -> str:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("--train needs redis-server for the trainer's feed (apt-get install redis-server)")
+        binary = apt.ensure_command("redis-server", why="the training demo's feed (a Redis Stream)")
         port = free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import os
 import secrets
+import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
@@ -143,6 +144,19 @@ def _run_parser(commands: argparse._SubParsersAction) -> None:
     run.set_defaults(handler=_run)
 
 
+async def _stopped_by_sigterm(main: Coroutine[Any, Any, Any]) -> Any:
+    """``main``, cancelled by SIGTERM as Ctrl-C cancels it: what it started stops with it (the harness processes
+    of a job: ``runner.processes`` kills their process groups when cancelled)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await main
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 def _run(args: argparse.Namespace) -> int:
     import asyncio
     import json
@@ -158,19 +172,24 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         summary = asyncio.run(
-            run_job(
-                job,
-                proxy_url=args.proxy_url,
-                admin_key=args.admin_key or os.environ.get("ROLLOUT_PROXY_ADMIN_KEY"),
-                engines=args.engines,
-                store=args.store,
-                feed=args.feed,
-                output_dir=args.out,
-                job_id=args.job_id,
-                progress=not args.no_progress,
-                ray=args.ray,
+            _stopped_by_sigterm(
+                run_job(
+                    job,
+                    proxy_url=args.proxy_url,
+                    admin_key=args.admin_key or os.environ.get("ROLLOUT_PROXY_ADMIN_KEY"),
+                    engines=args.engines,
+                    store=args.store,
+                    feed=args.feed,
+                    output_dir=args.out,
+                    job_id=args.job_id,
+                    progress=not args.no_progress,
+                    ray=args.ray,
+                )
             )
         )
+    except asyncio.CancelledError:
+        print("rollout-proxy run: stopped (SIGTERM)", file=sys.stderr)
+        return 143
     except (JobError, ValueError) as exc:
         print(f"rollout-proxy run: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""The demo's options and its --keep-running, on the fake engine (the real run is `make demo`)."""
+"""The demo's options, its --keep-running, its harness jobs and what they set up, on the fake engine (the real
+run is `make demo`)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from devtools import demo
+from devtools import demo, harnesses
 from devtools.fake_engine import FakeEngine
 from rollout_proxy.embedded import BackgroundLoop, serve_app
+from rollout_proxy.runner.harness import HarnessRollout, pinned_install
+from rollout_proxy.runner.job import HarnessSpec
 from tests.conftest import TEMPLATES
+from tests.devtools.test_train_demo import fake_apt
 from tests.runner.test_short_answer_job import answer_policy, demo_job
 
 
@@ -49,6 +53,9 @@ def test_bundled_jobs_load_with_the_command_line_sizes():
     )
     assert demo.load_job("weather", samples=None, generations=None, steps=None).name == "weather-demo"
     assert demo.load_job("codex", samples=None, generations=None, steps=None).name == "codex-demo"
+    swe = demo.load_job("swe", samples=None, generations=None, steps=None)
+    assert swe.name == "swe-demo" and swe.custom_rl_pipeline.rollout.harness is not None
+    assert swe.custom_rl_pipeline.rollout.harness.name == "codex"
 
 
 def test_the_codex_job_runs_codex_on_the_fake_engine(tmp_path, capsys):
@@ -68,7 +75,23 @@ def test_the_codex_job_runs_codex_on_the_fake_engine(tmp_path, capsys):
     for line in lines:
         roles = [message["role"] for message in line["messages"]]
         assert roles[:2] == ["developer", "developer"] and roles[-3:] == ["assistant", "tool", "assistant"]
-        assert line["extra"]["final_message"].startswith("The file says: ")
+        assert line["extra"]["harness"]["final_message"].startswith("The file says: ")
+        assert line["extra"]["harness"]["exit_code"] == 0 and not line["extra"]["harness"]["timed_out"]
+
+
+def test_the_swe_job_runs_codex_and_grades_each_rollout_by_its_tests(tmp_path, capsys):
+    """`./scripts/demo.sh --job swe --engine fake`: Codex per rollout on a small bug fix; the scripted policy
+    writes the fix on one rollout of each task, so the sample's tests pass there only."""
+    assert demo.main(["--job", "swe", "--engine", "fake", "--generations", "2", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "3 graded, 0 dropped" in printed and "mean reward   0.5000" in printed
+    (run,) = [path for path in tmp_path.iterdir() if path.name.startswith("swe-demo-")]
+    lines = [json.loads(line) for line in (run / "trajectories.jsonl").read_text().splitlines()]
+    by_task: dict[str, list[float]] = {}
+    for line in lines:
+        by_task.setdefault(line["group_id"], []).append(line["reward"])
+        assert line["extra"]["harness"]["exit_code"] == 0
+    assert sorted(sorted(rewards) for rewards in by_task.values()) == [[0.0, 1.0]] * 3
 
 
 def test_keep_running_serves_the_viewer_and_feed_until_ctrl_c(engine, tmp_path, capsys):
@@ -96,3 +119,33 @@ def test_keep_running_serves_the_viewer_and_feed_until_ctrl_c(engine, tmp_path, 
     assert (out / "steps.png").is_file()
     with pytest.raises(httpx2.ConnectError):  # the proxy stopped with the demo
         httpx2.get(f"{seen['url']}/healthz")
+
+
+def test_the_codex_jobs_set_up_npm_and_the_pinned_codex_once(tmp_path, monkeypatch):
+    """`--job codex` on a machine without npm: npm comes from apt, the pinned Codex from npm into the cache,
+    where a job's codex harness finds it; a second run installs nothing. (apt and npm are stand-ins that log.)"""
+    npm = tmp_path / "npm-stand-in"
+    npm.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {tmp_path / "npm-calls.log"}\n'
+        'while [ "$1" != --prefix ]; do shift; done\n'
+        '/bin/mkdir -p "$2/bin"\n'
+        "printf '#!/bin/sh\\necho codex-cli 0.171.0\\n' > \"$2/bin/codex\"\n"
+        '/bin/chmod +x "$2/bin/codex"\n'
+    )
+    npm.chmod(0o755)
+    apt_calls = fake_apt(tmp_path / "bin", provides={"npm": str(npm)})
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setenv("ROLLOUT_PROXY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("ROLLOUT_PROXY_CODEX", raising=False)
+    first, again = harnesses.ensure_codex(), harnesses.ensure_codex()
+    assert first == again == tmp_path / "cache" / "npm" / "openai-codex@0.171.0" / "bin" / "codex"
+    assert apt_calls.read_text().splitlines() == ["install -y -q --no-install-recommends npm"]
+    [installed] = (tmp_path / "npm-calls.log").read_text().splitlines()
+    assert installed.startswith("install --global --prefix ") and installed.endswith(" @openai/codex@0.171.0")
+    # a job's codex harness runs that install when nothing names another
+    assert HarnessRollout(HarnessSpec(name="codex")).executable == str(first)
+    assert (
+        pinned_install("codex") == harnesses.CODEX.binary
+        and pinned_install("claude-code") == harnesses.CLAUDE_CODE.binary
+    )

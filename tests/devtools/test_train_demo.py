@@ -1,13 +1,16 @@
 """``./scripts/demo.sh --train``'s own parts (the real run is `make train-demo`, a benchmark): the job it
-runs, the summary it prints, its redis-server, and what it refuses."""
+runs, the summary it prints, its redis-server (installed with apt on a machine without one), and what it
+refuses."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+from pathlib import Path
 
 import pytest
 
-from devtools import demo, train_demo
+from devtools import apt, demo, train_demo
 
 
 def test_the_training_job_ties_each_step_to_the_weights_trained_on_the_one_before():
@@ -86,3 +89,66 @@ def test_train_and_keep_running_do_not_go_together(capsys):
     with pytest.raises(SystemExit):
         demo.main(["--help"])
     assert "--train" in capsys.readouterr().out
+
+
+def fake_apt(bin_dir: Path, *, provides: dict[str, str]) -> Path:
+    """A PATH of one directory holding an ``apt-get`` (and a ``sudo``) that log their calls and "install" a
+    package by linking its command from ``provides`` (command -> the real program) into the directory."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    calls = bin_dir.parent / "apt-calls.log"
+    links = "\n".join(
+        f"    {command}) /bin/ln -sf {target} {bin_dir / command} ;;" for command, target in provides.items()
+    )
+    (bin_dir / "apt-get").write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {calls}\n'
+        '[ "$1" = install ] || exit 0\n'
+        'for package in "$@"; do\n  case "$package" in\n'
+        f"{links}\n"
+        "  esac\ndone\n"
+    )
+    (bin_dir / "sudo").write_text('#!/bin/sh\nexec "$@"\n')
+    for script in ("apt-get", "sudo"):
+        (bin_dir / script).chmod(0o755)
+    return calls
+
+
+def test_a_machine_without_redis_server_gets_it_from_apt_once(tmp_path, monkeypatch):
+    """`make train-demo` on a fresh machine: redis-server is installed with apt, started, stopped; the next
+    run finds it and installs nothing."""
+    real = shutil.which("redis-server")
+    assert real is not None  # the tests' own Redis servers need it
+    calls = fake_apt(tmp_path / "bin", provides={"redis-server": real})
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    for run in range(2):
+        redis = train_demo.RedisProcess(tmp_path / f"redis-{run}")
+        url = redis.start()
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            pass
+        redis.stop()
+    assert calls.read_text().splitlines() == ["install -y -q --no-install-recommends redis-server"]
+    assert (tmp_path / "bin" / "redis-server").is_symlink()
+
+
+def test_without_apt_it_says_what_to_install(tmp_path, monkeypatch):
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(apt.SetupError) as raised:
+        train_demo.RedisProcess(tmp_path / "redis").start()
+    assert "needs redis-server, and this machine has no apt-get" in str(raised.value)
+
+
+def test_an_install_that_fails_is_retried_after_an_update_then_refused_in_words(tmp_path, monkeypatch):
+    calls = fake_apt(tmp_path / "bin", provides={})  # installs nothing
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with pytest.raises(apt.SetupError, match="redis-server is installed but 'redis-server' is not on PATH"):
+        apt.ensure_command("redis-server", why="a test")
+    (tmp_path / "bin" / "apt-get").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = update ]\n')
+    with pytest.raises(apt.SetupError, match="failed: install npm yourself"):
+        apt.ensure_command("npm", why="a test")
+    assert calls.read_text().splitlines()[-3:] == [
+        "install -y -q --no-install-recommends npm",
+        "update -q",
+        "install -y -q --no-install-recommends npm",
+    ]

@@ -1,6 +1,6 @@
 """Codex CLI 0.171.0 (``codex exec``), unmodified, over the streaming Responses API against a session.
 
-Its config is the example plugin's (``examples/codex_rollout.CODEX_CONFIG``: the one the docs show). Codex
+Its config is the runner's Codex harness's (``runner.harness.CODEX_CONFIG``: the one the docs show). Codex
 resends its whole history every turn (``store: false``), with its two developer messages first and the
 reasoning items the policy produced echoed back; a turn must extend the one before it, never fork.
 """
@@ -16,8 +16,8 @@ import pytest
 from devtools.fake_engine import FakeEngine
 from devtools.harnesses import ensure_codex
 from rollout_proxy.engines.vllm_http import is_routing_probe
-from rollout_proxy.examples.codex_rollout import codex_environment, codex_home
 from rollout_proxy.proxy import keys
+from rollout_proxy.runner.harness import codex_environment, codex_home
 from tests.harness import ProxyHarness
 from tests.harnesses.conftest import assert_exact, connected_addresses, open_session, session_trajectory, strace
 

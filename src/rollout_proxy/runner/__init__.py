@@ -3,6 +3,9 @@
 rollout-proxy run JOB.yaml                  # or, from Python:
 summary = await run_job(JobConfig.load("JOB.yaml"))
 rollout-proxy run JOB.yaml --ray HOST:PORT  # plugin calls as Ray tasks (or ``ray:`` in the job file)
+
+A job's rollout is a plugin or a harness the runner starts per rollout (Codex CLI, Claude Code,
+mini-swe-agent, any command: ``runner.harness``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rollout_proxy.runner.executor import PluginExecutor, open_executor, with_ray_address
+from rollout_proxy.runner.harness import HarnessRollout
 from rollout_proxy.runner.job import JobConfig, JobError
 from rollout_proxy.runner.progress import JobSummary
 from rollout_proxy.runner.retries import JobFailed
@@ -49,6 +53,8 @@ async def run_job(
 
     With ``ray`` (an address; or the job's ``ray`` section) plugin calls run as Ray tasks."""
     job = with_ray_address(job, ray)
+    if job.custom_rl_pipeline.rollout.harness is not None:  # its program is there, before anything starts
+        HarnessRollout(job.custom_rl_pipeline.rollout.harness, base_dir=job.base_dir)
     if proxy_url is None and job.training_loop.max_staleness is not None:
         raise JobError(
             "training_loop.max_staleness waits for a trainer to resume the fleet with new policy versions, and "

@@ -3,11 +3,13 @@
 Only what the runner uses is interpreted (``custom_rl_pipeline``, ``data``,
 ``hyperparameters``, and our ``proxy``, ``ray`` and ``training_loop`` sections); the rest of
 the seed's fields are accepted and recorded. Anything unknown or invalid is reported with its path before
-anything runs.
+anything runs. A rollout is a plugin (``custom_rl_pipeline.rollout.plugin``) or a harness the runner starts
+per rollout (``custom_rl_pipeline.rollout.harness``, ours: ``runner.harness``).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,8 +41,79 @@ class PluginRef(Strict):
         return value
 
 
+#: the harnesses a job can name (``runner.harness``): three pinned clients, or any command
+HARNESS_NAMES = ("codex", "claude-code", "mini-swe-agent", "command")
+#: what the words ``{name}`` in a harness's command, args and wrapper become, per rollout
+PLACEHOLDERS = ("task", "workdir", "home", "python", "job_dir", "base_url")
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+#: a message that starts with the path it is about (``section.field: ...``)
+_NAMES_ITS_PATH = re.compile(r"^[a-z_]+(\.[a-z_]+)*: ")
+#: what a harness's end means for the rollout: "grade" it as it is (a success: the graders see the exit code,
+#: ``timed_out`` and the output tails in ``extra.harness``), or the seed's statuses
+HarnessOutcome = Literal["grade", "retry", "discard", "failure"]
+
+
+class HarnessSpec(Strict):
+    """A program as the rollout, started by the runner once per rollout in a fresh working directory.
+
+    ``name``: ``codex`` (Codex CLI, ``codex exec``), ``claude-code`` (``claude -p``), ``mini-swe-agent``
+    (``mini``), each configured for the session here, or ``command`` (``command``: any argv, the session in
+    its environment). Each gets the sample's ``extra.files`` in its working directory, the task
+    (``extra.task``, else the sample's last user message), an empty HOME of its own, a clean environment
+    with telemetry and update checks off, and ``timeout`` seconds of wall time.
+    """
+
+    name: Literal["codex", "claude-code", "mini-swe-agent", "command"]
+    #: the argv of a ``command`` harness (placeholders: ``{task}``, ``{workdir}``, ``{home}``, ``{python}``: this
+    #: interpreter, ``{job_dir}``: the job file's directory, ``{base_url}``); the named harnesses build their own
+    command: list[str] = Field(default_factory=list)
+    #: a named harness's program (a path, or a name on PATH); default: ``$ROLLOUT_PROXY_CODEX`` (``_CLAUDE_CODE``,
+    #: ``_MINI_SWE_AGENT``), else on PATH, else the pinned install ``python -m devtools.harnesses setup`` makes
+    executable: str | None = None
+    #: more arguments for a named harness (e.g. Codex's ``-c key=value``)
+    args: list[str] = Field(default_factory=list)
+    #: what the harness runs under (an argv prefix: ``nice``, a sandbox, ``strace -f -o {home}/trace``)
+    wrapper: list[str] = Field(default_factory=list)
+    #: variables added to its environment, and names copied from the runner's (nothing else is)
+    env: dict[str, str] = Field(default_factory=dict)
+    pass_env: list[str] = Field(default_factory=list)
+    timeout: float = Field(600.0, gt=0.0, description="seconds of wall time; then its process group is killed")
+    max_concurrency: int = Field(4, ge=1, le=100, description="harness processes running at once")
+    tail_bytes: int = Field(8192, ge=0, le=1 << 20, description="bytes of stdout and of stderr kept in extra")
+    on_timeout: HarnessOutcome = "retry"
+    on_error: HarnessOutcome = Field("failure", description="a non-zero exit")
+    #: where the working directories go (default: a temporary directory per job); removed once graded
+    workdir_root: str | None = None
+    keep_workdirs: bool = False
+
+    @model_validator(mode="after")
+    def _command_or_name(self) -> HarnessSpec:
+        if self.name == "command" and not self.command:
+            raise ValueError("a 'command' harness needs its argv in 'command', e.g. ['{python}', 'agent.py', '{task}']")
+        if self.name != "command" and self.command:
+            raise ValueError(f"'command' is for name: command; harness {self.name!r} builds its own (use 'args')")
+        if self.name == "command" and (self.args or self.executable):
+            raise ValueError("a 'command' harness takes its whole argv in 'command' (no 'args', no 'executable')")
+        for field in ("command", "args", "wrapper"):
+            for word in getattr(self, field):
+                unknown = [name for name in _PLACEHOLDER.findall(word) if name not in PLACEHOLDERS]
+                if unknown:
+                    known = ", ".join(f"{{{name}}}" for name in PLACEHOLDERS)
+                    raise ValueError(f"{field}: unknown placeholder {{{unknown[0]}}} in {word!r} (known: {known})")
+        return self
+
+
 class RolloutSpec(Strict):
-    plugin: PluginRef
+    """The rollout: a plugin (``module:function``) or a harness the runner starts (``harness``)."""
+
+    plugin: PluginRef | None = None
+    harness: HarnessSpec | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> RolloutSpec:
+        if (self.plugin is None) == (self.harness is None):
+            raise ValueError("a rollout is a 'plugin' or a 'harness': give exactly one of them")
+        return self
 
 
 class GraderSpec(Strict):
@@ -186,6 +259,24 @@ class JobConfig(Strict):
 
     base_dir: Path = Field(default=Path("."), exclude=True)
 
+    @model_validator(mode="after")
+    def _harness_fits(self) -> JobConfig:
+        harness = self.custom_rl_pipeline.rollout.harness
+        if harness is None:
+            return self
+        if self.ray is not None:
+            raise ValueError(
+                "ray: a harness rollout runs in the runner's process (its working directory is where the graders "
+                "read it): leave out the ray section, or run the harness from a rollout plugin"
+            )
+        if harness.name == "claude-code" and self.proxy.client_sampling != "ignore":
+            raise ValueError(
+                "custom_rl_pipeline.rollout.harness: claude-code sends max_tokens: 128000 and its own thinking "
+                "settings with every request, which a session refuses: set proxy.client_sampling: ignore (the "
+                "job's values are used, Claude Code's recorded)"
+            )
+        return self
+
     def dataset_files(self) -> list[Path]:
         return [(self.base_dir / path).resolve() for path in self.data.training_set.local_files]
 
@@ -232,9 +323,14 @@ class JobConfig(Strict):
         except ValidationError as exc:
             problems = []
             for error in exc.errors():
-                where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+                where = ".".join(str(part) for part in error["loc"])
                 message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"]
-                problems.append(f"  {where}: {message}")
+                if error["type"] == "value_error":  # our own checks' words, without pydantic's prefix
+                    message = message.removeprefix("Value error, ")
+                if not where and _NAMES_ITS_PATH.match(message):  # a check across sections names where
+                    problems.append(f"  {message}")
+                else:
+                    problems.append(f"  {where or '(top level)'}: {message}")
             raise JobError(f"{source} has {len(problems)} problem(s):\n" + "\n".join(problems)) from None
         missing = [str(file) for file in job.dataset_files() if not file.is_file()]
         if missing:

@@ -39,8 +39,10 @@ def load_plugin(
 
 
 def load_rollout(job: JobConfig) -> Plugin:
-    """The job's rollout plugin (single or group)."""
+    """The job's rollout plugin (single or group); a harness rollout is ``runner.harness.HarnessRollout``'s."""
     declared = job.custom_rl_pipeline.rollout.plugin
+    if declared is None:
+        raise JobError("custom_rl_pipeline.rollout: a harness, not a plugin (runner.harness.HarnessRollout runs it)")
     return load_plugin(
         declared.python_func,
         base_dir=job.base_dir,

@@ -242,6 +242,8 @@ class RayExecutor:
         if section is None:
             raise ValueError("the job has no ray section")
         pipeline = job.custom_rl_pipeline
+        if pipeline.rollout.plugin is None:  # job.py refuses a harness with a ray section
+            raise JobError("ray: a harness rollout runs in the runner's process")
         plugins = [
             (load_rollout(job), pipeline.rollout.plugin),
             *((grader, spec.plugin) for (grader, _), spec in zip(load_graders(job), pipeline.graders, strict=True)),

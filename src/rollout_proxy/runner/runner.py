@@ -6,7 +6,8 @@ published when all its groups are graded. Group ids are stable
 (``job/step/sample``), so a resumed job skips what it already published. What a
 plugin's status means lives in ``retries``; calling the proxy in ``admin``; rollouts
 in ``rollouts``; grading in ``grading``; the feed in ``publish``; waiting for the
-trainer's policy version and stale groups (``max_staleness``) in ``staleness``. This module only
+trainer's policy version and stale groups (``max_staleness``) in ``staleness``; a harness as the
+rollout (started per rollout, its working directory removed once graded) in ``harness``. This module only
 orders them and keeps the progress and the summary (with the per-step plot, written
 next to a JSONL feed or in ``OUTPUT_DIR/<job id>/``, and the proxy's viewer address).
 """
@@ -26,6 +27,7 @@ from rollout_proxy.runner.admin import AdminClient
 from rollout_proxy.runner.distill import opd_advantages
 from rollout_proxy.runner.executor import InProcessExecutor, PluginExecutor
 from rollout_proxy.runner.grading import Graders, aggregate_metrics
+from rollout_proxy.runner.harness import HarnessRollout
 from rollout_proxy.runner.job import JobConfig
 from rollout_proxy.runner.plot import PLOT_NAME, write_step_plot
 from rollout_proxy.runner.plugins import load_graders, load_rollout
@@ -82,7 +84,9 @@ class JobRunner:
         self._feed = feed
         self._progress_enabled = progress
         self._output_dir = Path(output_dir or job.proxy.output_dir)
-        self.rollout = load_rollout(job)
+        harness = job.custom_rl_pipeline.rollout.harness
+        self.harness = HarnessRollout(harness, base_dir=job.base_dir) if harness is not None else None
+        self.rollout = self.harness.plugin() if self.harness is not None else load_rollout(job)
         self.graders = load_graders(job)
         self.records = [
             sample.model_dump(mode="json", exclude_none=True)
@@ -91,6 +95,8 @@ class JobRunner:
         ]
         if not self.records:
             raise ValueError("the training set has no samples")
+        if self.harness is not None:
+            self.harness.check_samples(self.records)
         self.progress: JobProgress | None = None
 
     def batches(self) -> list[Batch]:
@@ -136,7 +142,11 @@ class JobRunner:
             what = f"{where}: rollout {self.rollout.spec.name}"
             generations = self.job.hyperparameters.num_generations
             trajectories = await parts.rollouts.trajectories(what, sample, context, generations)
-            grade = await parts.graders.grade_group(where, context, sample, trajectories)
+            try:
+                grade = await parts.graders.grade_group(where, context, sample, trajectories)
+            finally:  # what a harness left for the graders
+                if self.harness is not None:
+                    await self.harness.release(trajectories)
         except SampleDropped:
             parts.progress.sample_dropped()
             return None
@@ -186,6 +196,8 @@ class JobRunner:
                     step_metrics[step] = await self._run_step(parts, step, batch)
             finally:
                 progress.close()
+                if self.harness is not None:
+                    await self.harness.close()
             counters = await admin.counters()
         summary = progress.summary(
             job_id=self.job_id,
