@@ -8,7 +8,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rollout_proxy.trainer.batch import Rollout, TrainSequence, micro_batches  # noqa: E402
-from rollout_proxy.trainer.grpo import GRPOConfig, GRPOLearner, load_policy, policy_loss, token_logprobs  # noqa: E402
+from rollout_proxy.trainer.grpo import (  # noqa: E402
+    GRPOConfig,
+    GRPOLearner,
+    OptimizerStateMismatch,
+    load_policy,
+    policy_loss,
+    token_logprobs,
+)
 from rollout_proxy.trainer.mismatch import mismatch_report  # noqa: E402
 
 
@@ -123,3 +130,70 @@ def test_a_tied_embedding_is_kept_unless_asked(tiny_checkpoint, freeze):
     learner.train_step([rollout(0, [1, 10, 11, 300, 2], 3, 1.0), rollout(1, [1, 10, 11, 400, 2], 3, -1.0)])
     assert torch.equal(embedding.detach(), before) == freeze and learner.frozen_embeddings == freeze
     assert not torch.equal(learner.model.model.layers[0].mlp.up_proj.weight.detach(), body)
+
+
+def optimizer_moments(learner: GRPOLearner) -> list[dict[str, torch.Tensor]]:
+    """AdamW's state per trained parameter, in order: exp_avg, exp_avg_sq, step."""
+    return [learner.optimizer.state[p] for p in learner.optimizer.param_groups[0]["params"]]
+
+
+def assert_same_state(a: GRPOLearner, b: GRPOLearner) -> None:
+    moments_a, moments_b = optimizer_moments(a), optimizer_moments(b)
+    assert len(moments_a) == len(moments_b) > 0
+    for state_a, state_b in zip(moments_a, moments_b, strict=True):
+        assert sorted(state_a) == sorted(state_b) == ["exp_avg", "exp_avg_sq", "step"]
+        assert all(torch.equal(state_a[name], state_b[name]) for name in state_a)  # exactly
+    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_a_checkpoint_carries_adamw_and_a_learner_loaded_from_it_goes_on_exactly(tiny_checkpoint, tmp_path):
+    """A restart loads the checkpoint its last step saved: AdamW's moments and step count come back exactly, so
+    its next step is the one the trainer would have taken had it not stopped."""
+    config = GRPOConfig(learning_rate=1e-2, micro_batch_tokens=64)
+    first = [rollout(0, [1, 10, 11, 300, 2], 3, 1.0), rollout(1, [1, 10, 11, 400, 2], 3, -1.0)]
+    second = [rollout(0, [1, 20, 21, 500, 2], 3, -1.0), rollout(1, [1, 20, 21, 600, 2], 3, 1.0)]
+    learner = GRPOLearner(tiny_checkpoint, config)
+    assert learner.optimizer_steps == 0
+    learner.train_step(first)
+    learner.save(tmp_path / "v1")
+    assert (tmp_path / "v1" / "optimizer.pt").is_file() and learner.optimizer_steps == 1
+
+    restored = GRPOLearner(tmp_path / "v1", config)
+    assert restored.optimizer_steps == 1
+    assert_same_state(learner, restored)  # the state before the "crash", exactly
+    learner.train_step(second)
+    restored.train_step(second)
+    assert_same_state(learner, restored)  # and the next step is the same step
+    assert learner.optimizer_steps == restored.optimizer_steps == 2
+
+    # what a restart without the optimizer's state would do: AdamW afresh, another step
+    (tmp_path / "v1" / "optimizer.pt").unlink()
+    afresh = GRPOLearner(tmp_path / "v1", config)
+    afresh.train_step(second)
+    assert afresh.optimizer_steps == 1
+    body = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(dict(afresh.model.named_parameters())[body], dict(learner.model.named_parameters())[body])
+
+
+def test_a_restart_keeps_its_own_learning_rate_and_refuses_another_parameter_set(tiny_checkpoint, tmp_path):
+    learner = GRPOLearner(tiny_checkpoint, GRPOConfig(learning_rate=1e-2))
+    learner.train_step([rollout(0, [1, 10, 11, 300, 2], 3, 1.0), rollout(1, [1, 10, 11, 400, 2], 3, -1.0)])
+    learner.save(tmp_path / "v1")
+    slower = GRPOLearner(tmp_path / "v1", GRPOConfig(learning_rate=1e-4, weight_decay=0.1))
+    assert [(g["lr"], g["weight_decay"]) for g in slower.optimizer.param_groups] == [(1e-4, 0.1)]
+    assert slower.optimizer_steps == 1  # the moments are the checkpoint's, the hyperparameters this run's
+    with pytest.raises(OptimizerStateMismatch, match=r"optimizer.pt is the optimizer state of other trained"):
+        GRPOLearner(tmp_path / "v1", GRPOConfig(freeze_tied_embeddings=False))  # one more parameter trained
+
+
+def test_the_kl_reference_is_the_weights_it_started_from(tiny_checkpoint, tmp_path):
+    learner = GRPOLearner(tiny_checkpoint, GRPOConfig(learning_rate=1e-2))
+    learner.train_step([rollout(0, [1, 10, 11, 300, 2], 3, 1.0), rollout(1, [1, 10, 11, 400, 2], 3, -1.0)])
+    learner.save(tmp_path / "v1")
+    restarted = GRPOLearner(tmp_path / "v1", GRPOConfig(kl_coef=0.1), reference_dir=tiny_checkpoint)
+    start = load_policy(tiny_checkpoint)
+    assert restarted.reference is not None
+    for (name, p), (_, q) in zip(restarted.reference.named_parameters(), start.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert not all(torch.equal(p, q) for p, q in zip(restarted.model.parameters(), start.parameters(), strict=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollout_proxy.trainer.batch import NO_VERSION
-from rollout_proxy.trainer.mismatch import MetricsFile, MismatchStats, ScoredSequence, mismatch_report
+from rollout_proxy.trainer.mismatch import MetricsFile, MismatchReport, MismatchStats, ScoredSequence, mismatch_report
 
 
 def scored(trainer: list[float], sampler: list[float], versions: list[int], group: str = "g") -> ScoredSequence:
@@ -57,6 +58,8 @@ def test_tokens_are_split_by_version_and_other_versions_are_counted_apart():
     assert report.worst[0].position == 12 and report.worst[0].token_id == 502
     as_dict = report.as_dict()
     assert as_dict["by_version"]["3"]["over"] == 2 and as_dict["worst"][0]["delta"] == pytest.approx(1e-4, rel=0.05)
+    # a restart rebuilds it from its JSON (state.json's intent) for metrics.prom: the same report
+    assert MismatchReport.from_dict(json.loads(json.dumps(as_dict))) == report
 
 
 def test_worst_names_the_sequence_within_its_rollout():

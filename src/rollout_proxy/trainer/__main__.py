@@ -12,9 +12,9 @@ paused engine, resume at the next policy version. Run it beside a job with
 
 Writes OUT/steps.jsonl (a JSON line per step: rewards, loss, the mismatch report, timings),
 OUT/metrics.prom (Prometheus text), OUT/steps.png (reward and mismatch per step),
-OUT/weights/v<version>/ (the newest --keep-weights
-checkpoints) and OUT/state.json (what a restarted trainer resumes from). Needs
-``pip install 'rollout-proxy[train]'`` (torch, transformers).
+OUT/weights/v<version>/ (the newest --keep-weights checkpoints, each with its optimizer state) and
+OUT/state.json (what a restarted trainer resumes from: killed anywhere, it trains each group once
+and goes on with AdamW where it was). Needs ``pip install 'rollout-proxy[train]'`` (torch, transformers).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from rollout_proxy.state.connection import is_redis_url
 from rollout_proxy.trainer.batch import BatchError
 from rollout_proxy.trainer.consumer import TrajectoryConsumer
 from rollout_proxy.trainer.fleet import FleetDriver, FleetUpdateFailed
-from rollout_proxy.trainer.loop import STATE, ReferenceTrainer, TrainerState, say, weights_dir
+from rollout_proxy.trainer.loop import ReferenceTrainer, ResumeConflict, ResumePoint, say
 from rollout_proxy.trainer.mismatch import DEFAULT_THRESHOLD
 
 
@@ -62,11 +62,15 @@ def parser() -> argparse.ArgumentParser:
         "--model",
         required=True,
         help="the HF checkpoint the fleet serves now (the scripts' dense SmolLM2-135M: model_dense in `python -m "
-        "devtools.engine_env paths`); a restarted trainer starts from OUT/weights/v<fleet version> "
-        "instead when it wrote that one",
+        "devtools.engine_env paths`); a restarted trainer starts from its own checkpoint in OUT/weights "
+        "instead (the fleet's version, or the one of a step it was putting on the fleet) when it wrote that one",
     )
     where.add_argument("--out", required=True, help="output directory: step log, metrics, weights, state")
-    where.add_argument("--steps", type=int, help="stop after this many updates (default: run until stopped)")
+    where.add_argument(
+        "--steps",
+        type=int,
+        help="stop after this many steps recorded (a step a restart finishes counts; default: run until stopped)",
+    )
     learn = parse.add_argument_group("the step")
     learn.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (default 2e-5)")
     learn.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below 1 (default 0.2)")
@@ -110,12 +114,17 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--reload-timeout", type=float, default=600.0, help="seconds each engine may take to reload (default 600)"
     )
-    check.add_argument("--keep-weights", type=int, default=2, help="checkpoints kept in OUT/weights (default 2)")
+    check.add_argument(
+        "--keep-weights",
+        type=int,
+        default=2,
+        help="checkpoints kept in OUT/weights, each with its optimizer state (default 2; the fleet's is always kept)",
+    )
     return parse
 
 
 async def train(args: argparse.Namespace) -> int:
-    from rollout_proxy.trainer.grpo import GRPOConfig, GRPOLearner
+    from rollout_proxy.trainer.grpo import GRPOConfig, GRPOLearner, OptimizerStateMismatch
 
     config = GRPOConfig(
         learning_rate=args.lr,
@@ -138,20 +147,23 @@ async def train(args: argparse.Namespace) -> int:
         ) as feed,
     ):
         fleet = FleetDriver(proxy, pause_mode=args.pause_mode, reload_timeout=args.reload_timeout)
-        version = await fleet.version()
-        state = TrainerState.load(out / STATE)
-        model = weights_dir(out, version)
-        if not (model / "config.json").is_file():
-            model = Path(args.model)
-            if state is not None:
-                say(
-                    f"the fleet is at version {version}, whose weights this trainer did not write: starting from {model}"
-                )
+        start = await ResumePoint.read(fleet, out)
+        version, model = start.version, start.weights or Path(args.model)
+        if start.weights is None and start.state is not None:
+            say(f"the fleet is at version {version}, whose weights this trainer did not write: starting from {model}")
         if not (model / "config.json").is_file():
             say(f"no checkpoint in {model}: build it with `python -m devtools.engine_env setup`")
             return 2
+        if start.finishing is not None:
+            say(f"finishing step {start.finishing.step} (its update to version {start.finishing.version}) first")
         say(f"loading {model} (fp32) for the fleet's version {version}")
-        learner = await asyncio.to_thread(GRPOLearner, model, config)
+        try:
+            learner = await asyncio.to_thread(GRPOLearner, model, config, reference_dir=Path(args.model))
+        except OptimizerStateMismatch as exc:
+            say(str(exc))
+            return 2
+        if learner.optimizer_steps:
+            say(f"AdamW goes on from its state in {model}: {learner.optimizer_steps} update(s) in")
         say(f"reading graded groups from {args.feed}, stream {args.stream!r}, as consumer {args.consumer!r}")
         trainer = ReferenceTrainer(
             learner,
@@ -161,7 +173,7 @@ async def train(args: argparse.Namespace) -> int:
             version=version,
             threshold=args.mismatch_threshold,
             keep_weights=args.keep_weights,
-            state=state,
+            state=start.state,
         )
         await trainer.run(args.steps)
     say(f"done: {len(trainer.records)} update(s), fleet at version {trainer.version}; step log {out / 'steps.jsonl'}")
@@ -197,9 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(train(args))
     except KeyboardInterrupt:
         return 130
-    except (ProxyRequestError, StoreUnavailable, BatchError, FleetUpdateFailed) as exc:
+    except (ProxyRequestError, StoreUnavailable, BatchError, FleetUpdateFailed, ResumeConflict) as exc:
         # the proxy refused or is unreachable, Redis is down, a group cannot be trained on, an engine did not
-        # reload: said in words; whatever was not acknowledged stays on the feed for the next start
+        # reload, state.json and the fleet disagree: said in words; whatever was not acknowledged stays on the
+        # feed for the next start
         say(f"stopped: {exc}")
         return 1
 

@@ -60,12 +60,15 @@ class FleetDriver:
 
     async def update(self, weights: Path | None) -> FleetUpdate:
         """Pause, load ``weights`` (an HF checkpoint directory; None: the version alone changes) into every
-        paused engine, resume at the fleet's version + 1."""
+        paused engine (also those a pause before left paused), resume at the fleet's version + 1."""
         started = time.monotonic()
         paused = await self.proxy.apost("/v1/admin/pause", {"mode": self.pause_mode}, what="pausing the fleet")
         previous = int(paused["policy_version"])
-        engines = [engine["url"] for engine in paused["engines"] if engine["state"] == "paused"]
         failed = [engine for engine in paused["engines"] if not engine["ok"]]
+        # every engine the resume will resume: the pause answers for the engines it paused, not for those a
+        # pause before it left paused (a trainer killed inside its update), which need the weights as much
+        fleet = await self.proxy.aget("/v1/admin/engines", what="listing the paused engines")
+        engines = [engine["url"] for engine in fleet["engines"] if engine["state"] == "paused"]
         reload_started = time.monotonic()
         if weights is not None:
             await self.reload(engines, weights)

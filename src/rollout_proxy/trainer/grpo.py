@@ -19,6 +19,10 @@ report's trainer logprobs: ``π`` before the update, for every trained token. Te
 logits are divided by it, as the engine did before reporting processed logprobs (at 1, raw and
 processed are the same); top-p / top-k truncation is not reproduced (run them at 1 / 0).
 
+A checkpoint it saves is an HF directory with the optimizer's state beside the weights
+(``optimizer.pt``: AdamW's moments and step count, the name vLLM's loader and transformers skip);
+a learner loaded from it goes on where that one was, with its own learning rate and weight decay.
+
 Logprobs are computed over padded micro-batches (``batch.micro_batches``) and only at the
 columns with a trained token (``logits_to_keep``): the vocabulary projection of prompt
 positions is never made. Needs ``rollout-proxy[train]`` (torch, transformers).
@@ -41,6 +45,9 @@ from transformers import AutoModelForCausalLM
 from rollout_proxy.trainer.batch import PaddedBatch, Rollout, micro_batches
 from rollout_proxy.trainer.loop import LearnerStep
 from rollout_proxy.trainer.mismatch import ScoredSequence
+
+#: the optimizer's state in a checkpoint's directory (HF Trainer's name: engines loading the weights skip it)
+OPTIMIZER = "optimizer.pt"
 
 #: files of the source checkpoint copied next to the new weights, so each one is a whole HF checkpoint
 TOKENIZER_FILES = (
@@ -135,15 +142,24 @@ def policy_loss(
     return (per_token * weights).sum(), sums
 
 
+class OptimizerStateMismatch(ValueError):
+    """A checkpoint's optimizer state is of other trained parameters than this learner's."""
+
+
 class GRPOLearner:
     """The policy, its optimizer and (with ``kl_coef``) a frozen reference; ``train_step`` is blocking."""
 
-    def __init__(self, model_dir: str | Path, config: GRPOConfig | None = None) -> None:
+    def __init__(
+        self, model_dir: str | Path, config: GRPOConfig | None = None, *, reference_dir: str | Path | None = None
+    ) -> None:
+        """Loads ``model_dir`` and, where it has one (a checkpoint this learner saved), its optimizer state.
+        ``reference_dir``: the KL reference's weights (default ``model_dir``; a restarted trainer keeps the
+        weights it started from)."""
         self.config = config or GRPOConfig()
         torch.manual_seed(self.config.seed)
         self.source = Path(model_dir)
         self.model = load_policy(model_dir)
-        self.reference = load_policy(model_dir) if self.config.kl_coef > 0 else None
+        self.reference = load_policy(reference_dir or model_dir) if self.config.kl_coef > 0 else None
         if self.reference is not None:
             self.reference.requires_grad_(False)
         #: the tied embedding is not trained: the engine would keep serving its old copy as its lm_head
@@ -160,6 +176,27 @@ class GRPOLearner:
             lr=self.config.learning_rate,
             weight_decay=self.config.weight_decay,
         )
+        if (self.source / OPTIMIZER).is_file():
+            self.load_optimizer(self.source / OPTIMIZER)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """How many updates AdamW's moments have seen (0: a fresh optimizer)."""
+        steps = [state["step"] for state in self.optimizer.state.values() if "step" in state]
+        return int(max(steps)) if steps else 0
+
+    def load_optimizer(self, path: Path) -> None:
+        """AdamW's moments and step count from ``path``; the learning rate and weight decay stay this config's."""
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            self.optimizer.load_state_dict(saved)
+        except ValueError as exc:
+            raise OptimizerStateMismatch(
+                f"{path} is the optimizer state of other trained parameters ({exc}); was the checkpoint trained "
+                "with the tied embedding trained or frozen otherwise (--train-tied-embeddings)?"
+            ) from exc
+        for group in self.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = self.config.learning_rate, self.config.weight_decay
 
     def score(self, rollouts: Sequence[Rollout]) -> list[ScoredSequence]:
         """The trainer's logprob of every trained token, without training (no gradients)."""
@@ -223,18 +260,22 @@ class GRPOLearner:
         return LearnerStep(scored=scored, metrics=metrics)
 
     def save(self, directory: Path) -> None:
-        """The current weights as an HF checkpoint (safetensors, the source's config and tokenizer),
-        written beside ``directory`` and renamed into place: a reader never sees half of one."""
+        """The current weights as an HF checkpoint (safetensors, the source's config and tokenizer) and the
+        optimizer's state (``optimizer.pt``), written beside ``directory`` and renamed into place: a reader
+        never sees half of one, nor weights without their optimizer state."""
         directory.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         try:
             self.model.save_pretrained(staging)
+            torch.save(self.optimizer.state_dict(), staging / OPTIMIZER)
             for name in TOKENIZER_FILES:
                 if (self.source / name).is_file() and not (staging / name).exists():
                     shutil.copy2(self.source / name, staging / name)
             staging.chmod(0o755)
-            if directory.exists():
-                shutil.rmtree(directory)
+            if directory.exists():  # a checkpoint of an attempt that died before its intent: moved aside whole
+                replaced = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+                directory.rename(replaced / directory.name)
+                shutil.rmtree(replaced)
             staging.rename(directory)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

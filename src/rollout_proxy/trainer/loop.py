@@ -5,17 +5,22 @@ Per job step it:
 1. collects the step's groups from the feed (``TrajectoryConsumer``; ``step_groups`` says how many);
 2. trains on them (the ``Learner``, in a thread: the loop keeps serving its connections) and
    builds the mismatch report from the same forward pass;
-3. writes the new weights (``OUT/weights/v<version>/``, an HF checkpoint), then pauses the fleet,
-   reloads them into every paused vLLM and resumes at the next ``policy_version``
+3. writes the new weights and the optimizer's state (``OUT/weights/v<version>/``, an HF
+   checkpoint), then records the step's **intent** in ``OUT/state.json`` (the version it makes,
+   its checkpoint, its groups and feed entries, its ``steps.jsonl`` line so far) before it pauses the
+   fleet, reloads the weights into every paused vLLM and resumes at the next ``policy_version``
    (``FleetDriver``): the runner, waiting for that version (``max_staleness``), starts its next step;
-4. records the step (``OUT/steps.jsonl``, ``OUT/metrics.prom``, ``OUT/steps.png``,
-   ``OUT/state.json``), then acknowledges the groups.
+4. records the step (``OUT/steps.jsonl``, ``OUT/metrics.prom``, ``OUT/steps.png``, then
+   ``OUT/state.json`` without the intent), then acknowledges the groups.
 
-A trainer killed anywhere before 4 gets the step's groups again (they stay pending in the
-feed's consumer group: redelivered to the same consumer name, claimed by another after
-``claim_idle_ms``). ``state.json`` names the groups of the last step trained and the weights of
-the version it made, so a trainer restarted after its resume acknowledges those groups without
-training on them twice, and starts from the weights the fleet serves. torch-free: the learner
+Exactly once, wherever the trainer is killed (``ResumePoint`` reads what a restart starts from,
+``ReferenceTrainer.run`` finishes an intended step first): before its intent is on disk the step
+left nothing behind (its groups stay pending in the feed's consumer group and are trained again
+from the weights the fleet serves); with an intent and the fleet still at the version it trained at,
+the update is made again with the saved checkpoint (the groups are not trained again); with the
+fleet at the intent's version the update was made and only the record is written (``steps.jsonl``
+gets its line once); after the record the restart acknowledges the step's entries by id. Either
+way it goes on from that checkpoint and the optimizer state beside it. torch-free: the learner
 brings it.
 """
 
@@ -29,7 +34,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,8 +42,14 @@ import numpy as np
 
 from rollout_proxy.trainer.batch import BatchError, Rollout, dropped_counts, rollouts_of, trained_tokens
 from rollout_proxy.trainer.consumer import TrajectoryConsumer
-from rollout_proxy.trainer.fleet import FleetDriver
-from rollout_proxy.trainer.mismatch import DEFAULT_THRESHOLD, MetricsFile, ScoredSequence, mismatch_report
+from rollout_proxy.trainer.fleet import FleetDriver, FleetUpdate
+from rollout_proxy.trainer.mismatch import (
+    DEFAULT_THRESHOLD,
+    MetricsFile,
+    MismatchReport,
+    ScoredSequence,
+    mismatch_report,
+)
 from rollout_proxy.trainer.plot import PLOT_NAME, write_training_plot
 from rollout_proxy.wire.feed import FeedEntry
 
@@ -62,27 +73,51 @@ class Learner(Protocol):
         ...
 
     def save(self, directory: Path) -> None:
-        """The current weights as a checkpoint the engines can load (blocking)."""
+        """The current weights as a checkpoint the engines can load, with what training resumes from
+        (the optimizer's state), all or nothing (blocking)."""
         ...
+
+
+class ResumeConflict(RuntimeError):
+    """state.json and the fleet disagree in a way the trainer cannot settle alone."""
+
+
+@dataclass
+class StepIntent:
+    """A step trained and saved whose fleet update may be under way (state.json's write-ahead record)."""
+
+    step: int
+    trained_version: int  # the fleet's version it trained at
+    version: int  # the version its update makes
+    weights: str  # its checkpoint, the optimizer's state beside the weights
+    group_ids: list[str]
+    entry_ids: list[str]  # its feed entries (acknowledged by id once it is recorded)
+    record: dict[str, Any]  # its steps.jsonl line as far as it is known before the fleet update
 
 
 @dataclass
 class TrainerState:
-    """What a restarted trainer needs: the version its last update made, its weights, the groups it trained on."""
+    """state.json: the last step recorded (the version its update made, its checkpoint, its groups and feed
+    entries) and the step whose fleet update is under way (``intent``), if any."""
 
     version: int
     weights: str | None = None
     step: int | None = None
     group_ids: list[str] = field(default_factory=list)
+    entry_ids: list[str] = field(default_factory=list)
+    intent: StepIntent | None = None
 
     @classmethod
     def load(cls, path: Path) -> TrainerState | None:
         try:
-            return cls(**json.loads(path.read_text()))
+            fields = json.loads(path.read_text())
         except FileNotFoundError:
             return None
+        intent = fields.pop("intent", None)
+        return cls(**fields, intent=StepIntent(**intent) if intent is not None else None)
 
     def save(self, path: Path) -> None:
+        """Written beside ``path`` and renamed over it: a reader (a restart) sees the old state or the new one."""
         staging = path.with_suffix(".tmp")
         staging.write_text(json.dumps(asdict(self), indent=2))
         os.replace(staging, path)
@@ -90,6 +125,59 @@ class TrainerState:
 
 def weights_dir(out_dir: Path, version: int) -> Path:
     return out_dir / WEIGHTS / f"v{version:06d}"
+
+
+def has_checkpoint(directory: Path | str) -> bool:
+    return (Path(directory) / "config.json").is_file()
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a (re)started trainer begins: the fleet's version, state.json, and the checkpoint of its own
+    to load (None: none of its own matches the fleet; start from the one it was given)."""
+
+    version: int
+    state: TrainerState | None
+    weights: Path | None
+
+    @classmethod
+    async def read(cls, fleet: FleetDriver, out_dir: Path) -> ResumePoint:
+        version = await fleet.version()
+        state = await asyncio.to_thread(TrainerState.load, out_dir / STATE)
+        return cls(version, state, resume_weights(state, version, out_dir))
+
+    @property
+    def finishing(self) -> StepIntent | None:
+        """The intended step this start finishes (its update made again, or only recorded)."""
+        return self.state.intent if self.state is not None else None
+
+
+def resume_weights(state: TrainerState | None, fleet_version: int, out_dir: Path) -> Path | None:
+    """The checkpoint to start from: an intended step's (its update under way or made: its groups are trained
+    in it), else the trainer's own checkpoint of the fleet's version; None when it has none.
+
+    ResumeConflict when an intent's update may or may not have reached the fleet (the fleet is at neither its
+    version nor the one it trained at: someone else moved it), or its checkpoint is gone."""
+    intent = state.intent if state is not None else None
+    if intent is not None:
+        if fleet_version not in (intent.trained_version, intent.version):
+            raise ResumeConflict(
+                f"state.json has step {intent.step}'s update from version {intent.trained_version} to "
+                f"{intent.version} under way, but the fleet is at version {fleet_version}: someone else moved it, "
+                f"so whether this update reached the engines is unknown. Put the fleet back at one of those "
+                f"versions, or move {out_dir / STATE} away to start over from --model (the step's groups, still "
+                f"pending on the feed, are then trained again)"
+            )
+        if not has_checkpoint(intent.weights):
+            raise ResumeConflict(
+                f"state.json has step {intent.step}'s update to version {intent.version} under way, but its "
+                f"checkpoint {intent.weights} is gone"
+            )
+        return Path(intent.weights)
+    if state is not None and state.version == fleet_version and state.weights and has_checkpoint(state.weights):
+        return Path(state.weights)
+    own = weights_dir(out_dir, fleet_version)
+    return own if has_checkpoint(own) else None
 
 
 def say(message: str) -> None:
@@ -110,7 +198,8 @@ class ReferenceTrainer:
         state: TrainerState | None = None,
         log: Callable[[str], None] = say,
     ) -> None:
-        """``version``: the policy version the learner's weights are served at now (the fleet's)."""
+        """``version``: the fleet's policy version now. The learner's weights are the ones it serves, or,
+        where ``state`` has an intent, that intent's checkpoint (``ResumePoint``)."""
         self.learner = learner
         self.feed = feed
         self.fleet = fleet
@@ -120,13 +209,22 @@ class ReferenceTrainer:
         self.keep_weights = max(keep_weights, 1)
         self.log = log
         self.records: list[dict[str, Any]] = []
+        #: the last step recorded (the intent of a step under way is written over it, then replaces it)
+        self.state = replace(state) if state is not None else TrainerState(version)
         #: the groups the last update trained on (from state.json): acknowledged again, not retrained
         self._done = set(state.group_ids) if state is not None and state.version <= version else set()
         self._metrics = MetricsFile(out_dir / METRICS)
         self._since = time.monotonic()
+        self._restarted = state is not None
 
     async def run(self, steps: int | None = None) -> list[dict[str, Any]]:
-        """Train until ``steps`` updates are made (None: until the feed ends, or forever)."""
+        """Train until ``steps`` steps are recorded (None: until the feed ends, or forever); a step that a
+        restart finishes (``state.intent``) comes first and counts."""
+        if self._restarted:
+            self._restarted = False
+            await self._resume()
+        if steps is not None and len(self.records) >= steps:
+            return self.records
         pending: dict[int, dict[str, FeedEntry]] = defaultdict(dict)  # by entry id: a redelivery is one entry
         async for entry in self.feed:
             group = entry.group
@@ -145,6 +243,34 @@ class ReferenceTrainer:
                 if steps is not None and len(self.records) >= steps:
                     break
         return self.records
+
+    async def _resume(self) -> None:
+        """After a restart: finish the step state.json intended (its update made again when the fleet is still
+        at the version it trained at, else only recorded), or acknowledge the last recorded step's entries."""
+        intent = self.state.intent
+        if intent is None:
+            for entry_id in self.state.entry_ids:  # a kill between the record and the acknowledgement
+                await self.feed.ack(entry_id)
+            return
+        if self.version == intent.trained_version:
+            self.log(
+                f"step {intent.step}: trained before the restart, its update to version {intent.version} not made: "
+                f"updating the fleet with {intent.weights}"
+            )
+            started = time.monotonic()
+            update = await self.fleet.update(Path(intent.weights))
+            await self._record(intent, update, started, restarted=True)
+        elif self.version == intent.version:
+            self.log(
+                f"step {intent.step}: trained and put on the fleet (version {intent.version}) before the restart: "
+                "recording it"
+            )
+            await self._record(intent, None, time.monotonic(), restarted=True)
+        else:
+            raise ResumeConflict(
+                f"step {intent.step}'s update to version {intent.version} is under way but the fleet is at "
+                f"{self.version}"
+            )
 
     async def train_step(self, step: int, entries: list[FeedEntry]) -> dict[str, Any]:
         entries = sorted(entries, key=lambda e: e.group.sample_index)
@@ -165,20 +291,14 @@ class ReferenceTrainer:
         target = weights_dir(self.out_dir, self.version + 1)
         await asyncio.to_thread(self.learner.save, target)
         saved_at = time.monotonic()
-        update = await self.fleet.update(target)
-        if update.version != self.version + 1:
-            self.log(f"the fleet was at version {update.previous}, not {self.version}: someone else moved it")
-        if update.paused_failed:
-            self.log(f"{len(update.paused_failed)} engine(s) did not pause (left out until re-admitted)")
-        trained_version, self.version = self.version, update.version
-        TrainerState(self.version, str(target), step, [g.group_id for g in groups]).save(self.out_dir / STATE)
-        record = {
+        group_ids = [g.group_id for g in groups]
+        record: dict[str, Any] = {
             "step": step,
             "time": time.time(),
-            "trained_version": trained_version,
-            "version": self.version,
+            "trained_version": self.version,
+            "version": self.version + 1,
             "groups": len(groups),
-            "group_ids": [g.group_id for g in groups],
+            "group_ids": group_ids,
             "stale_groups": sum(g.stale for g in groups),
             "rollouts": len(rollouts),
             "sequences": sum(len(r.sequences) for r in rollouts),
@@ -188,38 +308,87 @@ class ReferenceTrainer:
             "mismatch": report.as_dict(),
             "metrics": result.metrics,
             "weights": str(target),
-            "engines_reloaded": update.reloaded,
-            "timing": {
-                "wait_s": waited,
-                "train_s": trained_at - started,
-                "save_s": saved_at - trained_at,
-                "pause_s": update.pause_s,
-                "reload_s": update.reload_s,
-                "resume_s": update.resume_s,
-                "step_s": time.monotonic() - started,
-            },
+            "engines_reloaded": [],
+            "timing": {"wait_s": waited, "train_s": trained_at - started, "save_s": saved_at - trained_at},
         }
-        await asyncio.to_thread(self._write, record, report)
-        for entry in entries:
-            await self.feed.ack(entry)
-        self._done = {g.group_id for g in groups}
-        self.records.append(record)
-        await asyncio.to_thread(self._prune)
+        intent = StepIntent(
+            step=step,
+            trained_version=self.version,
+            version=self.version + 1,
+            weights=str(target),
+            group_ids=group_ids,
+            entry_ids=[entry.id for entry in entries],
+            record=record,
+        )
+        await asyncio.to_thread(self._save_state, replace(self.state, intent=intent))  # before the fleet moves
+        update = await self.fleet.update(target)
+        record = await self._record(intent, update, started, report)
         current = report.current
         self.log(
-            f"step {step}: mismatch on version {trained_version}: max |Δ| {current.max_abs:.3g}, mean "
+            f"step {step}: mismatch on version {intent.trained_version}: max |Δ| {current.max_abs:.3g}, mean "
             f"{current.mean_abs:.3g}, k3 {current.k3:.3g} over {current.tokens} token(s), {current.over} over "
             f"{self.threshold:g}; {report.other_version.tokens} token(s) of other versions; loss "
             f"{result.metrics.get('loss', float('nan')):.4f}; trained in {trained_at - started:.1f}s, fleet at "
             f"version {self.version} after {update.paused_s:.1f}s paused"
         )
+        return record
+
+    async def _record(
+        self,
+        intent: StepIntent,
+        update: FleetUpdate | None,
+        started: float,
+        report: MismatchReport | None = None,
+        *,
+        restarted: bool = False,
+    ) -> dict[str, Any]:
+        """The step's line, metrics and plot, then state.json without the intent, then the acknowledgements.
+        ``update``: None when a restart found it made (its timings are then unknown: null); ``restarted``: a
+        restart finishes the step (its line may be written already)."""
+        record = {**intent.record, "timing": dict(intent.record["timing"])}
+        timing = record["timing"]
+        if update is not None:
+            if update.version != intent.version:
+                self.log(
+                    f"the fleet was at version {update.previous}, not {intent.trained_version}: someone else moved it"
+                )
+            if update.paused_failed:
+                self.log(f"{len(update.paused_failed)} engine(s) did not pause (left out until re-admitted)")
+            record["version"], record["engines_reloaded"] = update.version, update.reloaded
+            timing.update(pause_s=update.pause_s, reload_s=update.reload_s, resume_s=update.resume_s)
+        else:
+            record["engines_reloaded"] = None
+            timing.update(pause_s=None, reload_s=None, resume_s=None)
+        timing["step_s"] = time.monotonic() - started if update is not None else None
+        if restarted:
+            record["finished_after_restart"] = True
+        self.version = record["version"]
+        if report is None:
+            report = MismatchReport.from_dict(record["mismatch"])
+        await asyncio.to_thread(self._write, record, report, restarted)
+        committed = TrainerState(self.version, intent.weights, intent.step, intent.group_ids, intent.entry_ids)
+        await asyncio.to_thread(self._save_state, committed)
+        for entry_id in intent.entry_ids:
+            await self.feed.ack(entry_id)
+        self._done = set(intent.group_ids)
+        self.records.append(record)
+        await asyncio.to_thread(self._prune)
         self._since = time.monotonic()
         return record
 
-    def _write(self, record: dict[str, Any], report: Any) -> None:
+    def _save_state(self, state: TrainerState) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        with (self.out_dir / STEP_LOG).open("a") as log:
-            log.write(json.dumps(record) + "\n")
+        state.save(self.out_dir / STATE)
+        self.state = state
+
+    def _write(self, record: dict[str, Any], report: MismatchReport, restarted: bool) -> None:
+        """``restarted``: the step's line may be there already (a kill between it and state.json), or cut
+        short (a kill inside the write): written once, whole."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.out_dir / STEP_LOG
+        if not restarted or not _logged(log_path, record):
+            with log_path.open("a") as log:
+                log.write(json.dumps(record) + "\n")
         numbers = {f"reward_{k}": v for k, v in record["reward"].items()}
         numbers.update({k: float(v) for k, v in record["metrics"].items()})
         self._metrics.write(record["step"], self.version, report, numbers)
@@ -229,13 +398,37 @@ class ReferenceTrainer:
             self.log(f"could not draw {PLOT_NAME}: {exc!r}")
 
     def _prune(self) -> None:
-        """Keep the newest ``keep_weights`` checkpoints (the one the fleet serves among them)."""
+        """Keep the newest ``keep_weights`` checkpoints (each with its optimizer state), never the one the fleet
+        serves; remove what a save killed half-way left (its staging directory)."""
         root = self.out_dir / WEIGHTS
         if not root.is_dir():
             return
+        for staging in root.glob(".v*"):
+            shutil.rmtree(staging, ignore_errors=True)
         kept = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("v")), reverse=True)
+        served = Path(self.state.weights) if self.state.weights else None  # the last step recorded made it
         for old in kept[self.keep_weights :]:
-            shutil.rmtree(old, ignore_errors=True)
+            if served is None or old.resolve() != served.resolve():
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _logged(log_path: Path, record: dict[str, Any]) -> bool:
+    """Whether the step log's last line is ``record``'s step (same step, groups and weights); a last line cut
+    short by a kill is removed."""
+    try:
+        text = log_path.read_bytes()
+    except FileNotFoundError:
+        return False
+    if text and not text.endswith(b"\n"):
+        whole = text.rfind(b"\n") + 1
+        with log_path.open("r+b") as log:
+            log.truncate(whole)
+        text = text[:whole]
+    lines = text.splitlines()
+    if not lines:
+        return False
+    last = json.loads(lines[-1])
+    return all(last.get(key) == record[key] for key in ("step", "group_ids", "weights"))
 
 
 def _spread(values: np.ndarray) -> dict[str, float]:

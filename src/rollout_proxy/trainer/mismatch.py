@@ -127,6 +127,22 @@ class MismatchReport:
             "worst": [{**asdict(token), "delta": token.delta} for token in self.worst],
         }
 
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> MismatchReport:
+        """The report ``as_dict`` gave (a step's line in steps.jsonl, or state.json's intent)."""
+        return cls(
+            threshold=fields["threshold"],
+            trainer_version=fields["trainer_version"],
+            current=MismatchStats(**fields["current"]),
+            other_version=MismatchStats(**fields["other_version"]),
+            unversioned=fields["unversioned"],
+            by_version={int(version): MismatchStats(**stats) for version, stats in fields["by_version"].items()},
+            worst=[
+                WorstToken(**{name: value for name, value in token.items() if name != "delta"})
+                for token in fields["worst"]
+            ],
+        )
+
 
 def mismatch_report(scored: Iterable[ScoredSequence], *, trainer_version: int, threshold: float) -> MismatchReport:
     """The report over every trained token of a step."""
