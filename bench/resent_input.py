@@ -1,7 +1,9 @@
 """The proxy's CPU per turn of a Codex-shaped conversation, turn 100 against turn 2: Responses, chat and the
-Messages API side by side.
+Messages API side by side, alone and interleaved with a subagent and side calls, against this tree and
+(``--baseline``) another checkout.
 
-    python -m bench.resent_input [--turns 100] [--sessions 8] [--rounds 3] [--out out/bench]
+    python -m bench.resent_input [--turns 100] [--sessions 8] [--rounds 3] [--apis responses,chat,messages]
+                                 [--cases main,interleaved] [--baseline CHECKOUT] [--out out/bench]
 
 Codex CLI resends its whole history on every turn (``store: false``, no ``previous_response_id``): at its
 first turn ~27 KB of JSON, a 17.7k-character developer prompt and a second developer message, its
@@ -12,14 +14,24 @@ does: each turn echoes the answer's output items back and adds the next input (h
 the engine double's ``fixed`` reply is text). The same conversation as Chat Completions (the developer
 messages, the tools in chat form, streamed) and as Claude Code sends the Messages API (the developer
 prompt as system blocks, the tools with ``input_schema``, the newest message's ``cache_control`` mark
-moving each turn, streamed) run beside it. ``--sessions`` sessions take turn k
-together (lock step) against one ``rollout-proxy serve`` process (memory store) in front of the engine
-double (``load_tests.engine``, 0 ms); each turn's CPU is the proxy process's, read from the scheduler's
-nanosecond counters (``bench.harness.cpu_seconds``), per session, the median over ``--rounds``
-rounds (the two APIs alternate round by round). Reported per API: the CPU per turn over turns 2-6 and
-over the last five, their ratio, and the least-squares line through every turn read at turn 2 and at
-the last (the goal: turn 100 at most 1.2x turn 2). Writes ``resent_input.json`` under ``--out``. A
-benchmark, not a test.
+moving each turn, streamed) run beside it.
+
+Two cases: ``main``, the conversation alone; ``interleaved``, as a harness's session sends it: after each
+main turn a subagent's turn (another system prompt and task, the same tools; a new subagent every
+``SUBAGENT_TURNS`` turns) and a side call (a title request on Responses and chat, a ``count_tokens`` on the
+Messages API; new text each time), so a session sends far more lists than the proxy keeps for it. Only the
+main turns are measured.
+
+``--sessions`` sessions take turn k together (lock step) against one ``rollout-proxy serve`` process
+(memory store) in front of the engine double (``load_tests.engine``, 0 ms); each turn's CPU is the proxy
+process's, read from the scheduler's nanosecond counters (``bench.harness.cpu_seconds``), per session, the
+median over ``--rounds`` rounds. ``--baseline CHECKOUT`` starts a second proxy from another checkout
+(``git worktree add /tmp/rp-main main``: its ``src`` first on ``PYTHONPATH``, the same interpreter and
+engine) and runs every case against both; each round runs every (proxy, API, case) once, in an order
+rotated round by round (``bench.harness.rotated``). Reported per run: the CPU per turn over turns 2-6 and
+over the last five, their ratio, and the least-squares line through every turn read at turn 2 and at the
+last (the goal: turn 100 at most 1.2x turn 2). Writes ``resent_input.json`` under ``--out``. A benchmark,
+not a test.
 """
 
 from __future__ import annotations
@@ -28,7 +40,9 @@ import argparse
 import asyncio
 import copy
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -37,12 +51,35 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.harness import OUT, ROOT, Services, cpu_line, cpu_seconds, free_port, rotated, start_engine, write_report
+from bench.harness import (
+    OUT,
+    ROOT,
+    Services,
+    child_env,
+    cpu_line,
+    cpu_seconds,
+    free_port,
+    markdown_table,
+    rotated,
+    start_engine,
+    write_report,
+)
 
 ADMIN_KEY = "bench-admin-key"
 
 FIXTURE = ROOT / "tests" / "fixtures" / "harnesses" / "codex-0.171.0" / "responses-turn1-stock-config.json"
 TEMPLATE = ROOT / "devtools" / "templates" / "qwen3_style.jinja"
+
+APIS = ("responses", "chat", "messages")
+CASES = ("main", "interleaved")
+#: main turns each subagent lives; then the next one starts (a new conversation)
+SUBAGENT_TURNS = 10
+SUBAGENT_PROMPT = (
+    "You are a file-search subagent of a coding agent. Find where the code the task names lives: search the "
+    "repository with the tools you have, read only what you need, and answer with the paths and one line on "
+    "each. Do not edit files. Do not run the tests. Stop as soon as you can answer.\n"
+) * 8
+TITLE_PROMPT = "Write a title of 3 to 7 words for the conversation the user's message starts. Answer with it alone."
 
 
 def codex_first_body() -> dict[str, Any]:
@@ -72,17 +109,23 @@ def anthropic_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-class Conversation:
-    """One session's Codex-shaped conversation, sent as Responses input items, as chat messages, or as the
-    Messages API's messages the way Claude Code sends them (the system in blocks with a cache mark, the
-    newest message's last block marked too, so every turn's body differs from the last one's there)."""
+def text_item(role: str, text: str) -> dict[str, Any]:
+    kind = "output_text" if role == "assistant" else "input_text"
+    return {"type": "message", "role": role, "content": [{"type": kind, "text": text}]}
 
-    def __init__(self, api: str, index: int, token: str, base: str) -> None:
+
+class Conversation:
+    """One conversation of a session (Codex's main one, or a subagent's: ``items`` given), sent as Responses
+    input items, as chat messages, or as the Messages API's messages the way Claude Code sends them (the
+    system in blocks with a cache mark, the newest message's last block marked too, so every turn's body
+    differs from the last one's there)."""
+
+    def __init__(self, api: str, index: int, token: str, base: str, items: list[dict[str, Any]] | None = None) -> None:
         first = codex_first_body()
         first["prompt_cache_key"] = f"bench-{index}"
-        self.api, self.token, self.base = api, token, base
+        self.api, self.index, self.token, self.base = api, index, token, base
         self.body = first
-        self.input: list[dict[str, Any]] = copy.deepcopy(first["input"])
+        self.input: list[dict[str, Any]] = copy.deepcopy(first["input"] if items is None else items)
         self.input[-1]["content"][0]["text"] = f"[session {index}] " + self.input[-1]["content"][0]["text"]
         self.messages = [as_message(item) for item in self.input]
         self.tools = chat_tools(first["tools"])
@@ -94,6 +137,11 @@ class Conversation:
             if message["role"] == "user"
         ]
         self.anthropic_tools = anthropic_tools(first["tools"])
+
+    def subagent(self, task: str) -> Conversation:
+        """A subagent of this session: its own system prompt and task, the same tools."""
+        items = [text_item("developer", SUBAGENT_PROMPT), text_item("user", task)]
+        return Conversation(self.api, self.index, self.token, self.base, items)
 
     def request(self) -> tuple[str, bytes]:
         if self.api == "responses":
@@ -114,13 +162,25 @@ class Conversation:
         body = {"model": "policy", "messages": self.messages, "tools": self.tools, "stream": True}
         return f"{self.base}/v1/chat/completions", orjson.dumps(body)
 
+    def side_call(self, text: str) -> tuple[str, bytes]:
+        """A harness's call beside the conversation, a new list each time: a title request (Responses, chat),
+        a ``count_tokens`` (the Messages API)."""
+        if self.api == "responses":
+            body = {"model": "policy", "input": [text_item("developer", TITLE_PROMPT), text_item("user", text)]}
+            return f"{self.base}/v1/responses", orjson.dumps({**body, "store": False})
+        if self.api == "messages":
+            body = {"model": "policy", "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+            return f"{self.base}/v1/messages/count_tokens", orjson.dumps(body)
+        messages = [{"role": "system", "content": TITLE_PROMPT}, {"role": "user", "content": text}]
+        return f"{self.base}/v1/chat/completions", orjson.dumps({"model": "policy", "messages": messages})
+
     def answered(self, events: list[dict[str, Any]], k: int) -> None:
         """The answer echoed back as its client would, then the next user turn."""
         user = f"Turn {k}: go on."
         if self.api == "responses":
             completed = next(event for event in events if event.get("type") == "response.completed")
             self.input += completed["response"]["output"]
-            self.input.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": user}]})
+            self.input.append(text_item("user", user))
         elif self.api == "messages":
             text = "".join(
                 event["delta"].get("text") or ""
@@ -138,32 +198,58 @@ class Conversation:
             self.messages += [{"role": "assistant", "content": text}, {"role": "user", "content": user}]
 
 
-async def turn(http: aiohttp.ClientSession, conversation: Conversation, k: int) -> None:
-    url, body = conversation.request()
-    headers = {"Authorization": f"Bearer {conversation.token}", "Content-Type": "application/json"}
+async def post(http: aiohttp.ClientSession, token: str, url: str, body: bytes, what: str) -> bytes:
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
     async with http.post(url, data=body, headers=headers) as response:
         raw = await response.read()
         if response.status != 200:
-            raise SystemExit(f"{conversation.api} turn {k}: {response.status} {raw[:300]!r}")
+            raise SystemExit(f"{what}: {response.status} {raw[:300]!r}")
+    return raw
+
+
+async def turn(http: aiohttp.ClientSession, conversation: Conversation, k: int) -> None:
+    url, body = conversation.request()
+    raw = await post(http, conversation.token, url, body, f"{conversation.api} turn {k}")
     events = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
     conversation.answered(events, k)
 
 
+class Session:
+    """A session's main conversation, and (interleaved) its subagent and side calls between main turns."""
+
+    def __init__(self, main: Conversation, interleaved: bool) -> None:
+        self.main, self.interleaved = main, interleaved
+        self.subagent: Conversation | None = None
+
+    async def between(self, http: aiohttp.ClientSession, k: int) -> None:
+        """After main turn ``k``: the subagent's turn (a new subagent every ``SUBAGENT_TURNS``), a side call."""
+        if not self.interleaved:
+            return
+        if k % SUBAGENT_TURNS == 0:
+            self.subagent = self.main.subagent(f"Find the code that turn {k} of the task is about.")
+        assert self.subagent is not None
+        await turn(http, self.subagent, k)
+        url, body = self.main.side_call(f"[session {self.main.index}] Turn {k}: go on.")
+        await post(http, self.main.token, url, body, f"{self.main.api} side call {k}")
+
+
 async def lockstep(
-    http: aiohttp.ClientSession, base: str, pid: int, api: str, sessions: int, turns: int
+    http: aiohttp.ClientSession, base: str, pid: int, api: str, case: str, sessions: int, turns: int
 ) -> list[float]:
-    """Every session takes turn k together; the proxy's CPU seconds per session for each turn."""
-    conversations = []
+    """Every session takes main turn k together (then, interleaved, the calls between); the proxy's CPU
+    seconds per session for each main turn."""
+    running = []
     for index in range(sessions):
         body = {"generation": {"max_new_tokens": 16}}
         async with http.post(f"{base}/v1/sessions", json=body, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
             created = await r.json()
-        conversations.append(Conversation(api, index, created["api_key"], base))
+        running.append(Session(Conversation(api, index, created["api_key"], base), case == "interleaved"))
     cpu = []
     for k in range(turns):
         before = cpu_seconds(pid)
-        await asyncio.gather(*(turn(http, conversation, k) for conversation in conversations))
+        await asyncio.gather(*(turn(http, session.main, k) for session in running))
         cpu.append((cpu_seconds(pid) - before) / sessions)
+        await asyncio.gather(*(session.between(http, k) for session in running))
     return cpu
 
 
@@ -181,55 +267,122 @@ def summary(cpu: list[float]) -> dict[str, float]:
     }
 
 
+def revision(tree: Path) -> str:
+    """The tree's commit (short), ``+changes`` where its tracked files differ from it."""
+    git = ["git", "-C", str(tree)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return (commit or "unknown") + ("+changes" if dirty.stdout.strip() else "")
+
+
+def baseline_env(checkout: Path) -> dict[str, str]:
+    """The environment a proxy from ``checkout`` runs in: its ``src`` first, checked to be what imports."""
+    env = {**child_env(), "PYTHONPATH": os.pathsep.join([str(checkout / "src"), str(checkout)])}
+    where = subprocess.run(
+        [sys.executable, "-c", "import rollout_proxy; print(rollout_proxy.__file__)"],
+        env=env,
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not Path(where).resolve().is_relative_to((checkout / "src").resolve()):
+        raise SystemExit(f"--baseline {checkout}: rollout_proxy imports from {where or 'nowhere'}, not its src/")
+    return env
+
+
+def start_proxy(services: Services, name: str, engine_url: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(port), "--engine", engine_url]
+    argv += ["--admin-key", ADMIN_KEY, "--chat-template", str(TEMPLATE), "--log-level", "warning"]
+    argv += ["--log-format", "json", "--session-ttl", "3600"]
+    proxy = services.start(name, argv, env=env)
+    base = f"http://127.0.0.1:{port}"
+    services.wait_http(name, f"{base}/readyz")
+    return proxy.pid, base
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    trees = {"this": ROOT} | ({"baseline": args.baseline} if args.baseline else {})
+    envs = {name: None if name == "this" else baseline_env(tree) for name, tree in trees.items()}
+    revisions = {name: revision(tree) for name, tree in trees.items()}  # what each proxy starts from
+    targets = [(proxy, api, case) for proxy in trees for api in args.apis for case in args.cases]
+    cpu: dict[tuple[str, str, str], list[list[float]]] = {target: [] for target in targets}
     services = Services(Path(tempfile.mkdtemp(prefix="rp-bench-input-")))
     try:
         _, engine_url = start_engine(services, extra=["--chat-template", str(TEMPLATE)])
-        port = free_port()
-        argv = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(port), "--engine", engine_url]
-        argv += ["--admin-key", ADMIN_KEY, "--chat-template", str(TEMPLATE), "--log-level", "warning"]
-        argv += ["--log-format", "json", "--session-ttl", "3600"]
-        proxy = services.start("proxy", argv)
-        base = f"http://127.0.0.1:{port}"
-        services.wait_http("proxy", f"{base}/readyz")
-        by_api: dict[str, list[list[float]]] = {"responses": [], "chat": [], "messages": []}
+        started = {name: start_proxy(services, f"proxy-{name}", engine_url, env) for name, env in envs.items()}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-            for api in by_api:  # warm: tokenizer, local rendering decided, connections
-                await lockstep(http, base, proxy.pid, api, 2, 3)
+            for pid, base in started.values():  # warm: tokenizer, local rendering decided, connections
+                for api in args.apis:
+                    await lockstep(http, base, pid, api, "interleaved", 2, 3)
             for round_index in range(args.rounds):
-                for api in rotated(list(by_api), round_index):
-                    by_api[api].append(await lockstep(http, base, proxy.pid, api, args.sessions, args.turns))
-                    print(f"  round {round_index + 1}/{args.rounds}: {api} done", flush=True)
+                for target in rotated(targets, round_index):
+                    pid, base = started[target[0]]
+                    cpu[target].append(await lockstep(http, base, pid, *target[1:], args.sessions, args.turns))
+                    print(f"  round {round_index + 1}/{args.rounds}: {' '.join(target)} done", flush=True)
     finally:
         services.stop()
-    report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "apis": {}}
-    for api, rounds in by_api.items():
+    settings = {key: value for key, value in vars(args).items() if key not in ("out", "baseline")}
+    report: dict[str, Any] = {
+        "settings": settings,
+        "proxies": {name: {"revision": revisions[name]} for name in trees},
+        "runs": [],
+    }
+    for (proxy, api, case), rounds in cpu.items():
         median = [statistics.median(values) for values in zip(*rounds, strict=True)]
-        report["apis"][api] = {"cpu_per_turn": median, **summary(median)}
+        report["runs"].append({"proxy": proxy, "api": api, "case": case, "cpu_per_turn": median, **summary(median)})
     return report
 
 
 def table(report: dict[str, Any]) -> str:
     turns = report["settings"]["turns"]
-    lines = [
-        f"| API | CPU/turn, turns 2-6 | turns {turns - 4}-{turns} | ratio | line at 2 | line at {turns} | line ratio |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for api, data in report["apis"].items():
-        lines.append(
-            f"| {api} | {data['turn_2_ms']:.2f} ms | {data['last_ms']:.2f} ms | {data['ratio']:.2f}x | "
-            f"{data['line_turn_2_ms']:.2f} ms | {data['line_last_ms']:.2f} ms | {data['line_ratio']:.2f}x |"
+    header = ["API", "case", "proxy", "CPU/turn, turns 2-6", f"turns {turns - 4}-{turns}", "ratio"]
+    header += ["line at 2", f"line at {turns}", "line ratio"]
+    revisions = {name: proxy["revision"] for name, proxy in report["proxies"].items()}
+    rows = [
+        [
+            run["api"],
+            run["case"],
+            f"{run['proxy']} ({revisions[run['proxy']]})",
+            f"{run['turn_2_ms']:.2f} ms",
+            f"{run['last_ms']:.2f} ms",
+            f"{run['ratio']:.2f}x",
+            f"{run['line_turn_2_ms']:.2f} ms",
+            f"{run['line_last_ms']:.2f} ms",
+            f"{run['line_ratio']:.2f}x",
+        ]
+        for run in sorted(
+            report["runs"], key=lambda run: (APIS.index(run["api"]), CASES.index(run["case"]), run["proxy"] != "this")
         )
-    return "\n".join(lines)
+    ]
+    return markdown_table(header, rows)
+
+
+def names(allowed: tuple[str, ...]) -> Any:
+    def parse(value: str) -> list[str]:
+        chosen = [name for name in value.split(",") if name]
+        unknown = [name for name in chosen if name not in allowed]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated)")
+        return chosen
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--turns", type=int, default=100, help="turns per conversation (default 100)")
+    parser.add_argument("--turns", type=int, default=100, help="main turns per conversation (default 100)")
     parser.add_argument("--sessions", type=int, default=8, help="sessions in lock step (default 8)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per API, alternating (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each target once, rotated (default 3)")
+    parser.add_argument("--apis", type=names(APIS), default=list(APIS), help="default responses,chat,messages")
+    parser.add_argument("--cases", type=names(CASES), default=list(CASES), help="default main,interleaved")
+    parser.add_argument(
+        "--baseline", type=Path, help="another checkout (e.g. a git worktree of main), run side by side"
+    )
     parser.add_argument("--out", type=Path, default=OUT, help="where the JSON goes (default out/bench)")
     args = parser.parse_args(argv)
+    if args.turns < 7:
+        parser.error("--turns: at least 7 (turns 2-6 are the first five measured)")
     report = asyncio.run(run(args))
     write_report(args.out / "resent_input.json", report, "bench.resent_input", argv)
     print(table(report))

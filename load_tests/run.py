@@ -57,9 +57,10 @@ class Services:
         self.workdir = workdir
         self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """``argv`` with its output in the work directory's ``NAME.log``; ``env``: else ``child_env()``."""
         log = (self.workdir / f"{name}.log").open("wb")
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or child_env(), cwd=ROOT)
         self.processes.append((name, process))
         return process
 

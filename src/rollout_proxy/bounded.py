@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 K = TypeVar("K")
@@ -46,6 +47,10 @@ class BoundedCache(Generic[K, V]):
 
     def __contains__(self, key: K) -> bool:
         return key in self._entries
+
+    def values(self) -> Iterator[V]:
+        """The values held, least recently used first (nothing marked used)."""
+        return (entry.value for entry in self._entries.values())
 
     def get(self, key: K, *, until: float = 0.0) -> V | None:
         """The value, marked used now and kept at least ``until``; None if absent."""

@@ -7,6 +7,11 @@ middle (a fork), the Messages API's moving ``cache_control`` marks, and bodies r
 history (a bad last item, a string past the bound, a duplicate key, JSON that is no object). Every answer
 (status, the error's param and code, the assistant's text and token ids) and every stored node (its
 tokens, messages, fork) must be the same both ways.
+
+And the same with a harness's session interleaving its main conversation with a subagent's turns (another
+system prompt) and side calls (a title request, ``count_tokens``): the main conversation's memory is not
+evicted by them, so each of its turns takes in only the items it adds (the memories' counters of items
+taken in past the list they resend), and still answers and stores what taking every body whole does.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ async def pair(fake_engine: FakeEngine, template_name: str) -> AsyncIterator[dic
         yield {"reuse": reuse, "check": check}
 
 
+def fresh(proxy: ProxyHarness) -> int:
+    """Items the memories took in past the list they resend (checked, normalized or folded), both memories."""
+    return proxy.app[keys.KNOWN_MESSAGES].fresh_messages + proxy.app[keys.KNOWN_INPUTS].fresh_items
+
+
 async def send(proxy: ProxyHarness, token: str, path: str, body: Any, *, spaced: bool = False) -> tuple[int, Any]:
     data = orjson.dumps(body, option=orjson.OPT_INDENT_2 if spaced else 0) if not isinstance(body, bytes) else body
     headers = {"x-api-key": token, "anthropic-version": "2023-06-01"} if "messages" in path else None
@@ -55,6 +65,8 @@ def summary(status: int, answer: Any) -> Any:
         return status, answer["choices"][0]["message"], answer["choices"][0]["token_ids"]
     if "output" in answer:
         return status, [item.get("content") or item.get("arguments") for item in answer["output"]]
+    if "input_tokens" in answer:
+        return status, answer["input_tokens"]
     return status, answer.get("content"), answer.get("stop_reason")
 
 
@@ -67,7 +79,8 @@ async def stored(proxy: ProxyHarness, session_id: str) -> list[Any]:
 
 
 async def run_both(pair: dict[str, ProxyHarness], script) -> None:
-    """``script(proxy, token)`` yields (path, body, spaced); both proxies answer alike and store alike."""
+    """``script()`` yields (path, body, spaced) or (path, body, spaced, fresh): both proxies answer alike and
+    store alike, and where ``fresh`` is given the reusing proxy took in just that many items of the body."""
     seen: dict[str, list[Any]] = {}
     for way, proxy in pair.items():
         status, session = await proxy.request(
@@ -75,10 +88,15 @@ async def run_both(pair: dict[str, ProxyHarness], script) -> None:
         )
         assert status == 201, session
         answers = []
-        async for path, body, spaced in script():
+        async for path, body, spaced, *expected in script():
+            before = fresh(proxy)
             status, answer = await send(proxy, session["api_key"], path, body, spaced=spaced)
             answers.append(summary(status, answer))
+            if way == "reuse" and expected:
+                assert (status, fresh(proxy) - before) == (200, expected[0]), (path, len(answers), answer)
             script.last = answer  # the script builds the next turn on this answer
+        if way == "check":
+            assert fresh(proxy) == 0  # nothing reused, nothing counted
         seen[way] = [answers, await stored(proxy, session["session_id"])]
     assert seen["reuse"] == seen["check"]
     assert any(entry[0] == 200 for entry in seen["reuse"][0]) and any(entry[0] == 400 for entry in seen["reuse"][0])
@@ -139,8 +157,123 @@ class MessagesScript:
         )
 
 
+#: main turns: with a side call after each, the session sends more lists than it keeps (8)
+MAIN_TURNS = 9
+
+
+class InterleavedChatScript:
+    """A main conversation, a subagent started at its second turn (another system prompt) taking a turn after
+    each of the main's, and a side call (a title request, new each time) after each: as a harness sends them."""
+
+    last: Any = None
+
+    async def __call__(self):
+        main = [{"role": "system", "content": "You are the main agent."}, {"role": "user", "content": "Fix it."}]
+        subagent: list[dict[str, Any]] = []
+        for turn in range(MAIN_TURNS):
+            yield "/v1/chat/completions", {"model": "m", "messages": main}, turn == 3, 2  # only what it adds
+            main = [*main, self.last["choices"][0]["message"], {"role": "user", "content": f"Go on {turn}."}]
+            if turn >= 1:
+                subagent = subagent or [
+                    {"role": "system", "content": "You are a search subagent."},
+                    {"role": "user", "content": "Find the file."},
+                ]
+                yield "/v1/chat/completions", {"model": "m", "messages": subagent}, False, 2
+                subagent = [*subagent, self.last["choices"][0]["message"], {"role": "user", "content": f"More {turn}."}]
+            title = [{"role": "system", "content": "Write a title."}, {"role": "user", "content": f"Fix it, {turn}."}]
+            yield "/v1/chat/completions", {"model": "m", "messages": title}, False, 2
+        bad = [*main[:-1], {"role": "tool", "content": "no id"}]  # refused after a resent history
+        yield "/v1/chat/completions", {"model": "m", "messages": bad}, False
+
+
+class InterleavedResponsesScript:
+    """The same over Responses, resent whole as Codex sends it (``store: false``)."""
+
+    last: Any = None
+
+    async def __call__(self):
+        main: list[dict[str, Any]] = [
+            {"role": "developer", "content": "You are the main agent."},
+            {"role": "user", "content": "Fix it."},
+        ]
+        subagent: list[dict[str, Any]] = []
+        added, added_to_subagent = len(main), 2
+        for turn in range(MAIN_TURNS):
+            yield "/v1/responses", {"model": "m", "input": main, "store": False}, turn == 3, added
+            output = self.last["output"]
+            main = [*main, *output, {"role": "user", "content": f"Go on {turn}."}]
+            added = len(output) + 1
+            if turn >= 1:
+                subagent = subagent or [
+                    {"role": "developer", "content": "You are a search subagent."},
+                    {"role": "user", "content": "Find the file."},
+                ]
+                yield "/v1/responses", {"model": "m", "input": subagent, "store": False}, False, added_to_subagent
+                output = self.last["output"]
+                subagent = [*subagent, *output, {"role": "user", "content": f"More {turn}."}]
+                added_to_subagent = len(output) + 1
+            title = [
+                {"role": "developer", "content": "Write a title."},
+                {"role": "user", "content": f"Fix it, {turn}."},
+            ]
+            yield "/v1/responses", {"model": "m", "input": title, "store": False}, False, 2
+        yield "/v1/responses", {"model": "m", "input": [*main, {"type": "image", "url": "x"}], "store": False}, False
+
+
+def marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """As Claude Code sends its messages: a ``cache_control`` mark on the newest one's last block."""
+    copied = copy.deepcopy(messages)
+    copied[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+    return copied
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "text", "text": text}]}
+
+
+class InterleavedMessagesScript:
+    """The same over the Messages API as Claude Code sends it: the cache mark moving to the newest message
+    (so a turn takes in again the message that lost it), a subagent with another system prompt, and side
+    calls: a ``count_tokens`` of new text, and a title request resending the main's first message under
+    another system prompt."""
+
+    last: Any = None
+
+    async def __call__(self):
+        system = [{"type": "text", "text": "You are the main agent.", "cache_control": {"type": "ephemeral"}}]
+        main, subagent = [user("Fix it.")], [user("Find the file.")]
+        sub_system = [{"type": "text", "text": "You are a search subagent."}]
+        for turn in range(MAIN_TURNS):
+            body = {"model": "m", "max_tokens": 24, "system": system, "messages": marked(main)}
+            yield "/v1/messages", body, turn == 3, 1 if turn == 0 else 3  # the new two, and the one unmarked
+            main = [*main, {"role": "assistant", "content": self.last["content"]}, user(f"Go on {turn}.")]
+            if turn >= 1:
+                body = {"model": "m", "max_tokens": 24, "system": sub_system, "messages": marked(subagent)}
+                yield "/v1/messages", body, False, 1 if turn == 1 else 3
+                subagent = [*subagent, {"role": "assistant", "content": self.last["content"]}, user(f"More {turn}.")]
+            if turn % 2:
+                title = {"model": "m", "max_tokens": 24, "system": "Write a title.", "messages": main[:1]}
+                yield "/v1/messages", title, False, 1 if turn == 1 else 0  # the same request again: all reused
+            else:
+                count = {"model": "m", "messages": [user(f"Count {turn}.")]}
+                yield "/v1/messages/count_tokens", count, False, 1
+        bad = {"model": "m", "max_tokens": 24, "system": system, "messages": [*main, user("x" * (4 * 1024 * 1024 + 1))]}
+        yield "/v1/messages", bad, False
+
+
 @pytest.mark.parametrize("script", [ChatScript, ResponsesScript, MessagesScript], ids=["chat", "responses", "messages"])
 async def test_reusing_a_resent_history_gives_what_taking_it_whole_gives(pair, script):
+    await run_both(pair, script())
+
+
+@pytest.mark.parametrize(
+    "script",
+    [InterleavedChatScript, InterleavedResponsesScript, InterleavedMessagesScript],
+    ids=["chat", "responses", "messages"],
+)
+async def test_a_subagent_and_side_calls_leave_the_main_conversation_its_memory(pair, script):
+    """Each main turn takes in only what it adds, however many subagent turns and side calls came between,
+    and the answers and nodes are those of taking every body whole."""
     await run_both(pair, script())
 
 

@@ -101,6 +101,30 @@ def test_sessions_are_bounded():
     assert len(known) == 2 and known.last("responses", "a") is None and known.last("responses", "c") is not None
 
 
+def test_a_list_resending_only_the_start_of_the_main_one_is_kept_beside_it():
+    """A side call that resends the main conversation's developer prompt and asks something else shares its
+    start, and is shorter: kept beside the main list, which the main's next turn goes on from."""
+    known = KnownInputs()
+    folded(known, FIRST)
+    side = [*FIRST[:1], {"role": "user", "content": "Write a title for this task."}]
+    to_check, result = folded(known, side)
+    assert to_check == (1,) and result == whole(side)
+    fresh = known.fresh_items
+    to_check, second = folded(known, SECOND)
+    assert to_check == tuple(range(len(FIRST), len(SECOND))) and second == whole(SECOND)
+    assert known.fresh_items - fresh == len(SECOND) - len(FIRST) and len(known) == 2
+
+
+def test_a_session_keeps_its_last_lists_and_forgets_them_all_at_its_finish():
+    known = KnownInputs()
+    for name in ("first", "second", "third"):
+        folded(known, [{"role": "developer", "content": f"You are the {name} agent."}, *FIRST[1:]])
+    folded(known, FIRST, session_id="other")
+    assert len(known) == 4 and len(known.lists("responses", "s")) == 3
+    known.forget("s")
+    assert len(known) == 1 and known.lists("responses", "s") == ()
+
+
 CLAUDE_SYSTEM = [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]
 
 
@@ -136,6 +160,26 @@ def test_messages_whose_cache_marks_moved_are_folded_from_the_first_changed_one(
     expected = conversation(CLAUDE_SYSTEM, third)
     assert fold.messages == expected.messages and fold.signed == expected.signed
     assert message_keys == [canonical_key(message) for message in expected.messages]
+
+
+def test_a_side_call_under_another_system_prompt_leaves_the_main_conversation_its_fold():
+    """Claude Code's summary request resends the conversation under its own system prompt, and adds to it:
+    its items are not checked again, but it is folded whole (another ``system``), and it is kept beside the
+    main conversation, whose next turn is folded from the main's own fold."""
+    known = KnownInputs()
+    first, second, third = claude_turns()
+    messages_folded(known, first)
+    messages_folded(known, second)
+    summary = [*copy.deepcopy(second), {"role": "user", "content": [{"type": "text", "text": "Summarize."}]}]
+    del summary[-2]["content"][-1]["cache_control"]
+    summarizer = [{"type": "text", "text": "You summarize conversations."}]
+    to_check, fold, _ = messages_folded(known, summary, system=summarizer)
+    assert to_check == (2, 3) and fold.messages == conversation(summarizer, summary).messages
+    resent, fresh = known.resent, known.fresh_items
+    to_check, fold, _ = messages_folded(known, third)
+    assert to_check == (3, 4)  # the summary's unmarked third message is byte for byte this one's
+    assert known.resent == resent + 1 and known.fresh_items - fresh == 3  # folded on from the main's two
+    assert fold.messages == conversation(CLAUDE_SYSTEM, third).messages
 
 
 def test_another_system_prompt_folds_the_messages_whole():

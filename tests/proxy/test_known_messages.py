@@ -134,6 +134,24 @@ def test_the_memories_are_bounded():
     assert known.last("0") is None and known.last("4") is not None
 
 
+def test_of_the_conversations_a_body_resends_the_longest_is_reused():
+    """A session keeps a few conversations; a body that resends two of them (one went on with the other, then
+    its start was sent again) goes on from the longer, parsed and checked only past it."""
+    known = KnownMessages()
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(6)]
+    intake_of(known, history[:4])
+    intake_of(known, history[:2])  # resends the start of the first only: kept beside it
+    assert len(known.conversations("s")) == 2 and known.fresh_messages == 6
+    intake = MessageIntake(known)
+    payload = intake.load(orjson.dumps({"model": "m", "messages": history}), session_id="s")
+    assert intake.look_up(payload["messages"], session_id="s") == (4, 5)
+    normalized, hashes = intake.normalize_and_hash(payload["messages"])
+    assert known.resent_bodies == 1 and known.fresh_messages == 6 + 2
+    assert normalized == normalize_messages(history) and list(hashes) == path_hashes(normalized)
+    # it took the place of the conversation it went on with; the shorter one stays beside it
+    assert [conversation.count for conversation in known.conversations("s")] == [6, 2]
+
+
 HISTORY = [{"role": "user", "content": "Count with me, é."}, {"role": "assistant", "content": 'One, "two".'}]
 RESENT = b'"messages":' + orjson.dumps(HISTORY)[:-1]
 #: around the resent history: what comes before the key, right after the history, and then to the end

@@ -4,12 +4,13 @@ Checking a message (the JSON limits, its exact shape, its normal form and the ke
 by) costs the same on every turn that resends it, so turn 100 of an agent would cost 100 times
 turn 1's checks. Two memories spare that, both bounded in entries and bytes (least recently used
 out first) and per session (``bounded.BoundedCache``: what only expired sessions used goes, and a
-session's conversation goes when it finishes; docs/operations/memory.md):
+session's conversations go when it finishes; docs/operations/memory.md):
 
-- per session, the last conversation it sent, with its normal forms and path hashes: a turn that
-  resends that history (its JSON byte for byte, as orjson writes it: one C call and one compare, so
-  ``1`` and ``1.0`` and ``true`` never pass for each other) reuses all of it and works only on what
-  it adds;
+- per session, the last few conversations it sent (``session_conversations``: a harness's main
+  conversation, its subagents and side calls interleave), with their normal forms and path hashes: a
+  turn that resends one of those histories (its JSON byte for byte, as orjson writes it: one C call and
+  one compare, so ``1`` and ``1.0`` and ``true`` never pass for each other; the longest such one) reuses
+  all of it and works only on what it adds;
 - per message, by its JSON as sent (orjson bytes), the normal form and canonical key of every
   message that passed: a message seen before in any session (a group's shared prompt, a history
   rewritten past its start, another worker's earlier turns) is not checked again.
@@ -18,9 +19,9 @@ Each check is about one message alone (its shape, its strings, its depth at ``me
 message that passed once passes anywhere in a list. A miss is only slower.
 
 The body is not parsed whole again either (``MessageIntake.load``): where its ``"messages":`` goes
-on with the session's last conversation byte for byte (as the openai SDK sends it: compact JSON, as
-orjson writes it), only what is around that is parsed, the messages in it being those parsed last
-time. Parsing a 100-turn history was the largest cost that grew with the conversation.
+on with one of the session's conversations byte for byte (as the openai SDK sends it: compact JSON, as
+orjson writes it), only what is around that is parsed, the messages in it being those parsed for
+that conversation. Parsing a 100-turn history was the largest cost that grew with the conversation.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import orjson
 
 from rollout_proxy.bounded import BoundedCache
 from rollout_proxy.proxy.limits import load_json_object
+from rollout_proxy.proxy.session_conversations import SessionConversations
 from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, extend_path_hash_by_key
 from rollout_proxy.wire.json_bytes import right_sized, value_at
 from rollout_proxy.wire.messages import normalize_message
@@ -39,7 +41,7 @@ from rollout_proxy.wire.messages import normalize_message
 #: the message memo: messages (of any session) that passed, by their JSON as sent
 MAX_ENTRIES = 100_000
 MAX_BYTES = 32 * 1024 * 1024
-#: the last conversation of each session
+#: the last few conversations of each session (``session_conversations.PER_SESSION``)
 MAX_SESSIONS = 8_192
 MAX_CONVERSATION_BYTES = 128 * 1024 * 1024
 #: rolling path hashes, by (parent hash, message key): each about ``_CHAIN_SIZE`` bytes
@@ -55,7 +57,7 @@ class Known:
 
 @dataclass(frozen=True, slots=True)
 class Conversation:
-    """What a session sent last, checked: the messages as parsed, their normal forms and path hashes."""
+    """A conversation a session sent, checked: the messages as parsed, their normal forms and path hashes."""
 
     encoded: bytes  # the messages as orjson writes them
     count: int
@@ -74,7 +76,7 @@ class Conversation:
 class KnownMessages:
     """The app's memory of checked messages (one per process: each worker has its own).
 
-    Bounded in entries and bytes, and per session: a session's conversation is forgotten when it
+    Bounded in entries and bytes, and per session: a session's conversations are forgotten when it
     finishes (``forget``) and, like the messages and path hashes only its sessions sent, once the last
     session that sent it has expired (``expire``, on the app's timer). Every entry keeps the latest
     expiry of the sessions that used it."""
@@ -89,8 +91,8 @@ class KnownMessages:
         max_chain_bytes: int = MAX_CHAIN_BYTES,
     ) -> None:
         self._entries: BoundedCache[bytes, Known] = BoundedCache(max_entries=max_entries, max_bytes=max_bytes)
-        self._conversations: BoundedCache[str, Conversation] = BoundedCache(
-            max_entries=max_sessions, max_bytes=max_conversation_bytes
+        self._conversations: SessionConversations[str, Conversation] = SessionConversations(
+            max_sessions=max_sessions, max_bytes=max_conversation_bytes
         )
         # (parent path hash, key) -> path hash: the same string objects come back every turn, so a lookup
         # costs two cached hashes
@@ -98,7 +100,10 @@ class KnownMessages:
             max_entries=max_entries, max_bytes=max_chain_bytes
         )
         self.hits = self.misses = 0
-        self.resent_bodies = 0  # bodies parsed only past the session's last conversation (``MessageIntake.load``)
+        self.resent_bodies = 0  # bodies parsed only past a conversation of the session's (``MessageIntake.load``)
+        #: messages taken in past the conversation their list resends (normalized, or found in the memo): a
+        #: turn that goes on from a kept conversation adds only its new messages
+        self.fresh_messages = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -106,7 +111,7 @@ class KnownMessages:
     def held(self) -> dict[str, int]:
         """Entries and estimated bytes of each memory (what the memory docs and the soak benchmark report)."""
         return {
-            "conversations": len(self._conversations),
+            "conversations": self._conversations.count(),
             "conversation_bytes": self._conversations.bytes,
             "messages": len(self._entries),
             "message_bytes": self._entries.bytes,
@@ -129,16 +134,25 @@ class KnownMessages:
             self._chain.put((parent, key), found, size=_CHAIN_SIZE, until=until)
         return found
 
-    def last(self, session_id: str) -> Conversation | None:
-        return self._conversations.get(session_id)
+    def conversations(self, session_id: str) -> tuple[Conversation, ...]:
+        """The session's conversations, the one used last first."""
+        return self._conversations.of(session_id)
 
-    def remember(self, session_id: str, conversation: Conversation, *, until: float = 0.0) -> None:
-        """``conversation`` as the session's last, kept at most ``until`` (the session's expiry)."""
-        self._conversations.put(session_id, conversation, size=conversation.size, until=until)
+    def last(self, session_id: str) -> Conversation | None:
+        """The conversation the session sent last."""
+        kept = self._conversations.of(session_id)
+        return kept[0] if kept else None
+
+    def remember(
+        self, session_id: str, conversation: Conversation, *, resent: Conversation | None = None, until: float = 0.0
+    ) -> None:
+        """``conversation`` as the session's last, in the place of ``resent`` (the conversation it resends and
+        goes on with), else beside the others; kept at most ``until`` (the session's expiry)."""
+        self._conversations.keep(session_id, conversation, resent=resent, replace=True, until=until)
 
     def forget(self, session_id: str) -> None:
-        """The session's conversation, once it has finished (no turn will resend it)."""
-        self._conversations.pop(session_id)
+        """The session's conversations, once it has finished (no turn will resend them)."""
+        self._conversations.forget(session_id)
 
     def expire(self, now: float) -> int:
         """Drop what only sessions expired by ``now`` used; how many entries went."""
@@ -157,19 +171,18 @@ class MessageIntake:
         self._session_id: str | None = None
         self._until = 0.0  # the session's expiry: what this request remembers is kept no longer
         self._encoded: bytes | None = None
-        self._reused = 0  # leading messages equal to the session's last conversation's
+        self._reused = 0  # leading messages equal to the conversation they resend (``_last``)
         self._last: Conversation | None = None
         self._added_raw: list[bytes | None] = []  # the JSON of each message after the reused ones
         self._added_found: list[Known | None] = []  # ... and what the app knew of it
 
     def load(self, body: bytes, *, session_id: str | None = None) -> dict[str, Any]:
         """The body as a JSON object (``limits.load_json_object``), the history it resends not parsed again:
-        when its top-level ``"messages":`` goes on with the session's last conversation's JSON byte for byte
-        and then ``,`` or ``]``, those messages are the ones parsed last time (the same JSON parses to the
-        same values) and only the rest is parsed. Anything else is parsed whole, so a bad body is refused
-        in the same words."""
-        last = None if session_id is None else self._known.last(session_id)
-        if last is not None and last.count:
+        when its top-level ``"messages":`` goes on with one of the session's conversations' JSON byte for
+        byte (the longest) and then ``,`` or ``]``, those messages are the ones parsed then (the same JSON
+        parses to the same values) and only the rest is parsed. Anything else is parsed whole, so a bad body
+        is refused in the same words."""
+        for last in _longest_first(() if session_id is None else self._known.conversations(session_id)):
             payload = _after_resent(body, last)
             if payload is not None:
                 self._resent = (payload["messages"], last)
@@ -186,17 +199,22 @@ class MessageIntake:
         if type(messages) is not list:
             return None
         resent = self._resent
-        last: Conversation | None
-        if resent is not None and resent[0] is messages and resent[1] is self._known.last(session_id or ""):
-            last = self._last = resent[1]  # ``load`` matched its JSON already: no need to write it again
+        kept = () if session_id is None else self._known.conversations(session_id)
+        if resent is not None and resent[0] is messages and any(each is resent[1] for each in kept):
+            self._last = resent[1]  # ``load`` matched its JSON already: no need to write it again
             reused = resent[1].count
             self._added_raw = [_raw(message) for message in messages[reused:]]
-            self._encoded = _extended(last.encoded, self._added_raw)
+            self._encoded = _extended(resent[1].encoded, self._added_raw)
         else:
             encoded = _raw(messages)
             self._encoded = None if encoded is None else right_sized(encoded)  # it may be kept
-            last = self._last = None if session_id is None else self._known.last(session_id)
-            reused = 0 if last is None or self._encoded is None else _resent(self._encoded, len(messages), last)
+            self._last, reused = None, 0
+            if self._encoded is not None:
+                for last in _longest_first(kept):
+                    reused = _resent(self._encoded, len(messages), last)
+                    if reused:
+                        self._last = last
+                        break
             self._added_raw = [_raw(message) for message in messages[reused:]]
         self._session_id, self._reused, self._until = session_id, reused, expires_at
         get = self._known.get
@@ -213,6 +231,7 @@ class MessageIntake:
             self._added_found, self._added_raw = [None] * len(messages), [None] * len(messages)
             self._reused, self._last = 0, None
         reused, last = self._reused, self._last
+        self._known.fresh_messages += len(messages) - reused
         found_all: list[Known] = [] if last is None else last.known[:reused]
         normalized: list[dict[str, Any]] = [] if last is None else last.normalized[:reused]
         hashes = [] if last is None else last.hashes[:reused]
@@ -233,7 +252,7 @@ class MessageIntake:
             self._known.put(raw, found, until=until)
         if self._session_id is not None and self._encoded is not None:
             conversation = Conversation(self._encoded, len(messages), found_all, hashes, list(messages), normalized)
-            self._known.remember(self._session_id, conversation, until=until)
+            self._known.remember(self._session_id, conversation, resent=last, until=until)
         return list(normalized), tuple(hashes)
 
 
@@ -241,6 +260,12 @@ def _entry_size(raw: bytes, known: Known) -> int:
     """About what an entry keeps alive: its JSON (as sent), the normal form's strings (about as long) and
     dict, its key, and the objects around them."""
     return 2 * len(raw) + len(known.key) + 400
+
+
+def _longest_first(kept: tuple[Conversation, ...]) -> list[Conversation]:
+    """The conversations a list may resend, the longest first: of two that it resends (one goes on with
+    the other), the longer spares more."""
+    return sorted((each for each in kept if each.count), key=lambda each: len(each.encoded), reverse=True)
 
 
 def _resent(encoded: bytes, count: int, last: Conversation) -> int:

@@ -1,10 +1,11 @@
 """What the app keeps per session, dropped once the session has expired; and the freed memory given back.
 
-The app remembers, per session, its last conversation and the messages it sent
-(``known_messages``), its last Responses input (``known_input``), its verified token (``auth``) and its place in the open-session gauge
-(``metrics``); a finish drops the conversation at once, and a timer (``sweep_forever``, each
-``SWEEP_EVERY`` seconds) drops what only expired sessions used, with or without traffic. The
-stores drop the sessions themselves (the memory store on its own timer, Redis by key expiry).
+The app remembers, per session, its last few conversations and the messages it sent
+(``known_messages``), its last few Responses inputs and Messages API lists (``known_input``), its verified
+token (``auth``) and its place in the open-session gauge (``metrics``); a finish drops the conversations
+at once, and a timer (``sweep_forever``, each ``SWEEP_EVERY`` seconds) drops what only expired sessions
+used, with or without traffic. The stores drop the sessions themselves (the memory store on its own
+timer, Redis by key expiry).
 
 Freed memory stays in the process: glibc keeps the chunks in its heaps for the next allocations
 (under a steady load that is what keeps RSS flat), so RSS does not fall when a load stops. Once
