@@ -14,6 +14,7 @@ from rollout_proxy.core.streaming import StreamEvent, TurnStreamer
 from rollout_proxy.core.tree import Placement, ResponseTree, place_sample
 from rollout_proxy.core.turns import TurnResult, TurnRunner
 from rollout_proxy.records import SessionRecord
+from rollout_proxy.state.store import SessionLease
 
 
 class ChatService:
@@ -30,12 +31,19 @@ class ChatService:
         stop: Sequence[str] = (),
         hashes: Sequence[str] | None = None,
         meta: dict[str, Any] | None = None,
+        lease: SessionLease | None = None,
     ) -> TurnResult:
         """``hashes``: the messages' path hashes when the caller already has them (the session read's);
         ``meta``: what the node records of the request beyond its messages."""
-        placement = await self._locate(session, messages, hashes)
+        placement = await self._locate(session, messages, hashes, lease)
         return await self._turns.generate(
-            session, placement, api="chat", tools=tools if tools is not None else session.tools, stop=stop, meta=meta
+            session,
+            placement,
+            api="chat",
+            tools=tools if tools is not None else session.tools,
+            stop=stop,
+            meta=meta,
+            lease=lease,
         )
 
     async def stream(
@@ -47,21 +55,32 @@ class ChatService:
         stop: Sequence[str] = (),
         hashes: Sequence[str] | None = None,
         meta: dict[str, Any] | None = None,
+        lease: SessionLease | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         """``complete``, streamed (``core.streaming``): the same node is recorded at the end."""
-        placement = await self._locate(session, messages, hashes)
+        placement = await self._locate(session, messages, hashes, lease)
         events = TurnStreamer(self._turns).stream(
-            session, placement, api="chat", tools=tools if tools is not None else session.tools, stop=stop, meta=meta
+            session,
+            placement,
+            api="chat",
+            tools=tools if tools is not None else session.tools,
+            stop=stop,
+            meta=meta,
+            lease=lease,
         )
         async with contextlib.aclosing(events):
             async for event in events:
                 yield event
 
     async def _locate(
-        self, session: SessionRecord, messages: list[dict[str, Any]], hashes: Sequence[str] | None
+        self,
+        session: SessionRecord,
+        messages: list[dict[str, Any]],
+        hashes: Sequence[str] | None,
+        lease: SessionLease | None,
     ) -> Placement:
         """The parent by content; a new root says how it holds the session's sample."""
-        placement = await self._tree.locate(session, messages, api="chat", hashes=hashes)
+        placement = await self._tree.locate(session, messages, api="chat", hashes=hashes, lease=lease)
         if not placement.parent:
             placement.sample = place_sample(session.messages, messages, insert=False)[1]
         return placement

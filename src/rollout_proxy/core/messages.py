@@ -29,6 +29,7 @@ from rollout_proxy.core.tree import Placement, ResponseTree, place_sample
 from rollout_proxy.core.turns import TurnResult, TurnRunner
 from rollout_proxy.errors import InvalidRequest, NotFound
 from rollout_proxy.records import SessionRecord
+from rollout_proxy.state.store import SessionLease
 
 log = structlog.get_logger(__name__)
 
@@ -63,13 +64,14 @@ class MessagesService:
         signed: Sequence[tuple[int, str]] = (),
         thread: Thread | None = None,
         meta: dict[str, Any] | None = None,
+        lease: SessionLease | None = None,
     ) -> TurnResult:
         """``hashes``: the messages' path hashes (computed with the session read); ``signed``: (message index,
         node id) of the assistant messages whose thinking the proxy signed; ``meta``: what the node records of
         the request beyond its messages; ``thread``: the message a server-held thread continues from."""
-        placement = await self.locate(session, messages, hashes=hashes, signed=signed, thread=thread)
+        placement = await self.locate(session, messages, hashes=hashes, signed=signed, thread=thread, lease=lease)
         tools = self._tools(session, placement, tools, thread)
-        return await self._turns.generate(session, placement, api=API, tools=tools, stop=stop, meta=meta)
+        return await self._turns.generate(session, placement, api=API, tools=tools, stop=stop, meta=meta, lease=lease)
 
     async def stream(
         self,
@@ -82,11 +84,14 @@ class MessagesService:
         signed: Sequence[tuple[int, str]] = (),
         thread: Thread | None = None,
         meta: dict[str, Any] | None = None,
+        lease: SessionLease | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         """``complete``, streamed (``core.streaming``): the same node is recorded at the end."""
-        placement = await self.locate(session, messages, hashes=hashes, signed=signed, thread=thread)
+        placement = await self.locate(session, messages, hashes=hashes, signed=signed, thread=thread, lease=lease)
         tools = self._tools(session, placement, tools, thread)
-        events = TurnStreamer(self._turns).stream(session, placement, api=API, tools=tools, stop=stop, meta=meta)
+        events = TurnStreamer(self._turns).stream(
+            session, placement, api=API, tools=tools, stop=stop, meta=meta, lease=lease
+        )
         async with contextlib.aclosing(events):
             async for event in events:
                 yield event
@@ -99,10 +104,11 @@ class MessagesService:
         tools: list[dict[str, Any]] | None,
         hashes: Sequence[str] | None = None,
         signed: Sequence[tuple[int, str]] = (),
+        lease: SessionLease | None = None,
     ) -> int:
         """How many tokens the prompt of a turn on this conversation has: the parent's exact tokens and the
         bridge for the rest, rendered by the policy's template; nothing is stored."""
-        placement = await self.locate(session, messages, hashes=hashes, signed=signed)
+        placement = await self.locate(session, messages, hashes=hashes, signed=signed, lease=lease)
         prompt: np.ndarray = await self._turns.prompt_tokens(
             session, placement, tools=self._tools(session, placement, tools, None)
         )
@@ -116,18 +122,19 @@ class MessagesService:
         hashes: Sequence[str] | None,
         signed: Sequence[tuple[int, str]],
         thread: Thread | None = None,
+        lease: SessionLease | None = None,
     ) -> Placement:
         """The parent by content, or by the signature of the last assistant message it covers (module
         docstring), or the message a thread continues from; a new root says how it holds the session's
         sample."""
         if thread is not None:
-            return await self._continue(session, messages, thread)
+            return await self._continue(session, messages, thread, lease)
         named = dict(signed)
-        placement = await self._tree.locate(session, messages, api=API, hashes=hashes, named=named)
+        placement = await self._tree.locate(session, messages, api=API, hashes=hashes, named=named, lease=lease)
         covered = len(messages) - len(placement.new_messages)
         last = covered - 1
         if placement.parent and last in named and placement.parent[-1].id != named[last]:
-            path = await self._tree.path(session.id, named[last], param="messages")
+            path = await self._tree.path(session.id, named[last], param="messages", lease=lease)
             if path[-1].path_hash == placement.parent[-1].path_hash:  # the same conversation: only tokens differ
                 log.info("parent_by_signature", parent_id=path[-1].id, by_content=placement.parent[-1].id)
                 self._turns.metrics.inc("parents_by_signature_total", api=API)
@@ -141,11 +148,13 @@ class MessagesService:
             placement.sample = place_sample(session.messages, messages, insert=False)[1]
         return placement
 
-    async def _continue(self, session: SessionRecord, messages: list[dict[str, Any]], thread: Thread) -> Placement:
+    async def _continue(
+        self, session: SessionRecord, messages: list[dict[str, Any]], thread: Thread, lease: SessionLease | None
+    ) -> Placement:
         """The thread's next turn: the new messages after the node ``thread`` names (an echo of its output
         dropped); a ``system`` sent again must be the one the thread started with (the policy saw it)."""
         try:
-            placement = await self._tree.after(session, thread.previous_message_id, messages)
+            placement = await self._tree.after(session, thread.previous_message_id, messages, lease=lease)
         except NotFound:
             raise NotFound(
                 f"message {thread.previous_message_id!r} not found in this session", param="thread.previous_message_id"

@@ -20,7 +20,7 @@ from rollout_proxy.core.tree import Placement, ResponseTree, SamplePlacement, pl
 from rollout_proxy.core.turns import TurnResult, TurnRunner
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.records import ResponseNode, SessionRecord
-from rollout_proxy.state.store import Idempotency
+from rollout_proxy.state.store import Idempotency, SessionLease
 from rollout_proxy.tokenization.messages import canonical_key, path_hashes_of_keys
 
 MAX_IDEMPOTENCY_KEY = 255
@@ -59,10 +59,11 @@ class ResponsesService:
         instructions: str | None,
         api: str,
         keys: Sequence[bytes] | None = None,
+        lease: SessionLease | None = None,
     ) -> Placement:
         """``keys``: the messages' ``canonical_key``s when the caller has them (a resent input keyed once)."""
         if previous_response_id is not None:
-            placement = await self._tree.after(session, previous_response_id, messages)
+            placement = await self._tree.after(session, previous_response_id, messages, lease=lease)
             if instructions is not None and instructions != root_instructions(placement.parent):
                 raise InvalidRequest(
                     "instructions differ from the ones this conversation started with; the policy already saw "
@@ -76,7 +77,7 @@ class ResponsesService:
             keys = None if keys is None else [canonical_key(system), *keys]
         conversation, sample = place_sample(session.messages, messages, keys=keys)
         hashes = None if keys is None or sample is SamplePlacement.INSERTED else path_hashes_of_keys(keys)
-        placement = await self._tree.locate(session, conversation, api=api, hashes=hashes)
+        placement = await self._tree.locate(session, conversation, api=api, hashes=hashes, lease=lease)
         placement.sample = sample
         return placement
 
@@ -91,6 +92,7 @@ class ResponsesService:
         store: bool,
         meta: dict[str, Any] | None = None,
         keys: Sequence[bytes] | None = None,
+        lease: SessionLease | None = None,
     ) -> tuple[TurnResult, list[ResponseNode]]:
         """Generate one response; returns it and the path it extends. ``meta``: what the node records of the
         request beyond its messages and the Responses fields."""
@@ -103,9 +105,15 @@ class ResponsesService:
             store=store,
             meta=meta,
             keys=keys,
+            lease=lease,
         )
         result = await self._turns.generate(
-            session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
+            session,
+            placement,
+            api="responses",
+            tools=tools if tools is not None else session.tools,
+            meta=meta,
+            lease=lease,
         )
         return result, placement.parent
 
@@ -120,6 +128,7 @@ class ResponsesService:
         store: bool,
         meta: dict[str, Any] | None = None,
         keys: Sequence[bytes] | None = None,
+        lease: SessionLease | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         """``create``, streamed (``core.streaming``): the same node is recorded at the end."""
         placement, meta = await self._placed(
@@ -131,9 +140,15 @@ class ResponsesService:
             store=store,
             meta=meta,
             keys=keys,
+            lease=lease,
         )
         events = TurnStreamer(self._turns).stream(
-            session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
+            session,
+            placement,
+            api="responses",
+            tools=tools if tools is not None else session.tools,
+            meta=meta,
+            lease=lease,
         )
         async with contextlib.aclosing(events):
             async for event in events:
@@ -150,6 +165,7 @@ class ResponsesService:
         store: bool,
         meta: dict[str, Any] | None,
         keys: Sequence[bytes] | None,
+        lease: SessionLease | None,
     ) -> tuple[Placement, dict[str, Any]]:
         """Where the response goes, and the node's metadata."""
         placement = await self._place(
@@ -159,6 +175,7 @@ class ResponsesService:
             instructions=instructions,
             api="responses",
             keys=keys,
+            lease=lease,
         )
         meta = {
             **(meta or {}),

@@ -45,7 +45,7 @@ from rollout_proxy.ids import new_response_id
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind, ResponseNode, SessionRecord
 from rollout_proxy.routing import prompt_start
-from rollout_proxy.state.store import REQUEST_LEASE_S, Idempotency, StateStore
+from rollout_proxy.state.store import REQUEST_LEASE_S, Idempotency, SessionLease, StateStore
 from rollout_proxy.tokenization.messages import extend_path_hash
 from rollout_proxy.tokenization.parsers import AssistantView, OutputParser, ToolParse
 
@@ -125,10 +125,12 @@ class TurnRunner:
         tools: Sequence[dict[str, Any]] | None,
         stop: Sequence[str] = (),
         meta: dict[str, Any] | None = None,
+        lease: SessionLease | None = None,
     ) -> TurnResult:
+        """``lease``: the turn's session read (its request slot, given back with the node's write)."""
         turn = await self.prepare_anywhere(session, placement, tools=tools, stop=stop)
-        sampled = await self.sample(session, turn)
-        return await self.record(session, placement, turn, sampled, api=api, meta=meta)
+        sampled = await self.sample(session, turn, lease=lease)
+        return await self.record(session, placement, turn, sampled, api=api, meta=meta, lease=lease)
 
     async def prepare_anywhere(
         self,
@@ -212,11 +214,19 @@ class TurnRunner:
         delta = await self._on_an_engine(session, render)
         return np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
 
-    async def sample(self, session: SessionRecord, turn: PreparedTurn, *, sink: PieceSink | None = None) -> Sampled:
+    async def sample(
+        self,
+        session: SessionRecord,
+        turn: PreparedTurn,
+        *,
+        sink: PieceSink | None = None,
+        lease: SessionLease | None = None,
+    ) -> Sampled:
         """The turn's engine call through the fleet (``engines.sampling``: failover, pauses, aborted turns),
-        within the session's request bound; the prompt the engine consumed is checked."""
+        within the session's request bound (the slot ``lease`` took, if any); the prompt the engine consumed
+        is checked."""
         waiting = time.perf_counter()
-        async with self._request_slot(session):
+        async with self._request_slot(session, lease):
             if session.concurrency:  # the job's request bound: how long this turn waited for a slot
                 self._metrics.observe("queue_wait_seconds", time.perf_counter() - waiting, reason="concurrency")
             sampled = await sample_on_fleet(self._engines, turn.engine, turn.prompt, turn.params, sink=sink)
@@ -246,6 +256,7 @@ class TurnRunner:
         meta: dict[str, Any] | None,
         view: AssistantView | None = None,
         node_id: str | None = None,
+        lease: SessionLease | None = None,
     ) -> TurnResult:
         """The sampled tokens as a node (with its parsed view, routing and policy versions), stored once;
         ``view``, ``node_id``: what a streamed turn already parsed (``parse``) and named (its chunks carry both)."""
@@ -304,7 +315,7 @@ class TurnRunner:
         ).with_routing(routing)
         hashes = [*placement.new_hashes, extend_path_hash(placement.end_hash, node.messages[-1])]
         moved_to = sampled.engine.url if sampled.engine.url != session.engine else None
-        await self._save(session, node, hashes, engine=moved_to)  # the node and the move: one round trip
+        await self._save(session, node, hashes, engine=moved_to, lease=lease)  # the node and the move: one round trip
         node.path_ids = np.concatenate([turn.prompt, output_ids]).astype(np.int32, copy=False)
         if placement.parent:  # the conversation moved on: only its latest node keeps its path's ids
             placement.parent[-1].path_ids = None
@@ -318,7 +329,13 @@ class TurnRunner:
     # -- injected messages ----------------------------------------------------------------------
 
     async def inject(
-        self, session: SessionRecord, placement: Placement, *, api: str, idempotency: Idempotency | None = None
+        self,
+        session: SessionRecord,
+        placement: Placement,
+        *,
+        api: str,
+        idempotency: Idempotency | None = None,
+        lease: SessionLease | None = None,
     ) -> ResponseNode:
         """Append messages the policy did not generate, as a node with loss weight 0
         (the earlier node instead, when ``idempotency`` repeats a key already used)."""
@@ -358,7 +375,7 @@ class TurnRunner:
         self._note_sample(placement, api, node.meta)
         if placement.ambiguity is not None:
             node.meta["parent_ambiguity"] = placement.ambiguity
-        node = await self._save(session, node, placement.new_hashes, idempotency=idempotency)
+        node = await self._save(session, node, placement.new_hashes, idempotency=idempotency, lease=lease)
         if placement.parent:  # only a conversation's latest generated node keeps its path's ids
             placement.parent[-1].path_ids = None
         self._metrics.inc("injected_nodes_total")
@@ -400,15 +417,22 @@ class TurnRunner:
             self._metrics.inc("engine_failovers_total")
             log.info("session_moved", engine=engine.url, moved_from=moved_from)
 
-    def _request_slot(self, session: SessionRecord) -> contextlib.AbstractAsyncContextManager[Any]:
+    def _request_slot(
+        self, session: SessionRecord, lease: SessionLease | None
+    ) -> contextlib.AbstractAsyncContextManager[Any]:
         """A slot of the session's shared request bound (e.g. a job's request_concurrency), kept in the
         store so that it holds across workers (a dead worker's slots come back after ``REQUEST_LEASE_S``).
-        The Redis store may have taken it with the session read (``ReadAhead.bound``): then it is held from
-        that read to the node write, which gives it back in its own round trip."""
+        The store may have taken it with the session read (``SessionLease.slot``): then it is held from
+        that read to the node write, which gives it back (the Redis store: in its own round trip)."""
         if not session.concurrency:
             return contextlib.nullcontext()
         concurrency = session.concurrency
-        return self._store.request_slot(concurrency["key"], concurrency["max_requests"], lease=REQUEST_LEASE_S)
+        return self._store.request_slot(
+            concurrency["key"],
+            concurrency["max_requests"],
+            lease=REQUEST_LEASE_S,
+            taken=None if lease is None else lease.slot,
+        )
 
     def parse(self, text: str, *, opened: bool = False) -> AssistantView:
         """The view of generated text, counted by how tool-call parsing ended; ``opened``: the turn's
@@ -427,10 +451,11 @@ class TurnRunner:
         *,
         idempotency: Idempotency | None = None,
         engine: str | None = None,
+        lease: SessionLease | None = None,
     ) -> ResponseNode:
         """Store the node with the path hashes of its messages (the last one names the node), and the
-        session's new engine if it moved; returns the node, or the one an earlier request with the same
-        idempotency key stored."""
+        session's new engine if it moved (and give back ``lease``'s slot); returns the node, or the one an
+        earlier request with the same idempotency key stored."""
         node.path_hash = hashes[-1]
         partial = {path_hash: f"{node.id}#{index + 1}" for index, path_hash in enumerate(hashes[:-1])}
         partial.update(node_entries(node))  # what tells it apart from siblings of the same content (core.tree)
@@ -442,6 +467,7 @@ class TurnRunner:
             latest=node.api,
             idempotency=idempotency,
             engine=engine,
+            lease=lease,
         )
         if stored_id == node.id:
             return node

@@ -33,7 +33,7 @@ from rollout_proxy.proxy.http import read_body
 from rollout_proxy.proxy.limits import check_json_limits, load_json_object
 from rollout_proxy.proxy.validation import CHECK_ITEMS, M, validate
 from rollout_proxy.records import SessionRecord
-from rollout_proxy.state.store import ReadAhead
+from rollout_proxy.state.store import ReadAhead, SessionLease
 
 C = TypeVar("C")
 #: ``--resent-history``: "reuse" what the list memory holds, or "check" every body whole
@@ -69,13 +69,18 @@ class Spec(Generic[M, C]):
 
 @dataclass(frozen=True, slots=True)
 class Taken(Generic[M, C]):
-    """A plugin's generation request, taken in: its open session, its body and conversation, and the
-    generation parameters it sent that the session ignores (``client_sampling: ignore``; recorded)."""
+    """A plugin's generation request, taken in: its open session (read for the turn: ``lease``, which the
+    caller closes), its body and conversation, and the generation parameters it sent that the session
+    ignores (``client_sampling: ignore``; recorded)."""
 
-    session: SessionRecord
+    lease: SessionLease
     body: M
     conversation: C
     client_sampling: dict[str, Any]
+
+    @property
+    def session(self) -> SessionRecord:
+        return self.lease.session
 
 
 async def take_in(request: web.Request, spec: Spec[M, C]) -> Taken[M, C]:
@@ -96,6 +101,11 @@ async def take_in(request: web.Request, spec: Spec[M, C]) -> Taken[M, C]:
     ahead = spec.read_ahead(body, conversation)
     if caller.bound is not None:  # the session's request bound: its slot taken in the same round trip
         ahead = dataclasses.replace(ahead or ReadAhead(), bound=caller.bound)
-    session = await request.app[keys.SESSIONS].get_open(session_id, read_ahead=ahead)  # 7
-    asked = check_client_sampling(payload, session.generation, spec.sampling, mode=session.client_sampling)  # 8
-    return Taken(session, body, conversation, asked)
+    lease = await request.app[keys.SESSIONS].lease_open(session_id, ahead or ReadAhead())  # 7
+    try:
+        session = lease.session
+        asked = check_client_sampling(payload, session.generation, spec.sampling, mode=session.client_sampling)  # 8
+    except BaseException:
+        await lease.close()
+        raise
+    return Taken(lease, body, conversation, asked)

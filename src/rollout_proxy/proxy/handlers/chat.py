@@ -16,7 +16,7 @@ from rollout_proxy.proxy.chat_stream import ChatChunks, include_usage
 from rollout_proxy.proxy.client_sampling import CHAT_FIELDS
 from rollout_proxy.proxy.handlers.common import turn_meta
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, take_in
+from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in
 from rollout_proxy.proxy.known_messages import MessageIntake
 from rollout_proxy.proxy.schemas import ChatRequest
 from rollout_proxy.proxy.sse import serve_stream
@@ -98,6 +98,11 @@ CHAT = Spec(
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     call = await take_in(request, CHAT)
+    async with call.lease:
+        return await _chat(request, call)
+
+
+async def _chat(request: web.Request, call: Taken[ChatRequest, ChatConversation]) -> web.StreamResponse:
     session, body = call.session, call.body
     recorded = session.generation.top_logprobs
     if body.top_logprobs and (body.top_logprobs > recorded or body.stream):
@@ -113,7 +118,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if body.stream:
         usage = include_usage(body.model_extra)
         events = request.app[keys.CHAT].stream(
-            session, messages, tools=tools, stop=body.stop_list(), hashes=hashes, meta=meta
+            session, messages, tools=tools, stop=body.stop_list(), hashes=hashes, meta=meta, lease=call.lease
         )
         return await serve_stream(
             request,
@@ -121,7 +126,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             lambda started: ChatChunks(started, model=body.model, usage=usage, logprobs=bool(body.logprobs)),
         )
     result = await request.app[keys.CHAT].complete(
-        session, messages, tools=tools, stop=body.stop_list(), hashes=hashes, meta=meta
+        session, messages, tools=tools, stop=body.stop_list(), hashes=hashes, meta=meta, lease=call.lease
     )
     structlog.contextvars.bind_contextvars(response_id=result.node.id)
     return json_response(completion_body(result, model=body.model, logprobs=body.logprobs, top=body.top_logprobs or 0))

@@ -9,11 +9,9 @@ import structlog
 from aiohttp import web
 
 from rollout_proxy.core.branches import BRANCH_HEADER, BRANCH_METADATA_KEY, branch_label
-from rollout_proxy.errors import AuthenticationFailed, InvalidRequest
+from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.auth import Caller, authenticate
-from rollout_proxy.records import SessionRecord
-from rollout_proxy.state.store import ReadAhead
 from rollout_proxy.wire.messages import ToolSet
 
 if TYPE_CHECKING:
@@ -28,14 +26,6 @@ def request_caller(request: web.Request, *, admin_only: bool = False) -> Caller:
     if found.session_id is not None:
         structlog.contextvars.bind_contextvars(session_id=found.session_id)
     return found
-
-
-async def plugin_session(request: web.Request, *, read_ahead: ReadAhead | None = None) -> SessionRecord:
-    """The open session named by the caller's token (plugin routes need one)."""
-    found = request_caller(request)
-    if found.session_id is None:
-        raise AuthenticationFailed("this endpoint needs a session token, not the admin key")
-    return await request.app[keys.SESSIONS].get_open(found.session_id, read_ahead=read_ahead)
 
 
 def _branch_label(request: web.Request, body: Any) -> str | None:

@@ -25,7 +25,7 @@ from rollout_proxy.proxy.anthropic_models import CountTokensRequest, MessagesReq
 from rollout_proxy.proxy.client_sampling import MESSAGES_FIELDS
 from rollout_proxy.proxy.handlers.common import turn_meta
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, take_in
+from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in
 from rollout_proxy.proxy.known_input import ListIntake
 from rollout_proxy.proxy.messages_stream import MessageEvents
 from rollout_proxy.proxy.sse import serve_stream
@@ -112,6 +112,11 @@ COUNT_TOKENS = _spec(CountTokensRequest)
 
 async def create_message(request: web.Request) -> web.StreamResponse:
     call = await take_in(request, MESSAGES)
+    async with call.lease:
+        return await _create(request, call)
+
+
+async def _create(request: web.Request, call: Taken[MessagesRequest, MessagesConversation]) -> web.StreamResponse:
     session, body, read = call.session, call.body, call.conversation
     key = signing_key(request.app[keys.SETTINGS].token_secret)
     signed = read.signed(key, session.id)
@@ -132,6 +137,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         "signed": signed,
         "thread": thread,
         "meta": meta,
+        "lease": call.lease,
     }
     service = request.app[keys.MESSAGES]
     if body.stream:
@@ -144,9 +150,15 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     call = await take_in(request, COUNT_TOKENS)
-    session, body, read = call.session, call.body, call.conversation
-    signed = read.signed(signing_key(request.app[keys.SETTINGS].token_secret), session.id)
-    count = await request.app[keys.MESSAGES].count_tokens(
-        session, read.conversation.messages, tools=split_tools(body.tools).functions, hashes=read.hashes, signed=signed
-    )
+    async with call.lease:
+        session, body, read = call.session, call.body, call.conversation
+        signed = read.signed(signing_key(request.app[keys.SETTINGS].token_secret), session.id)
+        count = await request.app[keys.MESSAGES].count_tokens(
+            session,
+            read.conversation.messages,
+            tools=split_tools(body.tools).functions,
+            hashes=read.hashes,
+            signed=signed,
+            lease=call.lease,
+        )
     return json_response({"input_tokens": count})

@@ -15,7 +15,7 @@ from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.client_sampling import RESPONSES_FIELDS
 from rollout_proxy.proxy.handlers.common import request_caller, turn_meta
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, take_in
+from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in
 from rollout_proxy.proxy.known_input import ListIntake
 from rollout_proxy.proxy.openai_responses import response_body
 from rollout_proxy.proxy.responses_stream import ResponseEvents
@@ -54,6 +54,11 @@ RESPONSES = Spec(
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     call = await take_in(request, RESPONSES)  # a resent input's items are checked once
+    async with call.lease:
+        return await _create(request, call)
+
+
+async def _create(request: web.Request, call: Taken[ResponsesRequest, InputConversation]) -> web.StreamResponse:
     session, body = call.session, call.body
     messages, message_keys = call.conversation.messages, call.conversation.keys
     toolset = split_tools(body.tools)
@@ -68,6 +73,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             store=body.store,
             meta=meta,
             keys=message_keys,
+            lease=call.lease,
         )
         return await serve_stream(
             request,
@@ -83,6 +89,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         store=body.store,
         meta=meta,
         keys=message_keys,
+        lease=call.lease,
     )
     structlog.contextvars.bind_contextvars(response_id=result.node.id)
     return json_response(
