@@ -113,6 +113,8 @@ TESTED_IN: dict[str, str] = {
 
 #: module -> why it needs no test file of its own
 NO_LOGIC: dict[str, str] = {
+    "engines/router.py": "a Protocol only; engines.fleet.Fleet implements it, tests/core/test_turn_logic.py drives a "
+    "turn through a stand-in",
     "proxy/keys.py": "typed web.AppKeys only",
     "proxy/openapi_answers.py": "TypedDicts for the OpenAPI document; tests/proxy/test_openapi.py checks the document",
     "proxy/openapi_examples.py": "example request bodies; tests/proxy/test_fuzz.py sends each one",

@@ -12,7 +12,7 @@ from rollout_proxy.core import branches
 from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.teacher import teacher_fields
 from rollout_proxy.core.trajectory import AssembledTrajectory, assemble
-from rollout_proxy.engines.fleet import Fleet
+from rollout_proxy.engines.router import EngineRouter
 from rollout_proxy.errors import (
     EngineTimeout,
     EngineUnavailable,
@@ -64,7 +64,7 @@ class FinishPlan:
 
 
 class SessionService:
-    def __init__(self, *, store: StateStore, engines: Fleet, ttl: float, renderers: Renderers) -> None:
+    def __init__(self, *, store: StateStore, engines: EngineRouter, ttl: float, renderers: Renderers) -> None:
         self._store = store
         self._engines = engines
         self._ttl = ttl

@@ -31,9 +31,8 @@ from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.tree import Placement, SamplePlacement, node_entries
 from rollout_proxy.core.turn_routing import align_routing
 from rollout_proxy.engines.base import EngineInfo, GenerationEngine, PieceSink, SamplingParams
-from rollout_proxy.engines.fleet import Fleet
+from rollout_proxy.engines.router import EngineRouter
 from rollout_proxy.engines.sampling import Sampled
-from rollout_proxy.engines.sampling import sample as sample_on_fleet
 from rollout_proxy.errors import (
     ContextLengthExceeded,
     EngineError,
@@ -91,7 +90,7 @@ class TurnRunner:
         self,
         *,
         store: StateStore,
-        engines: Fleet,
+        engines: EngineRouter,
         parser: OutputParser,
         metrics: Metrics,
         renderers: Renderers,
@@ -229,7 +228,7 @@ class TurnRunner:
         async with self._request_slot(session, lease):
             if session.concurrency:  # the job's request bound: how long this turn waited for a slot
                 self._metrics.observe("queue_wait_seconds", time.perf_counter() - waiting, reason="concurrency")
-            sampled = await sample_on_fleet(self._engines, turn.engine, turn.prompt, turn.params, sink=sink)
+            sampled = await self._engines.sample(turn.engine, turn.prompt, turn.params, sink=sink)
         completion = sampled.completion
         if completion.prompt_ids is None:
             self._metrics.inc("unchecked_prompts_total")
@@ -394,7 +393,7 @@ class TurnRunner:
             except (EngineUnavailable, EngineTimeout) as exc:
                 self._engines.report_failure(engine, exc, what="rendering")
                 tried.add(engine.url)
-                if len(tried) > self._engines.settings.retries:
+                if len(tried) > self._engines.retries:
                     raise
 
     def _note_sample(self, placement: Placement, api: str, meta: dict[str, Any]) -> None:

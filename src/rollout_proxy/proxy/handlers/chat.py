@@ -14,9 +14,8 @@ from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.chat_stream import ChatChunks, include_usage
 from rollout_proxy.proxy.client_sampling import CHAT_FIELDS
-from rollout_proxy.proxy.handlers.common import turn_meta
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in
+from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in, turn_meta
 from rollout_proxy.proxy.known_messages import MessageIntake
 from rollout_proxy.proxy.schemas import ChatRequest
 from rollout_proxy.proxy.sse import serve_stream

@@ -23,9 +23,8 @@ from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.anthropic_answers import message_body, signed_node, signing_key
 from rollout_proxy.proxy.anthropic_models import CountTokensRequest, MessagesRequest
 from rollout_proxy.proxy.client_sampling import MESSAGES_FIELDS
-from rollout_proxy.proxy.handlers.common import turn_meta
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in
+from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in, turn_meta
 from rollout_proxy.proxy.known_input import ListIntake
 from rollout_proxy.proxy.messages_stream import MessageEvents
 from rollout_proxy.proxy.sse import serve_stream

@@ -13,9 +13,9 @@ from rollout_proxy.errors import NotFound
 from rollout_proxy.ids import session_of_response
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.client_sampling import RESPONSES_FIELDS
-from rollout_proxy.proxy.handlers.common import request_caller, turn_meta
+from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in
+from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in, turn_meta
 from rollout_proxy.proxy.known_input import ListIntake
 from rollout_proxy.proxy.openai_responses import response_body
 from rollout_proxy.proxy.responses_stream import ResponseEvents
