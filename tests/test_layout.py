@@ -62,7 +62,7 @@ TESTED_IN: dict[str, str] = {
     "proxy/handlers/ui.py": "tests/ui/test_viewer_api.py",
     "proxy/handlers/viewer.py": "tests/ui/test_viewer_api.py",
     "proxy/http.py": "tests/proxy/test_http_edge.py",
-    "proxy/input_models.py": "tests/proxy/test_known_input.py",
+    "proxy/input_models.py": "tests/proxy/test_resent_history.py",
     "proxy/limits.py": "tests/proxy/test_validation_models.py",
     "proxy/message_models.py": "tests/proxy/test_validation_models.py",
     "proxy/middleware.py": "tests/proxy/test_errors.py",
@@ -107,7 +107,7 @@ TESTED_IN: dict[str, str] = {
     "ui/grades.py": "tests/ui/test_pieces_and_grades.py",
     "ui/pieces.py": "tests/ui/test_pieces_and_grades.py",
     "ui/service.py": "tests/ui/test_viewer_api.py",
-    "wire/anthropic.py": "tests/proxy/test_known_input.py",
+    "wire/anthropic.py": "tests/proxy/test_resent_history.py",
     "wire/feed.py": "tests/trainer/test_batch.py",
 }
 

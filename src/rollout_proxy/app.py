@@ -43,10 +43,9 @@ from rollout_proxy.proxy.handlers import (
 )
 from rollout_proxy.proxy.handlers import distill as distill_handlers
 from rollout_proxy.proxy.handlers import feed as feed_handlers
-from rollout_proxy.proxy.known_input import KnownInputs
-from rollout_proxy.proxy.known_messages import KnownMessages
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.proxy.openapi import MESSAGES_ALIAS_PREFIXES
+from rollout_proxy.proxy.resent_history import ResentHistory
 from rollout_proxy.proxy.telemetry import telemetry_middleware
 from rollout_proxy.settings import Settings, part
 from rollout_proxy.state.connection import RedisOptions, is_redis_url
@@ -133,8 +132,7 @@ def create_app(
         exporters=span_exporters,
     )
     app[keys.TOKENS] = SessionTokens(settings.token_secret)
-    app[keys.KNOWN_MESSAGES] = KnownMessages()
-    app[keys.KNOWN_INPUTS] = KnownInputs()
+    app[keys.RESENT_HISTORY] = ResentHistory()
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         app[keys.STORE] = store if store is not None else await open_store(settings.store, redis_options(settings))

@@ -13,8 +13,7 @@ from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
-from rollout_proxy.proxy.known_input import KnownInputs
-from rollout_proxy.proxy.known_messages import KnownMessages
+from rollout_proxy.proxy.resent_history import ResentHistory
 from rollout_proxy.settings import Settings
 from rollout_proxy.state.feed import Feed
 from rollout_proxy.state.store import StateStore
@@ -26,8 +25,7 @@ SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", Metrics)
 TELEMETRY = web.AppKey("telemetry", Telemetry)
 TOKENS = web.AppKey("tokens", SessionTokens)
-KNOWN_MESSAGES = web.AppKey("known_messages", KnownMessages)  # messages checked once (``known_messages``)
-KNOWN_INPUTS = web.AppKey("known_inputs", KnownInputs)  # Responses inputs checked once (``known_input``)
+RESENT_HISTORY = web.AppKey("resent_history", ResentHistory)  # resent lists taken in once (``resent_history``)
 STORE = web.AppKey("store", StateStore)
 FEED = web.AppKey("feed", Feed)
 ENGINES = web.AppKey("engines", Fleet)

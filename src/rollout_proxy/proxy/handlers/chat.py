@@ -15,13 +15,13 @@ from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.chat_stream import ChatChunks, include_usage
 from rollout_proxy.proxy.client_sampling import CHAT_FIELDS
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in, turn_meta
-from rollout_proxy.proxy.known_messages import MessageIntake
+from rollout_proxy.proxy.intake import Spec, Taken, take_in, turn_meta
+from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.proxy.schemas import ChatRequest
 from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
 from rollout_proxy.tokenization.messages import path_hashes
-from rollout_proxy.wire.messages import normalize_messages, split_tools
+from rollout_proxy.wire.messages import MessageFold, normalize_messages, split_tools
 
 
 def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | None, top: int = 0) -> dict[str, Any]:
@@ -76,10 +76,11 @@ class ChatConversation:
     hashes: tuple[str, ...]  # their rolling path hashes (the tree attaches by them)
 
 
-def _normalized(body: ChatRequest, memory: ListMemory | None) -> ChatConversation:
+def _normalized(body: ChatRequest, history: HistoryIntake | None) -> ChatConversation:
     """The messages' normal forms and path hashes: only those the memory has not seen computed."""
-    if isinstance(memory, MessageIntake):
-        return ChatConversation(*memory.normalize_and_hash(body.messages))
+    if history is not None:
+        folded = history.take(body.messages, MessageFold)
+        return ChatConversation(list(folded.fold.messages), tuple(folded.hashes))
     messages = normalize_messages(body.messages)
     return ChatConversation(messages, tuple(path_hashes(messages)))
 
@@ -87,9 +88,9 @@ def _normalized(body: ChatRequest, memory: ListMemory | None) -> ChatConversatio
 #: how a Chat Completions request is taken in (``proxy.intake``)
 CHAT = Spec(
     model=ChatRequest,
+    api="chat",
     key="messages",
     sampling=CHAT_FIELDS,
-    memory=lambda app: MessageIntake(app[keys.KNOWN_MESSAGES]),
     normalize=_normalized,
     read_ahead=lambda body, conversation: ReadAhead(hashes=match_window(conversation.hashes)),
 )

@@ -24,12 +24,12 @@ from rollout_proxy.proxy.anthropic_answers import message_body, signed_node, sig
 from rollout_proxy.proxy.anthropic_models import CountTokensRequest, MessagesRequest
 from rollout_proxy.proxy.client_sampling import MESSAGES_FIELDS
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in, turn_meta
-from rollout_proxy.proxy.known_input import ListIntake
+from rollout_proxy.proxy.intake import Spec, Taken, take_in, turn_meta
 from rollout_proxy.proxy.messages_stream import MessageEvents
+from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
-from rollout_proxy.tokenization.messages import path_hashes, path_hashes_of_keys
+from rollout_proxy.tokenization.messages import path_hashes
 from rollout_proxy.wire.anthropic import Conversation, conversation, split_tools, stop_sequences, system_message
 
 MR = TypeVar("MR", bound=CountTokensRequest)
@@ -63,17 +63,19 @@ def _thread(body: CountTokensRequest) -> str | None:
     return body.previous_message_id if isinstance(body, MessagesRequest) else None
 
 
-def _normalized(body: CountTokensRequest, memory: ListMemory | None) -> MessagesConversation:
+def _normalized(body: CountTokensRequest, history: HistoryIntake | None) -> MessagesConversation:
     """The conversation folded message by message (only what the memory has not seen: a resent history is
     folded once, when its ``system`` is the same); on a thread, the system is the thread's (checked against
     it later), not a new message."""
     previous = _thread(body)
     system = None if previous else body.system
-    if isinstance(memory, ListIntake):
+    hashes = None
+    if history is not None:
         context = b"thread" if previous else orjson.dumps(system)
-        found, message_keys = memory.fold(body.messages, lambda: Conversation.starting(system), context=context)
+        folded = history.take(body.messages, lambda: Conversation.starting(system), context=context)
+        found, hashes = folded.fold, folded.hashes
     else:
-        found, message_keys = conversation(system, body.messages), None
+        found = conversation(system, body.messages)
     messages = found.messages
     if messages[-1]["role"] == "assistant":
         raise InvalidRequest(
@@ -83,8 +85,7 @@ def _normalized(body: CountTokensRequest, memory: ListMemory | None) -> Messages
         )
     if previous is not None:
         return MessagesConversation(found, [])
-    hashes = path_hashes(messages) if message_keys is None else path_hashes_of_keys(message_keys)
-    return MessagesConversation(found, hashes)
+    return MessagesConversation(found, path_hashes(messages) if hashes is None else hashes)
 
 
 def _read_ahead(body: CountTokensRequest, read: MessagesConversation) -> ReadAhead:
@@ -97,9 +98,9 @@ def _spec(model: type[MR]) -> Spec[MR, MessagesConversation]:
     """How a Messages request is taken in (``proxy.intake``): a resent history checked and folded once."""
     return Spec(
         model=model,
+        api=API,
         key="messages",
         sampling=MESSAGES_FIELDS if model is MessagesRequest else (),
-        memory=lambda app: ListIntake(app[keys.KNOWN_INPUTS], api=API, key="messages"),
         normalize=_normalized,
         read_ahead=_read_ahead,
     )

@@ -15,9 +15,9 @@ from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.client_sampling import RESPONSES_FIELDS
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, Taken, take_in, turn_meta
-from rollout_proxy.proxy.known_input import ListIntake
+from rollout_proxy.proxy.intake import Spec, Taken, take_in, turn_meta
 from rollout_proxy.proxy.openai_responses import response_body
+from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.proxy.responses_stream import ResponseEvents
 from rollout_proxy.proxy.schemas import ResponsesRequest
 from rollout_proxy.proxy.sse import serve_stream
@@ -32,21 +32,21 @@ class InputConversation:
     keys: list[bytes] | None  # their canonical keys (None: the tree computes them)
 
 
-def _folded(body: ResponsesRequest, memory: ListMemory | None) -> InputConversation:
+def _folded(body: ResponsesRequest, history: HistoryIntake | None) -> InputConversation:
     """The input as messages: a list folded item by item (only what the memory has not seen), a string as
     one user message."""
-    if type(body.input) is list and isinstance(memory, ListIntake):
-        fold, message_keys = memory.fold(body.input, InputFold)
-        return InputConversation(fold.messages, message_keys)
+    if type(body.input) is list and history is not None:
+        folded = history.take(body.input, InputFold)
+        return InputConversation(folded.fold.messages, folded.keys)
     return InputConversation(input_to_messages(body.input), None)
 
 
 #: how a Responses request is taken in (``proxy.intake``)
 RESPONSES = Spec(
     model=ResponsesRequest,
+    api="responses",
     key="input",
     sampling=RESPONSES_FIELDS,
-    memory=lambda app: ListIntake(app[keys.KNOWN_INPUTS], api="responses", key="input"),
     normalize=_folded,
     read_ahead=lambda body, conversation: ReadAhead(response_id=body.previous_response_id),
 )

@@ -99,6 +99,5 @@ async def finish_session(request: web.Request) -> web.Response:
     )
     await sessions.commit_finish(plan)
     request.app[keys.METRICS].sessions.closed(session_id)
-    request.app[keys.KNOWN_MESSAGES].forget(session_id)  # no turn resends its conversation after a finish
-    request.app[keys.KNOWN_INPUTS].forget(session_id)
+    request.app[keys.RESENT_HISTORY].forget(session_id)  # no turn resends its conversation after a finish
     return answer
