@@ -59,6 +59,7 @@ TESTED_IN: dict[str, str] = {
     "proxy/handlers/responses.py": "tests/proxy/test_responses.py",
     "proxy/handlers/sessions.py": "tests/proxy/test_atomicity.py",
     "proxy/handlers/trajectories.py": "tests/proxy/test_rollout_export.py",
+    "proxy/handlers/turn.py": "tests/proxy/test_intake.py",
     "proxy/handlers/ui.py": "tests/ui/test_viewer_api.py",
     "proxy/handlers/viewer.py": "tests/ui/test_viewer_api.py",
     "proxy/http.py": "tests/proxy/test_http_edge.py",

@@ -15,13 +15,11 @@ import structlog
 from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from rollout_proxy.core.chat import ChatService
 from rollout_proxy.core.distill import Distillation, parse_teacher_templates, parse_teachers
-from rollout_proxy.core.messages import MessagesService
 from rollout_proxy.core.rendering import Renderers, RenderingConfig
-from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
+from rollout_proxy.core.turn_service import TurnService
 from rollout_proxy.core.turns import TurnRunner
 from rollout_proxy.engines.base import Engine
 from rollout_proxy.engines.fleet import Fleet, FleetSettings
@@ -206,9 +204,7 @@ def create_app(
         )
         tree = ResponseTree(store=store, metrics=app[keys.METRICS])
         app[keys.TREE] = tree
-        app[keys.CHAT] = ChatService(tree=tree, turns=turns)
-        app[keys.RESPONSES] = ResponsesService(tree=tree, turns=turns)
-        app[keys.MESSAGES] = MessagesService(tree=tree, turns=turns)
+        app[keys.TURNS] = TurnService(tree=tree, turns=turns)
         yield
         await renderers.close()
 

@@ -529,3 +529,18 @@ def test_an_item_another_api_checked_is_checked_again():
     intake_of(known, [item])
     assert known.intake("chat", "messages", "other").look_up([item]) == ()
     assert known.intake("responses", "input", "s").look_up([item]) == (0,)
+
+
+async def test_a_body_is_remembered_only_once_its_session_is_checked_open(proxy: ProxyHarness):
+    session = await proxy.create_session(USER)
+    memory = proxy.app[keys.RESENT_HISTORY]
+    await session.client.chat.completions.create(model="m", messages=USER)
+    assert memory.last("chat", session.session_id) is not None
+    status, _ = await proxy.request("POST", f"/v1/sessions/{session.session_id}/finish", json={"status": "success"})
+    assert status == 200 and memory.last("chat", session.session_id) is None  # a finish forgets it
+    held = memory.held()
+    status, body = await proxy.request(
+        "POST", "/v1/chat/completions", json={"model": "m", "messages": [*USER, *USER]}, token=session.api_key
+    )
+    assert status == 409, body
+    assert memory.last("chat", session.session_id) is None and memory.held() == held  # nothing of it kept

@@ -236,6 +236,10 @@ class ResponseTree:
         self._store = store
         self._metrics = metrics
 
+    @property
+    def metrics(self) -> Metrics:
+        return self._metrics
+
     async def path(
         self,
         session_id: str,

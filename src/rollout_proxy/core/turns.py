@@ -2,8 +2,9 @@
 
 This is the heart of the one rule: the new prompt is the parent's exact tokens plus
 bridge tokens for the new messages; the engine is driven with token ids and what it
-sampled is stored as it came. The API layers (chat, responses, session messages) only
-decide *which* node is the parent and *which* messages are new (a ``Placement``).
+sampled is stored as it came. The APIs (``core.turn_service``'s placements: chat, responses, the
+Messages API, session messages) only decide *which* node is the parent and *which* messages are new
+(a ``Placement``).
 
 A generated turn is three steps, each small: ``prepare`` (engine, bridge tokens, the
 whole prompt, sampling settings), ``sample`` (the engine call through the fleet: failover,
@@ -62,7 +63,8 @@ class TurnResult:
 
 @dataclass(frozen=True, slots=True)
 class PreparedTurn:
-    """Everything a turn sends to its engine, decided before the call."""
+    """Everything a turn sends to its engine, decided before the call, for every API alike (``prepare``
+    builds it, ``sample`` sends it): what the engine call of a turn carries is added here once."""
 
     engine: GenerationEngine
     info: EngineInfo
@@ -161,13 +163,7 @@ class TurnRunner:
         engine = engine or self._engines.route(session.engine)
         info = await engine.info()
         with tracing.span("render", **{"rollout_proxy.session_id": session.id}):
-            delta = await self._renderers.delta(
-                engine,
-                placement,
-                tools=tools,
-                chat_template_kwargs=session.generation.chat_template_kwargs,
-                add_generation_prompt=True,
-            )
+            delta = await self._render(engine, session, placement, tools, generation_prompt=True)
         prompt = np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
         opened = self._parser.reasons and self._parser.reasoning.opened_by(
             await self._renderers.generation_prompt_text(engine, delta)
@@ -201,16 +197,9 @@ class TurnRunner:
         generation prompt), rendered on the session's engine or another; no engine call, nothing stored, no
         context check (a count of tokens, e.g. the Messages API's ``count_tokens``)."""
 
-        async def render(engine: GenerationEngine) -> np.ndarray:
-            return await self._renderers.delta(
-                engine,
-                placement,
-                tools=tools,
-                chat_template_kwargs=session.generation.chat_template_kwargs,
-                add_generation_prompt=True,
-            )
-
-        delta = await self._on_an_engine(session, render)
+        delta = await self._on_an_engine(
+            session, lambda engine: self._render(engine, session, placement, tools, generation_prompt=True)
+        )
         return np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
 
     async def sample(
@@ -341,14 +330,7 @@ class TurnRunner:
 
         async def render(engine: GenerationEngine) -> tuple[EngineInfo, np.ndarray]:
             info = await engine.info()
-            delta = await self._renderers.delta(
-                engine,
-                placement,
-                tools=session.tools,
-                chat_template_kwargs=session.generation.chat_template_kwargs,
-                add_generation_prompt=False,
-            )
-            return info, delta
+            return info, await self._render(engine, session, placement, session.tools, generation_prompt=False)
 
         info, delta = await self._on_an_engine(session, render)
         total = sum(len(node.prompt_ids) + len(node.output_ids) for node in placement.parent) + len(delta)
@@ -381,6 +363,25 @@ class TurnRunner:
         return node
 
     # -- the steps' parts -------------------------------------------------------------------------
+
+    async def _render(
+        self,
+        engine: GenerationEngine,
+        session: SessionRecord,
+        placement: Placement,
+        tools: Sequence[dict[str, Any]] | None,
+        *,
+        generation_prompt: bool,
+    ) -> np.ndarray:
+        """The bridge tokens of ``placement``'s new messages, as the session's template renders them: every
+        render of a turn (a generated one's, a count's, injected messages') is this one call."""
+        return await self._renderers.delta(
+            engine,
+            placement,
+            tools=tools,
+            chat_template_kwargs=session.generation.chat_template_kwargs,
+            add_generation_prompt=generation_prompt,
+        )
 
     async def _on_an_engine(self, session: SessionRecord, step: Callable[[GenerationEngine], Awaitable[T]]) -> T:
         """``step`` on the session's engine while it serves, else another; a step that fails because its

@@ -25,8 +25,7 @@ from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
-from rollout_proxy.core.branches import BRANCH_HEADER, BRANCH_METADATA_KEY, branch_label
-from rollout_proxy.errors import AuthenticationFailed, InvalidRequest
+from rollout_proxy.errors import AuthenticationFailed
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.client_sampling import SamplingField, check_client_sampling
 from rollout_proxy.proxy.handlers.common import request_caller
@@ -36,7 +35,6 @@ from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.proxy.validation import CHECK_ITEMS, M, validate
 from rollout_proxy.records import SessionRecord
 from rollout_proxy.state.store import ReadAhead, SessionLease
-from rollout_proxy.wire.messages import ToolSet
 
 C = TypeVar("C")
 #: ``--resent-history``: "reuse" what the list memory holds, or "check" every body whole
@@ -103,37 +101,3 @@ async def take_in(request: web.Request, spec: Spec[M, C]) -> Taken[M, C]:
     if history is not None:  # taken in whole, its session open: remembered for the next turns
         history.commit()
     return Taken(lease, body, conversation, asked)
-
-
-def _branch_label(request: web.Request, body: Any) -> str | None:
-    """The label a request gives its branch (``core.branches``): the ``X-Rollout-Branch`` header, or the
-    ``rollout_branch`` key of the body's ``metadata``; a bad one is a 400."""
-    extra = getattr(body, "model_extra", None) or {}
-    metadata = getattr(body, "metadata", None) or extra.get("metadata")
-    try:
-        return branch_label(request.headers.get(BRANCH_HEADER), metadata)
-    except ValueError as exc:
-        param = BRANCH_HEADER if BRANCH_HEADER in request.headers else f"metadata.{BRANCH_METADATA_KEY}"
-        raise InvalidRequest(str(exc), param=param) from None
-
-
-def turn_meta(request: web.Request, api: str, call: Taken[Any, Any], tools: ToolSet) -> dict[str, Any]:
-    """What a turn's node records of its request beyond its messages, counted: the generation parameters
-    the session ignored (``client_sampling``), the tools left out of the prompt (``tools_left_out``) and
-    which rendered functions belong to a namespace (``tool_namespaces``: their calls go back with it)."""
-    metrics = request.app[keys.METRICS]
-    meta: dict[str, Any] = {}
-    label = _branch_label(request, call.body)
-    if label is not None:
-        meta["branch_label"] = label
-    if call.client_sampling:
-        meta["client_sampling"] = call.client_sampling
-        for name in call.client_sampling:
-            metrics.inc("client_sampling_ignored_total", api=api, field=name)
-    if tools.left_out:
-        meta["tools_left_out"] = tools.left_out
-        for tool in tools.left_out:
-            metrics.inc("tools_left_out_total", api=api, type=tool["type"])
-    if tools.namespaces:
-        meta["tool_namespaces"] = tools.namespaces
-    return meta

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from rollout_proxy.core.chat import ChatService
 from rollout_proxy.core.distill import Distillation
-from rollout_proxy.core.messages import MessagesService
-from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
+from rollout_proxy.core.turn_service import TurnService
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
@@ -31,9 +29,7 @@ FEED = web.AppKey("feed", Feed)
 ENGINES = web.AppKey("engines", Fleet)
 SESSIONS = web.AppKey("sessions", SessionService)
 TREE = web.AppKey("tree", ResponseTree)
-CHAT = web.AppKey("chat", ChatService)
-RESPONSES = web.AppKey("responses", ResponsesService)
-MESSAGES = web.AppKey("messages", MessagesService)  # the Anthropic Messages API
+TURNS = web.AppKey("turns", TurnService)  # every API's turns (``core.turn_service``)
 VIEWER = web.AppKey("viewer", Viewer)
 DISTILLATION = web.AppKey("distillation", Distillation)
 UI_ASSETS = web.AppKey("ui_assets", dict[str, Asset])

@@ -177,12 +177,12 @@ class ResentHistory:
         """Drop what only sessions expired by ``now`` used; how many entries went."""
         return self._lists.expire(now) + self._items.expire(now) + self._chain.expire(now)
 
-    def _path_hash(self, parent: str, key: bytes, until: float) -> str:
-        """``extend_path_hash_by_key``, remembered."""
+    def _path_hash(self, parent: str, key: bytes, until: float, computed: list[tuple[str, bytes, str]]) -> str:
+        """``extend_path_hash_by_key``, as remembered, else computed (and added to ``computed``)."""
         found = self._chain.get((parent, key), until=until)
         if found is None:
             found = extend_path_hash_by_key(parent, key)
-            self._chain.put((parent, key), found, size=_CHAIN_SIZE, until=until)
+            computed.append((parent, key, found))
         return found
 
 
@@ -191,6 +191,7 @@ class _Pending:
     """What a request remembers once it is taken in whole (``HistoryIntake.commit``)."""
 
     checked: list[bytes] = field(default_factory=list)  # the items it checked, for the memo
+    hashes: list[tuple[str, bytes, str]] = field(default_factory=list)  # path hashes it computed
     kept: KeptList | None = None
     resent: KeptList | None = None
     replace: bool = False
@@ -283,9 +284,9 @@ class HistoryIntake:
         message_keys += [right_sized(canonical_key(message)) for message in fold.messages[settled:]]
         hashes = [] if last is None else last.hashes[:settled]
         current = hashes[-1] if hashes else EMPTY_PATH_HASH
-        chain, until = self._memory._path_hash, self._until
+        chain, until, computed = self._memory._path_hash, self._until, self._pending.hashes
         for message_key in message_keys[settled:]:
-            current = chain(current, message_key, until)
+            current = chain(current, message_key, until, computed)
             hashes.append(current)
         if reused:
             self._memory.resent += 1
@@ -305,6 +306,8 @@ class HistoryIntake:
         memory, until = self._memory, self._until
         for raw in pending.checked:
             memory._items.put((self._api, right_sized(raw)), True, size=len(raw) + _ITEM_OVERHEAD, until=until)
+        for parent, key, path_hash in pending.hashes:
+            memory._chain.put((parent, key), path_hash, size=_CHAIN_SIZE, until=until)
         if pending.kept is not None:
             memory._lists.keep(
                 (self._api, self._session_id), pending.kept, resent=pending.resent, replace=pending.replace, until=until

@@ -203,25 +203,16 @@ class MemoryStore:
         lease: SessionLease | None = None,
     ) -> str:
         try:
-            return self._put_node(
-                session_id,
-                node,
-                paths=paths,
-                partial_paths=partial_paths,
-                latest=latest,
-                idempotency=idempotency,
-                engine=engine,
-            )
+            return self._write(session_id, node, paths, partial_paths, latest, idempotency, engine)
         finally:
             if lease is not None:  # the turn is done with what it read, and with its slot
                 lease.written()
                 await lease.close()
 
-    def _put_node(
+    def _write(
         self,
         session_id: str,
         node: ResponseNode,
-        *,
         paths: Mapping[str, str],
         partial_paths: Mapping[str, str],
         latest: str | None,

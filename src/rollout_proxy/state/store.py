@@ -106,9 +106,8 @@ class RequestBound:
 class ReadAhead:
     """What a turn reads right after its session, named up front so a store can read it in the same
     round trip: the path-index entries of ``hashes`` (``match_paths``) and the path of their deepest
-    whole-node match, or the path of ``response_id`` (``get_path``). A store may ignore it; one that
-    reads ahead answers the turn's next ``match_paths``/``get_path`` of exactly these from that read,
-    once, and forgets it at the turn's first write.
+    whole-node match, or the path of ``response_id`` (``get_path``). The read's ``SessionLease`` answers
+    them (``take_matches``, ``take_path``).
 
     ``bound``: the request bound whose slot the turn will take (its session token names it). A store
     takes the slot with the read when one is free, for an open session of that bound only: it is then

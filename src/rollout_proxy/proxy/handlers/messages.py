@@ -9,25 +9,25 @@ session's ``base_url`` (``…/v1``, hence ``/v1/v1/messages``); ``?beta=true`` a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import orjson
-import structlog
 from aiohttp import web
 
-from rollout_proxy.core.messages import API, THREAD_TOOLS, Thread
+from rollout_proxy.core.messages import API, THREAD_TOOLS, MessagesPlacement, Thread
 from rollout_proxy.core.tree import match_window
+from rollout_proxy.core.turn_service import Ask
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.ids import session_of_response
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.anthropic_answers import message_body, signed_node, signing_key
 from rollout_proxy.proxy.anthropic_models import CountTokensRequest, MessagesRequest
 from rollout_proxy.proxy.client_sampling import MESSAGES_FIELDS
+from rollout_proxy.proxy.handlers.turn import TurnPlan, serve_turn, turn_meta
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import Spec, Taken, take_in, turn_meta
+from rollout_proxy.proxy.intake import Spec, Taken, take_in
 from rollout_proxy.proxy.messages_stream import MessageEvents
 from rollout_proxy.proxy.resent_history import HistoryIntake
-from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
 from rollout_proxy.tokenization.messages import path_hashes
 from rollout_proxy.wire.anthropic import Conversation, conversation, split_tools, stop_sequences, system_message
@@ -110,13 +110,9 @@ MESSAGES = _spec(MessagesRequest)  # what a turn takes in
 COUNT_TOKENS = _spec(CountTokensRequest)
 
 
-async def create_message(request: web.Request) -> web.StreamResponse:
-    call = await take_in(request, MESSAGES)
-    async with call.lease:
-        return await _create(request, call)
-
-
-async def _create(request: web.Request, call: Taken[MessagesRequest, MessagesConversation]) -> web.StreamResponse:
+def _plan(request: web.Request, call: Taken[MessagesRequest, MessagesConversation]) -> TurnPlan:
+    """The turn a Messages request asks for, placed by content and signed thinking, or on a thread
+    (``core.messages``)."""
     session, body, read = call.session, call.body, call.conversation
     key = signing_key(request.app[keys.SETTINGS].token_secret)
     signed = read.signed(key, session.id)
@@ -130,35 +126,28 @@ async def _create(request: web.Request, call: Taken[MessagesRequest, MessagesCon
         thread = Thread(body.previous_message_id, None if system is None else system["content"])
     if body.thread is not None and toolset.functions is not None:  # a thread's later turns may leave them out
         meta[THREAD_TOOLS] = toolset.functions
-    arguments: dict[str, Any] = {
-        "tools": toolset.functions,
-        "stop": stop_sequences(body.stop_sequences),
-        "hashes": read.hashes or None,
-        "signed": signed,
-        "thread": thread,
-        "meta": meta,
-        "lease": call.lease,
-    }
-    service = request.app[keys.MESSAGES]
-    if body.stream:
-        events = service.stream(session, read.conversation.messages, **arguments)
-        return await serve_stream(request, events, lambda started: MessageEvents(started, model=body.model, key=key))
-    result = await service.complete(session, read.conversation.messages, **arguments)
-    structlog.contextvars.bind_contextvars(response_id=result.node.id)
-    return json_response(message_body(result, model=body.model, key=key))
+    return TurnPlan(
+        Ask(read.conversation.messages, tools=toolset.functions, stop=stop_sequences(body.stop_sequences), meta=meta),
+        MessagesPlacement(hashes=read.hashes or None, signed=signed, thread=thread),
+        stream=bool(body.stream),
+        body=lambda result: message_body(result, model=body.model, key=key),
+        framing=lambda started: MessageEvents(started, model=body.model, key=key),
+    )
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    return await serve_turn(request, MESSAGES, _plan)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
+    """A turn's placement and prompt, nothing sampled (``TurnService.count_tokens``)."""
     call = await take_in(request, COUNT_TOKENS)
     async with call.lease:
-        session, body, read = call.session, call.body, call.conversation
-        signed = read.signed(signing_key(request.app[keys.SETTINGS].token_secret), session.id)
-        count = await request.app[keys.MESSAGES].count_tokens(
-            session,
-            read.conversation.messages,
-            tools=split_tools(body.tools).functions,
-            hashes=read.hashes,
-            signed=signed,
-            lease=call.lease,
+        read = call.conversation
+        signed = read.signed(signing_key(request.app[keys.SETTINGS].token_secret), call.session.id)
+        count = await request.app[keys.TURNS].count_tokens(
+            call.lease,
+            Ask(read.conversation.messages, tools=split_tools(call.body.tools).functions),
+            MessagesPlacement(hashes=read.hashes, signed=signed),
         )
     return json_response({"input_tokens": count})

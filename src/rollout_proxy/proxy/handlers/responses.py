@@ -5,22 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 from aiohttp import web
 
+from rollout_proxy.core.responses import ResponsesPlacement
+from rollout_proxy.core.turn_service import Ask
 from rollout_proxy.core.turns import path_tokens
 from rollout_proxy.errors import NotFound
 from rollout_proxy.ids import session_of_response
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.client_sampling import RESPONSES_FIELDS
 from rollout_proxy.proxy.handlers.common import request_caller
+from rollout_proxy.proxy.handlers.turn import TurnPlan, serve_turn, turn_meta
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import Spec, Taken, take_in, turn_meta
+from rollout_proxy.proxy.intake import Spec, Taken
 from rollout_proxy.proxy.openai_responses import response_body
 from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.proxy.responses_stream import ResponseEvents
 from rollout_proxy.proxy.schemas import ResponsesRequest
-from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
 from rollout_proxy.wire.messages import split_tools
 from rollout_proxy.wire.responses import InputFold, input_to_messages
@@ -52,51 +53,32 @@ RESPONSES = Spec(
 )
 
 
-async def create_response(request: web.Request) -> web.StreamResponse:
-    call = await take_in(request, RESPONSES)  # a resent input's items are checked once
-    async with call.lease:
-        return await _create(request, call)
-
-
-async def _create(request: web.Request, call: Taken[ResponsesRequest, InputConversation]) -> web.StreamResponse:
+def _plan(request: web.Request, call: Taken[ResponsesRequest, InputConversation]) -> TurnPlan:
+    """The turn a Responses request asks for, placed by ``previous_response_id`` or by content
+    (``core.responses``)."""
     session, body = call.session, call.body
-    messages, message_keys = call.conversation.messages, call.conversation.keys
     toolset = split_tools(body.tools)
-    tools, meta = toolset.functions, turn_meta(request, "responses", call, toolset)
-    if body.stream:
-        events = request.app[keys.RESPONSES].stream(
-            session,
-            messages,
+    tools = toolset.functions
+    return TurnPlan(
+        Ask(call.conversation.messages, tools=tools, meta=turn_meta(request, "responses", call, toolset)),
+        ResponsesPlacement(
             previous_response_id=body.previous_response_id,
             instructions=body.instructions,
-            tools=tools,
             store=body.store,
-            meta=meta,
-            keys=message_keys,
-            lease=call.lease,
-        )
-        return await serve_stream(
-            request,
-            events,
-            lambda started: ResponseEvents(started, session=session, tools=tools or session.tools, model=body.model),
-        )
-    result, _ = await request.app[keys.RESPONSES].create(
-        session,
-        messages,
-        previous_response_id=body.previous_response_id,
-        instructions=body.instructions,
-        tools=tools,
-        store=body.store,
-        meta=meta,
-        keys=message_keys,
-        lease=call.lease,
-    )
-    structlog.contextvars.bind_contextvars(response_id=result.node.id)
-    return json_response(
-        response_body(
+            keys=call.conversation.keys,
+        ),
+        stream=bool(body.stream),
+        body=lambda result: response_body(
             result.node, prompt_ids=result.prompt_ids, session=session, tools=tools or session.tools, model=body.model
-        )
+        ),
+        framing=lambda started: ResponseEvents(
+            started, session=session, tools=tools or session.tools, model=body.model
+        ),
     )
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    return await serve_turn(request, RESPONSES, _plan)  # a resent input's items are checked once
 
 
 async def get_response(request: web.Request) -> web.Response:
