@@ -146,7 +146,7 @@ def structures(app: Any) -> dict[str, int]:
     from rollout_proxy.state.memory import MemoryStore
 
     store = app[keys.STORE]
-    known = app[keys.KNOWN_MESSAGES].held()
+    known = app[keys.RESENT_HISTORY].held()
     held: dict[str, int] = {
         "conversations": known["conversations"],
         "message_memo": known["messages"],

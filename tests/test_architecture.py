@@ -208,6 +208,27 @@ def test_the_trainer_does_not_touch_redis(graph):
 # -- the walk itself -------------------------------------------------------------------------
 
 
+def test_the_turn_path_sees_the_engines_through_the_router_protocol(graph):
+    """``core`` drives turns through ``engines.router.EngineRouter``, not the concrete ``Fleet`` (the teacher
+    pass, which reads a teacher fleet's members, is the one exception)."""
+    concrete = [
+        edge
+        for edge in graph.internal()
+        if edge.source.startswith("rollout_proxy.core.")
+        and edge.target == "rollout_proxy.engines.fleet"
+        and edge.source != "rollout_proxy.core.distill"
+    ]
+    assert not concrete, "\n".join(map(str, concrete))
+
+
+def test_no_module_of_the_intake_and_the_handlers_imports_the_other_back(graph):
+    """The intake imports what handlers share (``handlers.common``); nothing under ``handlers`` is imported
+    by the intake's own modules in return of an import of theirs (no import circle, not even for types)."""
+    edges = {(edge.source, edge.target) for edge in graph.internal()}
+    circles = sorted((a, b) for a, b in edges if (b, a) in edges and a < b and a.startswith("rollout_proxy.proxy."))
+    assert not circles, circles
+
+
 def test_the_walk_sees_the_package(graph):
     edges = graph.part_edges()
     assert ("core", "state") in edges and ("core", "engines") in edges

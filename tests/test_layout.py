@@ -59,10 +59,11 @@ TESTED_IN: dict[str, str] = {
     "proxy/handlers/responses.py": "tests/proxy/test_responses.py",
     "proxy/handlers/sessions.py": "tests/proxy/test_atomicity.py",
     "proxy/handlers/trajectories.py": "tests/proxy/test_rollout_export.py",
+    "proxy/handlers/turn.py": "tests/proxy/test_intake.py",
     "proxy/handlers/ui.py": "tests/ui/test_viewer_api.py",
     "proxy/handlers/viewer.py": "tests/ui/test_viewer_api.py",
     "proxy/http.py": "tests/proxy/test_http_edge.py",
-    "proxy/input_models.py": "tests/proxy/test_known_input.py",
+    "proxy/input_models.py": "tests/proxy/test_resent_history.py",
     "proxy/limits.py": "tests/proxy/test_validation_models.py",
     "proxy/message_models.py": "tests/proxy/test_validation_models.py",
     "proxy/middleware.py": "tests/proxy/test_errors.py",
@@ -107,12 +108,14 @@ TESTED_IN: dict[str, str] = {
     "ui/grades.py": "tests/ui/test_pieces_and_grades.py",
     "ui/pieces.py": "tests/ui/test_pieces_and_grades.py",
     "ui/service.py": "tests/ui/test_viewer_api.py",
-    "wire/anthropic.py": "tests/proxy/test_known_input.py",
+    "wire/anthropic.py": "tests/proxy/test_resent_history.py",
     "wire/feed.py": "tests/trainer/test_batch.py",
 }
 
 #: module -> why it needs no test file of its own
 NO_LOGIC: dict[str, str] = {
+    "engines/router.py": "a Protocol only; engines.fleet.Fleet implements it, tests/core/test_turn_logic.py drives a "
+    "turn through a stand-in",
     "proxy/keys.py": "typed web.AppKeys only",
     "proxy/openapi_answers.py": "TypedDicts for the OpenAPI document; tests/proxy/test_openapi.py checks the document",
     "proxy/openapi_examples.py": "example request bodies; tests/proxy/test_fuzz.py sends each one",

@@ -95,7 +95,7 @@ async def test_one_turn_is_a_span_tree_under_the_plugins_trace_and_the_engine_ge
 
     names = [s.name for s in children_of(spans, server)]
     assert "render" in names and "engine POST /v1/completions" in names
-    assert "store put_node" in names and "store match_paths" in names
+    assert "store put_node" in names and "store lease_session" in names  # the turn's read, and its write
     (engine_span,) = [s for s in spans if s.name == "engine POST /v1/completions"]
     assert engine_span.kind is SpanKind.CLIENT
     assert engine_span.attributes is not None and engine_span.attributes["rollout_proxy.engine.url"] == fake_engine.url

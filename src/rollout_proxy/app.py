@@ -15,13 +15,11 @@ import structlog
 from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from rollout_proxy.core.chat import ChatService
 from rollout_proxy.core.distill import Distillation, parse_teacher_templates, parse_teachers
-from rollout_proxy.core.messages import MessagesService
 from rollout_proxy.core.rendering import Renderers, RenderingConfig
-from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
+from rollout_proxy.core.turn_service import TurnService
 from rollout_proxy.core.turns import TurnRunner
 from rollout_proxy.engines.base import Engine
 from rollout_proxy.engines.fleet import Fleet, FleetSettings
@@ -43,10 +41,9 @@ from rollout_proxy.proxy.handlers import (
 )
 from rollout_proxy.proxy.handlers import distill as distill_handlers
 from rollout_proxy.proxy.handlers import feed as feed_handlers
-from rollout_proxy.proxy.known_input import KnownInputs
-from rollout_proxy.proxy.known_messages import KnownMessages
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.proxy.openapi import MESSAGES_ALIAS_PREFIXES
+from rollout_proxy.proxy.resent_history import ResentHistory
 from rollout_proxy.proxy.telemetry import telemetry_middleware
 from rollout_proxy.settings import Settings, part
 from rollout_proxy.state.connection import RedisOptions, is_redis_url
@@ -133,8 +130,7 @@ def create_app(
         exporters=span_exporters,
     )
     app[keys.TOKENS] = SessionTokens(settings.token_secret)
-    app[keys.KNOWN_MESSAGES] = KnownMessages()
-    app[keys.KNOWN_INPUTS] = KnownInputs()
+    app[keys.RESENT_HISTORY] = ResentHistory()
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         app[keys.STORE] = store if store is not None else await open_store(settings.store, redis_options(settings))
@@ -208,9 +204,7 @@ def create_app(
         )
         tree = ResponseTree(store=store, metrics=app[keys.METRICS])
         app[keys.TREE] = tree
-        app[keys.CHAT] = ChatService(tree=tree, turns=turns)
-        app[keys.RESPONSES] = ResponsesService(tree=tree, turns=turns)
-        app[keys.MESSAGES] = MessagesService(tree=tree, turns=turns)
+        app[keys.TURNS] = TurnService(tree=tree, turns=turns)
         yield
         await renderers.close()
 

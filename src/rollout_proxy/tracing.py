@@ -17,7 +17,8 @@ HTTP requests, can add their spans and timings to the request they serve. Outsid
 Span tree of one turn::
 
     POST /v1/chat/completions            SERVER, continues the plugin's traceparent
-      store get_session / match_paths    INTERNAL, one per store call
+      store lease_session / ...          INTERNAL, one per store call (the session read, with what the
+                                         turn reads next)
       render                             INTERNAL, the bridge tokens (local or by the engine)
         engine POST /tokenize            CLIENT, only when the engine renders
       engine POST /v1/completions        CLIENT, one per attempt (retries, failover), engine URL attribute

@@ -61,7 +61,7 @@ async def test_the_interleaved_cases_main_turns_take_in_only_what_they_add(
         ProxyHarness.running(engine_urls=[fake_engine.url], fake=fake_engine, chat_template=template) as proxy,
         aiohttp.ClientSession() as http,
     ):
-        inputs, messages = proxy.app[keys.KNOWN_INPUTS], proxy.app[keys.KNOWN_MESSAGES]
+        memory = proxy.app[keys.RESENT_HISTORY]
         for api in resent_input.APIS:
             status, created = await proxy.request("POST", "/v1/sessions", json={"generation": {"max_new_tokens": 16}})
             assert status == 201, created
@@ -69,9 +69,9 @@ async def test_the_interleaved_cases_main_turns_take_in_only_what_they_add(
             session = resent_input.Session(main, interleaved=True)
             fresh = []
             for k in range(12):
-                before = inputs.fresh_items + messages.fresh_messages
+                before = memory.fresh_items
                 await resent_input.turn(http, main, k)
-                fresh.append(inputs.fresh_items + messages.fresh_messages - before)
+                fresh.append(memory.fresh_items - before)
                 await session.between(http, k)
             # after the first turn: the answer and the next user message (the Messages API: and the message
             # whose cache mark moved on)

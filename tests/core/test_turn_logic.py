@@ -10,7 +10,7 @@ as reasoning when the prompt left a ``<think>`` open; the stream releases the sa
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -20,9 +20,12 @@ from rollout_proxy.core.streaming import TurnDelta, TurnDone, TurnStreamer
 from rollout_proxy.core.trajectory import assemble
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turns import TurnRunner
+from rollout_proxy.engines.base import SamplingParams
 from rollout_proxy.engines.fleet import Fleet
+from rollout_proxy.engines.sampling import Sampled
 from rollout_proxy.errors import EngineError
 from rollout_proxy.metrics import Metrics
+from rollout_proxy.records import PolicySpan
 from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.tokenization.parsers import OutputParser
 from tests.core.builders import session_record
@@ -137,3 +140,58 @@ async def test_an_engine_that_does_not_echo_the_prompt_is_refused():
         with pytest.raises(EngineError, match="drift check cannot run"):
             await turn(rig, session, [QUESTION])
         assert await rig.store.latest(session.id, "*") is None
+
+
+class OpenGate:
+    paused = False
+
+    async def wait(self, *, queued: bool = True) -> None:
+        return None
+
+
+@dataclass
+class OneEngine:
+    """An ``EngineRouter`` that is not the fleet: one engine, no health, no failover, a fixed version."""
+
+    engine: ScriptedEngine
+    gate: OpenGate = field(default_factory=OpenGate)
+    retries: int = 0
+
+    def route(self, sticky: str | None, *, exclude: frozenset[str] | set[str] = frozenset()) -> ScriptedEngine:
+        return self.engine
+
+    async def route_now(
+        self, sticky: str | None, *, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> ScriptedEngine:
+        return self.engine
+
+    def pick(self) -> ScriptedEngine:
+        return self.engine
+
+    def report_failure(self, engine: object, error: BaseException, *, what: str = "call") -> None:
+        raise AssertionError(f"no step fails here: {error}")
+
+    async def sample(self, engine: ScriptedEngine, prompt: np.ndarray, params: SamplingParams, *, sink=None) -> Sampled:
+        completion = await engine.complete(prompt, params, sink=sink)
+        return Sampled(completion, engine, (PolicySpan(7, 0, len(completion.output_ids)),))
+
+
+async def test_a_turn_sees_the_engines_only_through_the_router_protocol():
+    """The core takes any ``EngineRouter``: a stand-in that is no fleet drives a whole turn, and the node
+    records the versions its ``sample`` said."""
+    engine, store, metrics = ScriptedEngine(), MemoryStore(), Metrics()
+    runner = TurnRunner(
+        store=store,
+        engines=OneEngine(engine),
+        parser=OutputParser.named("hermes", "think"),
+        metrics=metrics,
+        renderers=Renderers(RenderingConfig(), metrics=metrics),
+    )
+    session = session_record(engine=engine.url)
+    await store.create_session(session)
+    engine.queue("Sunny.")
+    placement = await ResponseTree(store=store, metrics=metrics).locate(session, [QUESTION], api="chat")
+    result = await runner.generate(session, placement, api="chat", tools=None)
+    assert result.node.messages[-1] == {"role": "assistant", "content": "Sunny."}
+    assert result.node.policy_versions == (PolicySpan(7, 0, len(result.node.output_ids)),)
+    await store.close()

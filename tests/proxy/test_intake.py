@@ -46,8 +46,8 @@ async def pair(fake_engine: FakeEngine, template_name: str) -> AsyncIterator[dic
 
 
 def fresh(proxy: ProxyHarness) -> int:
-    """Items the memories took in past the list they resend (checked, normalized or folded), both memories."""
-    return proxy.app[keys.KNOWN_MESSAGES].fresh_messages + proxy.app[keys.KNOWN_INPUTS].fresh_items
+    """Items the memory took in past the list they resend (checked and folded), every API's."""
+    return proxy.app[keys.RESENT_HISTORY].fresh_items
 
 
 async def send(proxy: ProxyHarness, token: str, path: str, body: Any, *, spaced: bool = False) -> tuple[int, Any]:
@@ -181,7 +181,8 @@ class InterleavedChatScript:
                 yield "/v1/chat/completions", {"model": "m", "messages": subagent}, False, 2
                 subagent = [*subagent, self.last["choices"][0]["message"], {"role": "user", "content": f"More {turn}."}]
             title = [{"role": "system", "content": "Write a title."}, {"role": "user", "content": f"Fix it, {turn}."}]
-            yield "/v1/chat/completions", {"model": "m", "messages": title}, False, 2
+            yield "/v1/chat/completions", {"model": "m", "messages": title}, False, 2 if turn == 0 else 1  # the last
+            # title's system message reused
         bad = [*main[:-1], {"role": "tool", "content": "no id"}]  # refused after a resent history
         yield "/v1/chat/completions", {"model": "m", "messages": bad}, False
 
@@ -283,6 +284,6 @@ async def test_the_reused_history_was_reused(pair):
     await run_both(pair, ResponsesScript())
     await run_both(pair, MessagesScript())
     reuse, check = pair["reuse"].app, pair["check"].app
-    assert reuse[keys.KNOWN_MESSAGES].resent_bodies > 0 and reuse[keys.KNOWN_INPUTS].resent > 0
-    assert check[keys.KNOWN_MESSAGES].resent_bodies == 0 and check[keys.KNOWN_INPUTS].resent == 0
-    assert len(check[keys.KNOWN_INPUTS]) == 0
+    assert reuse[keys.RESENT_HISTORY].resent_bodies > 0 and reuse[keys.RESENT_HISTORY].resent > 0
+    assert check[keys.RESENT_HISTORY].resent_bodies == 0 and check[keys.RESENT_HISTORY].resent == 0
+    assert check[keys.RESENT_HISTORY].held()["conversations"] == 0

@@ -55,8 +55,7 @@ async def clocked_store(request: pytest.FixtureRequest) -> AsyncIterator[tuple[A
 def held(app: Any) -> dict[str, int]:
     """Entries of each per-session structure of the app."""
     store = app[keys.STORE]
-    counts = {key: value for key, value in app[keys.KNOWN_MESSAGES].held().items() if not key.endswith("bytes")}
-    counts["known_inputs"] = len(app[keys.KNOWN_INPUTS])
+    counts = {key: value for key, value in app[keys.RESENT_HISTORY].held().items() if not key.endswith("bytes")}
     counts["verified_tokens"] = len(app[keys.TOKENS])
     counts["open_sessions"] = len(app[keys.METRICS].sessions._expiry)  # held, whether or not counted since
     if isinstance(store, MemoryStore):
@@ -114,17 +113,17 @@ async def test_what_a_session_leaves_goes_when_it_finishes_or_expires(
         app = proxy.app
         ids = [await rollout(proxy, index, 3) for index in range(8)]
         harnessed = [await harness_rollout(proxy, index, 3) for index in range(2)]
-        assert held(app)["known_inputs"] == 2
+        assert held(app)["conversations"] == 8 + 2  # each session's chat messages, or its Responses input
         await finish(proxy, harnessed[0])
-        assert held(app)["known_inputs"] == 1  # a finish forgets the session's input
+        assert held(app)["conversations"] == 8 + 1  # a finish forgets the session's input
         await finish(proxy, ids[0])
         during = held(app)
-        assert during["conversations"] == 7 and during["verified_tokens"] == 10 and during["open_sessions"] == 8
+        assert during["conversations"] == 7 + 1 and during["verified_tokens"] == 10 and during["open_sessions"] == 8
         assert during.get("request_bounds", 0) == 0  # a bound lives while a turn holds or waits for its slot
         for session_id in ids[1:4]:
             await finish(proxy, session_id)
         finished = held(app)
-        assert finished["conversations"] == 4 and finished["open_sessions"] == 5
+        assert finished["conversations"] == 4 + 1 and finished["open_sessions"] == 5
         assert finished.get("held_paths", 5) == 5  # a finish drops its session's held path
         # the metrics label by route template, status, engine, outcome: never by session or response
         labels = {str(value) for key in app[keys.METRICS]._children for _, value in key[1:]}

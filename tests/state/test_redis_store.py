@@ -70,8 +70,8 @@ async def test_a_turns_read_brings_only_the_nodes_below_the_path_this_worker_hol
 
         async def turn(store, upto: int) -> list[str]:
             decoded.clear()
-            await store.get_session(record.id, read_ahead=ReadAhead(hashes=(chain[upto].path_hash,)))
-            path = await store.get_path(record.id, chain[upto].id)
+            lease = await store.lease_session(record.id, ReadAhead(hashes=(chain[upto].path_hash,)))
+            path = lease.take_path(chain[upto].id)
             assert [n.id for n in path] == [n.id for n in chain[: upto + 1]]
             return list(decoded)
 
@@ -94,7 +94,7 @@ async def test_a_turns_read_brings_only_the_nodes_below_the_path_this_worker_hol
 async def test_a_turns_read_walks_the_newest_of_siblings_that_share_a_path(redis_store):
     """A path-index entry naming several nodes (``a|b``): the read ahead walks the newest's path, and a later
     read of another sibling's path is a fresh one, not the one read ahead."""
-    from rollout_proxy.state.store import ReadAhead
+    from rollout_proxy.state.store import NOT_READ, ReadAhead
     from tests.state.test_store_contract import node, put, session_record
 
     record = session_record()
@@ -105,12 +105,12 @@ async def test_a_turns_read_walks_the_newest_of_siblings_that_share_a_path(redis
     for sibling in (older, newer):
         await put(redis_store, record.id, sibling, paths={"p-same": sibling.id})
     ahead = ReadAhead(hashes=("p-same",))
-    await redis_store.get_session(record.id, read_ahead=ahead)
-    held = redis_store._ahead.get()
-    assert held is not None and held.leaf == newer.id and [n.id for n in held.path] == [root.id, newer.id]
-    assert await redis_store.match_paths(record.id, ["p-same"]) == [f"{newer.id}|{older.id}"]
-    assert [n.id for n in await redis_store.get_path(record.id, newer.id)] == [root.id, newer.id]
-    await redis_store.get_session(record.id, read_ahead=ahead)
+    lease = await redis_store.lease_session(record.id, ahead)
+    assert lease.leaf == newer.id and [n.id for n in lease.path] == [root.id, newer.id]
+    assert lease.take_matches(["p-same"]) == [f"{newer.id}|{older.id}"]
+    assert [n.id for n in lease.take_path(newer.id)] == [root.id, newer.id]
+    lease = await redis_store.lease_session(record.id, ahead)
+    assert lease.take_path(older.id) is NOT_READ  # another sibling's path: read from the store
     assert [n.id for n in await redis_store.get_path(record.id, older.id)] == [root.id, older.id]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import numpy as np
@@ -21,7 +22,7 @@ from rollout_proxy.records import (
 )
 from rollout_proxy.state.codec import BlobCompressor
 from rollout_proxy.state.memory import MemoryStore
-from rollout_proxy.state.store import SIBLINGS, Idempotency
+from rollout_proxy.state.store import NOT_READ, SIBLINGS, Idempotency, ReadAhead, RequestBound
 from tests.harness import store_snapshot
 
 
@@ -332,3 +333,105 @@ async def test_a_teacher_pass_is_kept_per_response_and_expires_with_its_session(
     assert await store.get_teacher_scores(record.id, item.id) is None
     assert not await store.put_teacher_scores(record.id, item.id, first)  # the session is gone: nothing written
     assert record.id not in str(await store_snapshot(store))
+
+
+# -- a turn's session read: SessionLease ------------------------------------------------------------
+
+
+async def test_a_lease_answers_what_it_read_ahead_once_as_of_the_read_and_nothing_after_its_write(store):
+    record = session_record()
+    await store.create_session(record)
+    root = node(record.id, None, seed=1)
+    await put(store, record.id, root)
+    lease = await store.lease_session(record.id, ReadAhead(hashes=("h1", "h2")))
+    assert lease.session.to_dict() == record.to_dict() and lease.slot is None
+    child = node(record.id, root.id, seed=2)
+    await put(store, record.id, child)  # not through the lease: what it read stays as of its read
+    assert lease.take_matches(["h1", "h2"]) == [root.id, None]
+    assert lease.take_matches(["h1", "h2"]) is NOT_READ  # once: a later read is the store's
+    assert await store.match_paths(record.id, ["h1", "h2"]) == [root.id, child.id]
+    assert [n.id for n in lease.take_path(root.id)] == [root.id]  # the deepest whole-node match's path
+    assert lease.take_path(root.id) is NOT_READ
+    # other hashes than those read ahead use them up, and are the store's to answer
+    lease = await store.lease_session(record.id, ReadAhead(hashes=("h1",)))
+    assert lease.take_matches(["h2"]) is NOT_READ and lease.take_matches(["h1"]) is NOT_READ
+    # a node written through the lease drops what it read ahead
+    lease = await store.lease_session(record.id, ReadAhead(response_id=child.id))
+    assert lease.leaf == child.id and lease.take_path(root.id) is NOT_READ
+    await store.put_node(
+        record.id, node(record.id, child.id, seed=3), paths={}, partial_paths={}, latest=None, lease=lease
+    )
+    assert lease.take_path(child.id) is NOT_READ
+    # a response id that is not in the session is read ahead as absent
+    missing = new_response_id(record.id)
+    lease = await store.lease_session(record.id, ReadAhead(response_id=missing))
+    assert lease.take_path(missing) is None
+    assert await store.lease_session(new_session_id(), ReadAhead()) is None
+
+
+def bounded_record(key: str, limit: int = 1) -> SessionRecord:
+    record = session_record()
+    record.concurrency = {"key": key, "max_requests": limit}
+    return record
+
+
+async def all_free(store, key: str, limit: int) -> bool:
+    """Whether ``limit`` slots of ``key`` can be held at once (nothing left behind): a slot that goes back
+    when its task ends goes back in the background, so soon rather than at once."""
+    async with asyncio.timeout(5), contextlib.AsyncExitStack() as held:
+        for _ in range(limit):
+            await held.enter_async_context(store.request_slot(key, limit, lease=30.0))
+    return True
+
+
+async def test_a_slot_taken_with_the_read_goes_back_at_the_write_at_close_or_when_its_task_ends(store):
+    if getattr(store, "_cluster", False):
+        pytest.skip("a cluster's session read takes no slot (state.redis): the turn takes it at its engine call")
+    key = f"job-{new_session_id()}"
+    record = bounded_record(key)
+    await store.create_session(record)
+    bound = RequestBound(key, 1)
+    lease = await store.lease_session(record.id, ReadAhead(bound=bound))
+    assert lease.slot is not None and lease.slot.held and lease.slot.key == key
+    async with asyncio.timeout(1), store.request_slot(key, 1, lease=30.0, taken=lease.slot):
+        pass  # the turn's own slot: no wait
+    other = await store.lease_session(record.id, ReadAhead(bound=bound))
+    assert other.slot is None  # the bound is full: that turn waits for a slot at its engine call
+    root = node(record.id, None, seed=1)
+    await put(store, record.id, root)  # not through the lease: its slot stays held
+    assert lease.slot.held
+    await store.put_node(
+        record.id, node(record.id, root.id, seed=2), paths={}, partial_paths={}, latest=None, lease=lease
+    )
+    assert not lease.slot.held and await all_free(store, key, 1)
+    # closed without a write (a turn refused after its read): given back, once
+    lease = await store.lease_session(record.id, ReadAhead(bound=bound))
+    assert lease.slot is not None
+    await lease.close()
+    await lease.close()
+    assert not lease.slot.held and await all_free(store, key, 1)
+
+    # a task that ends without a write or a close gives it back, whatever ended it
+    async def read_and_fail() -> None:
+        taken = await store.lease_session(record.id, ReadAhead(bound=bound))
+        assert taken.slot is not None
+        raise RuntimeError("the turn failed")
+
+    with pytest.raises(RuntimeError):
+        await asyncio.create_task(read_and_fail())
+    assert await all_free(store, key, 1)
+
+
+async def test_no_slot_is_taken_for_a_session_that_is_not_open_or_not_of_that_bound(store):
+    key = f"job-{new_session_id()}"
+    bound = RequestBound(key, 1)
+    finished = bounded_record(key)
+    await store.create_session(finished)
+    await store.finish_session(finished.id, {"status": "success"})
+    other = bounded_record(f"other-{key}")
+    await store.create_session(other)
+    for session_id in (finished.id, other.id):
+        lease = await store.lease_session(session_id, ReadAhead(bound=bound))
+        assert lease is not None and lease.slot is None
+    assert await store.lease_session(new_session_id(), ReadAhead(bound=bound)) is None
+    assert await all_free(store, key, 1)

@@ -1,4 +1,4 @@
-"""Chat Completions: the conversation is attached by content, then extended by a turn.
+"""Chat Completions: the conversation is attached by content, then extended by a turn (``core.turn_service``).
 
 The client sends the whole conversation and the policy sees it as sent: a new root whose conversation
 does not hold the session's sample (or only part of it) is flagged, never given the sample
@@ -6,62 +6,37 @@ does not hold the session's sample (or only part of it) is flagged, never given 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from rollout_proxy.core.streaming import StreamEvent, TurnStreamer
 from rollout_proxy.core.tree import Placement, ResponseTree, place_sample
-from rollout_proxy.core.turns import TurnResult, TurnRunner
+from rollout_proxy.core.turn_service import Ask
 from rollout_proxy.records import SessionRecord
+from rollout_proxy.state.store import SessionLease
 
 
-class ChatService:
-    def __init__(self, *, tree: ResponseTree, turns: TurnRunner) -> None:
-        self._tree = tree
-        self._turns = turns
+@dataclass(frozen=True, slots=True)
+class ChatPlacement:
+    """A Chat Completions turn's placement (``core.turn_service.Placing``); ``hashes``: the messages' path
+    hashes when the caller already has them (the intake's)."""
 
-    async def complete(
-        self,
-        session: SessionRecord,
-        messages: list[dict[str, Any]],
-        *,
-        tools: list[dict[str, Any]] | None,
-        stop: Sequence[str] = (),
-        hashes: Sequence[str] | None = None,
-        meta: dict[str, Any] | None = None,
-    ) -> TurnResult:
-        """``hashes``: the messages' path hashes when the caller already has them (the session read's);
-        ``meta``: what the node records of the request beyond its messages."""
-        placement = await self._locate(session, messages, hashes)
-        return await self._turns.generate(
-            session, placement, api="chat", tools=tools if tools is not None else session.tools, stop=stop, meta=meta
-        )
+    hashes: Sequence[str] | None = None
 
-    async def stream(
-        self,
-        session: SessionRecord,
-        messages: list[dict[str, Any]],
-        *,
-        tools: list[dict[str, Any]] | None,
-        stop: Sequence[str] = (),
-        hashes: Sequence[str] | None = None,
-        meta: dict[str, Any] | None = None,
-    ) -> AsyncGenerator[StreamEvent, None]:
-        """``complete``, streamed (``core.streaming``): the same node is recorded at the end."""
-        placement = await self._locate(session, messages, hashes)
-        events = TurnStreamer(self._turns).stream(
-            session, placement, api="chat", tools=tools if tools is not None else session.tools, stop=stop, meta=meta
-        )
-        async with contextlib.aclosing(events):
-            async for event in events:
-                yield event
+    @property
+    def api(self) -> str:
+        return "chat"
 
-    async def _locate(
-        self, session: SessionRecord, messages: list[dict[str, Any]], hashes: Sequence[str] | None
-    ) -> Placement:
+    async def place(self, tree: ResponseTree, lease: SessionLease, ask: Ask) -> Placement:
         """The parent by content; a new root says how it holds the session's sample."""
-        placement = await self._tree.locate(session, messages, api="chat", hashes=hashes)
+        session = lease.session
+        placement = await tree.locate(session, ask.messages, api="chat", hashes=self.hashes, lease=lease)
         if not placement.parent:
-            placement.sample = place_sample(session.messages, messages, insert=False)[1]
+            placement.sample = place_sample(session.messages, ask.messages, insert=False)[1]
         return placement
+
+    def tools(self, session: SessionRecord, placement: Placement, ask: Ask) -> list[dict[str, Any]] | None:
+        return ask.tools if ask.tools is not None else session.tools
+
+    def meta(self, session: SessionRecord, placement: Placement, ask: Ask) -> dict[str, Any] | None:
+        return ask.meta

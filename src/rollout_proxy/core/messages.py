@@ -1,5 +1,5 @@
 """The Anthropic Messages API on the response tree: the conversation attached by content, as Chat
-Completions are, then extended by a turn.
+Completions are, then extended by a turn (``core.turn_service``).
 
 The client sends the whole conversation (``system`` first, then its messages), or, on a server-held thread
 (``thread: {"type": "continue", "previous_message_id"}``, the anthropic SDK's tool runner), only the new
@@ -16,19 +16,17 @@ parent: the trajectory goes on from the tokens this client was answered.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import structlog
 
-from rollout_proxy.core.streaming import StreamEvent, TurnStreamer
 from rollout_proxy.core.tree import Placement, ResponseTree, place_sample
-from rollout_proxy.core.turns import TurnResult, TurnRunner
+from rollout_proxy.core.turn_service import Ask
 from rollout_proxy.errors import InvalidRequest, NotFound
 from rollout_proxy.records import SessionRecord
+from rollout_proxy.state.store import SessionLease
 
 log = structlog.get_logger(__name__)
 
@@ -47,90 +45,36 @@ class Thread:
     system: str | None = None
 
 
-class MessagesService:
-    def __init__(self, *, tree: ResponseTree, turns: TurnRunner) -> None:
-        self._tree = tree
-        self._turns = turns
+@dataclass(frozen=True, slots=True)
+class MessagesPlacement:
+    """A Messages API turn's placement (``core.turn_service.Placing``): ``hashes``, the messages' path hashes
+    (computed with the session read); ``signed``, (message index, node id) of the assistant messages whose
+    thinking the proxy signed; ``thread``, the message a server-held thread continues from."""
 
-    async def complete(
-        self,
-        session: SessionRecord,
-        messages: list[dict[str, Any]],
-        *,
-        tools: list[dict[str, Any]] | None,
-        stop: Sequence[str] = (),
-        hashes: Sequence[str] | None = None,
-        signed: Sequence[tuple[int, str]] = (),
-        thread: Thread | None = None,
-        meta: dict[str, Any] | None = None,
-    ) -> TurnResult:
-        """``hashes``: the messages' path hashes (computed with the session read); ``signed``: (message index,
-        node id) of the assistant messages whose thinking the proxy signed; ``meta``: what the node records of
-        the request beyond its messages; ``thread``: the message a server-held thread continues from."""
-        placement = await self.locate(session, messages, hashes=hashes, signed=signed, thread=thread)
-        tools = self._tools(session, placement, tools, thread)
-        return await self._turns.generate(session, placement, api=API, tools=tools, stop=stop, meta=meta)
+    hashes: Sequence[str] | None = None
+    signed: Sequence[tuple[int, str]] = ()
+    thread: Thread | None = None
 
-    async def stream(
-        self,
-        session: SessionRecord,
-        messages: list[dict[str, Any]],
-        *,
-        tools: list[dict[str, Any]] | None,
-        stop: Sequence[str] = (),
-        hashes: Sequence[str] | None = None,
-        signed: Sequence[tuple[int, str]] = (),
-        thread: Thread | None = None,
-        meta: dict[str, Any] | None = None,
-    ) -> AsyncGenerator[StreamEvent, None]:
-        """``complete``, streamed (``core.streaming``): the same node is recorded at the end."""
-        placement = await self.locate(session, messages, hashes=hashes, signed=signed, thread=thread)
-        tools = self._tools(session, placement, tools, thread)
-        events = TurnStreamer(self._turns).stream(session, placement, api=API, tools=tools, stop=stop, meta=meta)
-        async with contextlib.aclosing(events):
-            async for event in events:
-                yield event
+    @property
+    def api(self) -> str:
+        return API
 
-    async def count_tokens(
-        self,
-        session: SessionRecord,
-        messages: list[dict[str, Any]],
-        *,
-        tools: list[dict[str, Any]] | None,
-        hashes: Sequence[str] | None = None,
-        signed: Sequence[tuple[int, str]] = (),
-    ) -> int:
-        """How many tokens the prompt of a turn on this conversation has: the parent's exact tokens and the
-        bridge for the rest, rendered by the policy's template; nothing is stored."""
-        placement = await self.locate(session, messages, hashes=hashes, signed=signed)
-        prompt: np.ndarray = await self._turns.prompt_tokens(
-            session, placement, tools=self._tools(session, placement, tools, None)
-        )
-        return len(prompt)
-
-    async def locate(
-        self,
-        session: SessionRecord,
-        messages: list[dict[str, Any]],
-        *,
-        hashes: Sequence[str] | None,
-        signed: Sequence[tuple[int, str]],
-        thread: Thread | None = None,
-    ) -> Placement:
+    async def place(self, tree: ResponseTree, lease: SessionLease, ask: Ask) -> Placement:
         """The parent by content, or by the signature of the last assistant message it covers (module
         docstring), or the message a thread continues from; a new root says how it holds the session's
         sample."""
-        if thread is not None:
-            return await self._continue(session, messages, thread)
-        named = dict(signed)
-        placement = await self._tree.locate(session, messages, api=API, hashes=hashes, named=named)
+        session, messages = lease.session, ask.messages
+        if self.thread is not None:
+            return await self._continue(tree, lease, messages, self.thread)
+        named = dict(self.signed)
+        placement = await tree.locate(session, messages, api=API, hashes=self.hashes, named=named, lease=lease)
         covered = len(messages) - len(placement.new_messages)
         last = covered - 1
         if placement.parent and last in named and placement.parent[-1].id != named[last]:
-            path = await self._tree.path(session.id, named[last], param="messages")
+            path = await tree.path(session.id, named[last], param="messages", lease=lease)
             if path[-1].path_hash == placement.parent[-1].path_hash:  # the same conversation: only tokens differ
                 log.info("parent_by_signature", parent_id=path[-1].id, by_content=placement.parent[-1].id)
-                self._turns.metrics.inc("parents_by_signature_total", api=API)
+                tree.metrics.inc("parents_by_signature_total", api=API)
                 placement = Placement(
                     parent=path,
                     new_messages=placement.new_messages,
@@ -141,11 +85,14 @@ class MessagesService:
             placement.sample = place_sample(session.messages, messages, insert=False)[1]
         return placement
 
-    async def _continue(self, session: SessionRecord, messages: list[dict[str, Any]], thread: Thread) -> Placement:
+    @staticmethod
+    async def _continue(
+        tree: ResponseTree, lease: SessionLease, messages: list[dict[str, Any]], thread: Thread
+    ) -> Placement:
         """The thread's next turn: the new messages after the node ``thread`` names (an echo of its output
         dropped); a ``system`` sent again must be the one the thread started with (the policy saw it)."""
         try:
-            placement = await self._tree.after(session, thread.previous_message_id, messages)
+            placement = await tree.after(lease.session, thread.previous_message_id, messages, lease=lease)
         except NotFound:
             raise NotFound(
                 f"message {thread.previous_message_id!r} not found in this session", param="thread.previous_message_id"
@@ -160,16 +107,16 @@ class MessagesService:
             )
         return placement
 
-    @staticmethod
-    def _tools(
-        session: SessionRecord, placement: Placement, tools: list[dict[str, Any]] | None, thread: Thread | None
-    ) -> list[dict[str, Any]] | None:
+    def tools(self, session: SessionRecord, placement: Placement, ask: Ask) -> list[dict[str, Any]] | None:
         """The turn's tools: the request's, else (continuing a thread) the ones its last turn that sent tools
         recorded (``THREAD_TOOLS``), else the session's."""
-        if tools is not None:
-            return tools
-        if thread is not None:
+        if ask.tools is not None:
+            return ask.tools
+        if self.thread is not None:
             for node in reversed(placement.parent):
                 if THREAD_TOOLS in node.meta:
                     return list(node.meta[THREAD_TOOLS])
         return session.tools
+
+    def meta(self, session: SessionRecord, placement: Placement, ask: Ask) -> dict[str, Any] | None:
+        return ask.meta

@@ -3,24 +3,25 @@
 Only the new input is rendered (as bridge tokens after the parent's exact tokens);
 nothing earlier is ever re-tokenized. Without ``previous_response_id`` the input is a whole
 conversation from the root (``instructions`` first, as a system message), with the session's sample
-placed in it by ``core.tree.place_sample``, attached by content as Chat Completions are.
+placed in it by ``core.tree.place_sample``, attached by content as Chat Completions are. Messages a
+client appends to a session (``POST /v1/sessions/{id}/messages``) are placed the same way
+(``core.turn_service.TurnService.append``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from rollout_proxy.core.streaming import StreamEvent, TurnStreamer
 from rollout_proxy.core.tree import Placement, ResponseTree, SamplePlacement, place_sample
-from rollout_proxy.core.turns import TurnResult, TurnRunner
+from rollout_proxy.core.turn_service import Ask
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.records import ResponseNode, SessionRecord
-from rollout_proxy.state.store import Idempotency
+from rollout_proxy.state.store import Idempotency, SessionLease
 from rollout_proxy.tokenization.messages import canonical_key, path_hashes_of_keys
 
 MAX_IDEMPOTENCY_KEY = 255
@@ -45,151 +46,52 @@ def root_instructions(path: Sequence[ResponseNode]) -> str | None:
     return path[0].meta.get("instructions") if path else None
 
 
-class ResponsesService:
-    def __init__(self, *, tree: ResponseTree, turns: TurnRunner) -> None:
-        self._tree = tree
-        self._turns = turns
+@dataclass(frozen=True, slots=True)
+class ResponsesPlacement:
+    """A Responses turn's placement (``core.turn_service.Placing``); ``keys``: the messages'
+    ``canonical_key``s when the caller has them (a resent input keyed once); ``api``: ``"injected"`` for
+    appended messages."""
 
-    async def _place(
-        self,
-        session: SessionRecord,
-        messages: list[dict[str, Any]],
-        *,
-        previous_response_id: str | None,
-        instructions: str | None,
-        api: str,
-        keys: Sequence[bytes] | None = None,
-    ) -> Placement:
-        """``keys``: the messages' ``canonical_key``s when the caller has them (a resent input keyed once)."""
-        if previous_response_id is not None:
-            placement = await self._tree.after(session, previous_response_id, messages)
-            if instructions is not None and instructions != root_instructions(placement.parent):
+    previous_response_id: str | None = None
+    instructions: str | None = None
+    store: bool = True
+    keys: Sequence[bytes] | None = None
+    api: str = "responses"
+
+    async def place(self, tree: ResponseTree, lease: SessionLease, ask: Ask) -> Placement:
+        session, messages, keys = lease.session, ask.messages, self.keys
+        if self.previous_response_id is not None:
+            placement = await tree.after(session, self.previous_response_id, messages, lease=lease)
+            if self.instructions is not None and self.instructions != root_instructions(placement.parent):
                 raise InvalidRequest(
                     "instructions differ from the ones this conversation started with; the policy already saw "
                     "those, so they cannot change inside a conversation tree",
                     param="instructions",
                 )
             return placement
-        if instructions:  # the instructions are the conversation's first message, as the client's system prompt
-            system = {"role": "system", "content": instructions}
+        if self.instructions:  # the instructions are the conversation's first message, as the client's system prompt
+            system = {"role": "system", "content": self.instructions}
             messages = [system, *messages]
             keys = None if keys is None else [canonical_key(system), *keys]
         conversation, sample = place_sample(session.messages, messages, keys=keys)
         hashes = None if keys is None or sample is SamplePlacement.INSERTED else path_hashes_of_keys(keys)
-        placement = await self._tree.locate(session, conversation, api=api, hashes=hashes)
+        placement = await tree.locate(session, conversation, api=self.api, hashes=hashes, lease=lease)
         placement.sample = sample
         return placement
 
-    async def create(
-        self,
-        session: SessionRecord,
-        messages: list[dict[str, Any]],
-        *,
-        previous_response_id: str | None,
-        instructions: str | None,
-        tools: list[dict[str, Any]] | None,
-        store: bool,
-        meta: dict[str, Any] | None = None,
-        keys: Sequence[bytes] | None = None,
-    ) -> tuple[TurnResult, list[ResponseNode]]:
-        """Generate one response; returns it and the path it extends. ``meta``: what the node records of the
-        request beyond its messages and the Responses fields."""
-        placement, meta = await self._placed(
-            session,
-            messages,
-            previous_response_id=previous_response_id,
-            instructions=instructions,
-            tools=tools,
-            store=store,
-            meta=meta,
-            keys=keys,
-        )
-        result = await self._turns.generate(
-            session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
-        )
-        return result, placement.parent
+    def tools(self, session: SessionRecord, placement: Placement, ask: Ask) -> list[dict[str, Any]] | None:
+        return ask.tools if ask.tools is not None else session.tools
 
-    async def stream(
-        self,
-        session: SessionRecord,
-        messages: list[dict[str, Any]],
-        *,
-        previous_response_id: str | None,
-        instructions: str | None,
-        tools: list[dict[str, Any]] | None,
-        store: bool,
-        meta: dict[str, Any] | None = None,
-        keys: Sequence[bytes] | None = None,
-    ) -> AsyncGenerator[StreamEvent, None]:
-        """``create``, streamed (``core.streaming``): the same node is recorded at the end."""
-        placement, meta = await self._placed(
-            session,
-            messages,
-            previous_response_id=previous_response_id,
-            instructions=instructions,
-            tools=tools,
-            store=store,
-            meta=meta,
-            keys=keys,
-        )
-        events = TurnStreamer(self._turns).stream(
-            session, placement, api="responses", tools=tools if tools is not None else session.tools, meta=meta
-        )
-        async with contextlib.aclosing(events):
-            async for event in events:
-                yield event
-
-    async def _placed(
-        self,
-        session: SessionRecord,
-        messages: list[dict[str, Any]],
-        *,
-        previous_response_id: str | None,
-        instructions: str | None,
-        tools: list[dict[str, Any]] | None,
-        store: bool,
-        meta: dict[str, Any] | None,
-        keys: Sequence[bytes] | None,
-    ) -> tuple[Placement, dict[str, Any]]:
-        """Where the response goes, and the node's metadata."""
-        placement = await self._place(
-            session,
-            messages,
-            previous_response_id=previous_response_id,
-            instructions=instructions,
-            api="responses",
-            keys=keys,
-        )
+    def meta(self, session: SessionRecord, placement: Placement, ask: Ask) -> dict[str, Any]:
+        """The request's, and the Responses fields (the instructions its conversation started with)."""
         meta = {
-            **(meta or {}),
-            "previous_response_id": previous_response_id,
-            "instructions": instructions if previous_response_id is None else root_instructions(placement.parent),
-            "store": store,
+            **(ask.meta or {}),
+            "previous_response_id": self.previous_response_id,
+            "instructions": (
+                self.instructions if self.previous_response_id is None else root_instructions(placement.parent)
+            ),
+            "store": self.store,
         }
-        if tools is not None and tools != session.tools:
-            meta["tools"] = tools
-        return placement, meta
-
-    async def append_messages(
-        self,
-        session: SessionRecord,
-        messages: list[dict[str, Any]],
-        *,
-        previous_response_id: str | None,
-        idempotency_key: str | None = None,
-    ) -> ResponseNode:
-        """Messages the policy did not generate, as a weight-0 node that can be extended.
-
-        With an ``idempotency_key``, every request with that key makes at most one node,
-        however many run at once: the store claims the key atomically with the write."""
-        claim = idempotency(idempotency_key, messages, previous_response_id)
-        if not messages:
-            raise InvalidRequest("messages must not be empty", param="messages")
-        placement = await self._place(
-            session, messages, previous_response_id=previous_response_id, instructions=None, api="injected"
-        )
-        if not placement.new_messages:
-            if placement.parent:  # all of it is already in the tree: that node is the answer
-                return placement.parent[-1]
-            raise InvalidRequest("messages add nothing to the conversation", param="messages")
-        return await self._turns.inject(session, placement, api="injected", idempotency=claim)
+        if ask.tools is not None and ask.tools != session.tools:
+            meta["tools"] = ask.tools
+        return meta

@@ -12,7 +12,7 @@ from rollout_proxy.core import branches
 from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.teacher import teacher_fields
 from rollout_proxy.core.trajectory import AssembledTrajectory, assemble
-from rollout_proxy.engines.fleet import Fleet
+from rollout_proxy.engines.router import EngineRouter
 from rollout_proxy.errors import (
     EngineTimeout,
     EngineUnavailable,
@@ -24,7 +24,7 @@ from rollout_proxy.errors import (
 )
 from rollout_proxy.ids import new_session_id, session_of_response
 from rollout_proxy.records import GenerationConfig, SessionRecord, SessionStatus
-from rollout_proxy.state.store import ReadAhead, StateStore
+from rollout_proxy.state.store import ReadAhead, SessionLease, StateStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,7 @@ class FinishPlan:
 
 
 class SessionService:
-    def __init__(self, *, store: StateStore, engines: Fleet, ttl: float, renderers: Renderers) -> None:
+    def __init__(self, *, store: StateStore, engines: EngineRouter, ttl: float, renderers: Renderers) -> None:
         self._store = store
         self._engines = engines
         self._ttl = ttl
@@ -126,19 +126,29 @@ class SessionService:
         await self._store.create_session(session)
         return session
 
-    async def get(self, session_id: str, *, read_ahead: ReadAhead | None = None) -> SessionRecord:
-        session = await self._store.get_session(session_id, read_ahead=read_ahead)
+    async def get(self, session_id: str) -> SessionRecord:
+        session = await self._store.get_session(session_id)
         if session is None:
-            raise SessionNotFound(f"session {session_id!r} not found (unknown or expired)", param="session_id")
+            raise _not_found(session_id)
         return session
 
-    async def get_open(self, session_id: str, *, read_ahead: ReadAhead | None = None) -> SessionRecord:
-        """The session, if it still takes requests (409 once it is finished); ``read_ahead``: what the turn
-        reads next, read by the store in the same round trip (``state.store.ReadAhead``)."""
-        session = await self.get(session_id, read_ahead=read_ahead)
+    async def get_open(self, session_id: str) -> SessionRecord:
+        """The session, if it still takes requests (409 once it is finished)."""
+        session = await self.get(session_id)
         if session.status is not SessionStatus.OPEN:
-            raise SessionFinished(f"session {session_id!r} is already finished", param="session_id")
+            raise _finished(session_id)
         return session
+
+    async def lease_open(self, session_id: str, read_ahead: ReadAhead) -> SessionLease:
+        """``get_open`` for a turn: the session read with what the turn reads next, in the same round trip,
+        and the request slot taken with it (``state.store.SessionLease``: the turn carries it)."""
+        lease = await self._store.lease_session(session_id, read_ahead)
+        if lease is None:
+            raise _not_found(session_id)
+        if lease.session.status is not SessionStatus.OPEN:
+            await lease.close()
+            raise _finished(session_id)
+        return lease
 
     async def trajectory(self, response_id: str, *, session_id: str | None = None) -> AssembledTrajectory:
         """The trajectory ending at ``response_id``; ``session_id`` limits where to look."""
@@ -233,7 +243,7 @@ class SessionService:
         """Record a prepared finish (compare-and-set: 409 if the session finished meanwhile)."""
         finished = await self._store.finish_session(plan.session_id, plan.result)
         if finished is None:
-            raise SessionFinished(f"session {plan.session_id!r} is already finished", param="session_id")
+            raise _finished(plan.session_id)
         return finished
 
     async def finish(
@@ -260,7 +270,7 @@ class SessionService:
     async def _rollout(self, session: SessionRecord) -> RolloutExport:
         nodes = await self._store.get_nodes(session.id, routing=True)
         if nodes is None:
-            raise SessionNotFound(f"session {session.id!r} not found (unknown or expired)", param="session_id")
+            raise _not_found(session.id)
         # a group session's siblings with one input are its samples, not retries: all of them are trained
         policy = "keep" if session.n_sample is not None else session.retry
         plan = branches.rollout(nodes, retry=policy)
@@ -296,6 +306,14 @@ class SessionService:
             what = "response" if api == "*" else f"{api} response"
             raise NotFound(f"session {session_id!r} has no {what} yet", param="session_id")
         return await self.trajectory(response_id, session_id=session_id)
+
+
+def _not_found(session_id: str) -> SessionNotFound:
+    return SessionNotFound(f"session {session_id!r} not found (unknown or expired)", param="session_id")
+
+
+def _finished(session_id: str) -> SessionFinished:
+    return SessionFinished(f"session {session_id!r} is already finished", param="session_id")
 
 
 def _result_extra(session: SessionRecord, response_id: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from rollout_proxy.engines.base import CompletionPiece
 from rollout_proxy.errors import StreamInterrupted
 from rollout_proxy.ids import new_response_id
 from rollout_proxy.records import SessionRecord
+from rollout_proxy.state.store import SessionLease
 from rollout_proxy.tokenization.parsers.incremental import IncrementalParser, ViewDelta
 
 log = structlog.get_logger(__name__)
@@ -126,6 +127,7 @@ class TurnStreamer:
         tools: Sequence[dict[str, Any]] | None,
         stop: Sequence[str] = (),
         meta: dict[str, Any] | None = None,
+        lease: SessionLease | None = None,
     ) -> AsyncGenerator[StreamEvent, None]:
         """``TurnStarted``, the turn's deltas as they are sampled, then ``TurnDone``. Errors up to the first
         delta are the non-streamed turn's; leaving early aborts the engine call and records nothing."""
@@ -134,7 +136,7 @@ class TurnStreamer:
         node_id = new_response_id(session.id)
         yield TurnStarted(node_id, turn.info.model, turn.prompt, time.time(), dict(meta or {}))
         relay = _Relay(turn.prompt, IncrementalParser(self._parser, opened=turn.reasoning_opened))
-        sampling = asyncio.ensure_future(turns.sample(session, turn, sink=relay))
+        sampling = asyncio.ensure_future(turns.sample(session, turn, sink=relay, lease=lease))
         outcome = "disconnected"
         try:
             while True:
@@ -172,7 +174,7 @@ class TurnStreamer:
                 log.warning("stream_view_mismatch", text=completion.text[:200])
             try:
                 result = await turns.record(
-                    session, placement, turn, sampled, api=api, meta=meta, view=view, node_id=node_id
+                    session, placement, turn, sampled, api=api, meta=meta, view=view, node_id=node_id, lease=lease
                 )
             except BaseException:
                 outcome = "failed"

@@ -42,7 +42,7 @@ import structlog
 from rollout_proxy.errors import InvalidRequest, NotFound
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind, ResponseNode, SessionRecord
-from rollout_proxy.state.store import StateStore
+from rollout_proxy.state.store import NOT_READ, SessionLease, StateStore
 from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, path_hashes
 
 log = structlog.get_logger(__name__)
@@ -236,13 +236,33 @@ class ResponseTree:
         self._store = store
         self._metrics = metrics
 
+    @property
+    def metrics(self) -> Metrics:
+        return self._metrics
+
     async def path(
-        self, session_id: str, response_id: str, *, param: str = "previous_response_id"
+        self,
+        session_id: str,
+        response_id: str,
+        *,
+        param: str = "previous_response_id",
+        lease: SessionLease | None = None,
     ) -> list[ResponseNode]:
-        path = await self._store.get_path(session_id, response_id)
+        """``lease``: the turn's session read (``state.store.SessionLease``), which may have read it already."""
+        path = await self._read_path(session_id, response_id, lease)
         if path is None:
             raise NotFound(f"response {response_id!r} not found in this session", param=param)
         return path
+
+    async def _read_path(self, session_id: str, node_id: str, lease: SessionLease | None) -> list[ResponseNode] | None:
+        """The path, from what ``lease`` read ahead when it read it, else from the store."""
+        found = NOT_READ if lease is None else lease.take_path(node_id)
+        return await self._store.get_path(session_id, node_id) if found is NOT_READ else found
+
+    async def _match(self, session_id: str, hashes: Sequence[str], lease: SessionLease | None) -> list[str | None]:
+        """The path-index entries, from what ``lease`` read ahead when it read those, else from the store."""
+        found = NOT_READ if lease is None or not hashes else lease.take_matches(hashes)
+        return await self._store.match_paths(session_id, hashes) if found is NOT_READ else found
 
     async def locate(
         self,
@@ -252,26 +272,28 @@ class ResponseTree:
         api: str,
         hashes: Sequence[str] | None = None,
         named: Mapping[int, str] | None = None,
+        lease: SessionLease | None = None,
     ) -> Placement:
         """Attach a whole conversation by content (``hashes``: its path hashes, if the caller has them;
-        ``named``: message index -> the node an echoed message names, a signed thinking block)."""
+        ``named``: message index -> the node an echoed message names, a signed thinking block; ``lease``: the
+        turn's session read, which read the window's entries and the path they end at with the session)."""
         if not messages:
             raise InvalidRequest("messages must not be empty", param="messages")
         hashes = path_hashes(messages) if hashes is None else list(hashes)
         offset = len(hashes) - len(window := match_window(hashes))
-        matches = await self._store.match_paths(session.id, window)  # a match there vouches for all before it
+        matches = await self._match(session.id, window, lease)  # a match there vouches for all before it
         if offset and not any(value is not None and "#" not in value for value in matches):
             matches, offset = await self._store.match_paths(session.id, hashes), 0  # no node ends in the window
         parent_id, covered, fork = choose_parent(matches, len(messages), offset=offset)
         ambiguity = None
         if parent_id is not None and "|" in parent_id:  # siblings end here: the one the client was answered
             parent_id, ambiguity = await self.sibling(
-                session, messages, hashes, covered, parent_id.split("|"), api=api, named=named or {}
+                session, messages, hashes, covered, parent_id.split("|"), api=api, named=named or {}, lease=lease
             )
         if fork is not None:
             self._metrics.inc("forks_total", api=api)
             log.info("history_rewritten", parent_id=parent_id, **fork)
-        parent = [] if parent_id is None else await self.path(session.id, parent_id, param="messages")
+        parent = [] if parent_id is None else await self.path(session.id, parent_id, param="messages", lease=lease)
         return Placement(
             parent=parent,
             new_messages=messages[covered:],
@@ -290,6 +312,7 @@ class ResponseTree:
         *,
         api: str,
         named: Mapping[int, str],
+        lease: SessionLease | None = None,
     ) -> tuple[str, dict[str, Any] | None]:
         """Which of ``candidates`` (newest first, their paths end at ``messages[:covered]``) the conversation
         continues, and the ambiguity when nothing it echoes tells (module docstring). One index read; the
@@ -311,7 +334,7 @@ class ResponseTree:
         if any(index < last for index in named) or any(
             messages[index].get("reasoning_content") for index in range(last)
         ):
-            agreeing = await self._agreeing(session, messages, pool, covered, named)
+            agreeing = await self._agreeing(session, messages, pool, covered, named, lease)
             if len(agreeing) == 1:
                 self._metrics.inc("sibling_parents_total", api=api, by="history")
                 return agreeing[0], None
@@ -329,10 +352,11 @@ class ResponseTree:
         candidates: Sequence[str],
         covered: int,
         named: Mapping[int, str],
+        lease: SessionLease | None,
     ) -> list[str]:
         """The candidates whose every answer agrees with what ``messages`` echoes of it (``_agrees``) and whose
         nodes are the ones ``named`` names."""
-        paths = await asyncio.gather(*(self._store.get_path(session.id, candidate) for candidate in candidates))
+        paths = await asyncio.gather(*(self._read_path(session.id, candidate, lease) for candidate in candidates))
         agreeing = []
         for candidate, path in zip(candidates, paths, strict=True):
             if not path:
@@ -353,10 +377,15 @@ class ResponseTree:
         return agreeing
 
     async def after(
-        self, session: SessionRecord, previous_response_id: str, messages: list[dict[str, Any]]
+        self,
+        session: SessionRecord,
+        previous_response_id: str,
+        messages: list[dict[str, Any]],
+        *,
+        lease: SessionLease | None = None,
     ) -> Placement:
         """Attach new messages under a named node; an echo of its own output is dropped."""
-        parent = await self.path(session.id, previous_response_id)
+        parent = await self.path(session.id, previous_response_id, lease=lease)
         own, own_hash = parent[-1].messages[-1], parent[-1].path_hash
         if messages and messages[0]["role"] == own["role"] and canonical_key(messages[0]) == canonical_key(own):
             messages = messages[1:]

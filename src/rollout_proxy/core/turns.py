@@ -2,8 +2,9 @@
 
 This is the heart of the one rule: the new prompt is the parent's exact tokens plus
 bridge tokens for the new messages; the engine is driven with token ids and what it
-sampled is stored as it came. The API layers (chat, responses, session messages) only
-decide *which* node is the parent and *which* messages are new (a ``Placement``).
+sampled is stored as it came. The APIs (``core.turn_service``'s placements: chat, responses, the
+Messages API, session messages) only decide *which* node is the parent and *which* messages are new
+(a ``Placement``).
 
 A generated turn is three steps, each small: ``prepare`` (engine, bridge tokens, the
 whole prompt, sampling settings), ``sample`` (the engine call through the fleet: failover,
@@ -31,9 +32,8 @@ from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.tree import Placement, SamplePlacement, node_entries
 from rollout_proxy.core.turn_routing import align_routing
 from rollout_proxy.engines.base import EngineInfo, GenerationEngine, PieceSink, SamplingParams
-from rollout_proxy.engines.fleet import Fleet
+from rollout_proxy.engines.router import EngineRouter
 from rollout_proxy.engines.sampling import Sampled
-from rollout_proxy.engines.sampling import sample as sample_on_fleet
 from rollout_proxy.errors import (
     ContextLengthExceeded,
     EngineError,
@@ -45,7 +45,7 @@ from rollout_proxy.ids import new_response_id
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind, ResponseNode, SessionRecord
 from rollout_proxy.routing import prompt_start
-from rollout_proxy.state.store import REQUEST_LEASE_S, Idempotency, StateStore
+from rollout_proxy.state.store import REQUEST_LEASE_S, Idempotency, SessionLease, StateStore
 from rollout_proxy.tokenization.messages import extend_path_hash
 from rollout_proxy.tokenization.parsers import AssistantView, OutputParser, ToolParse
 
@@ -63,7 +63,8 @@ class TurnResult:
 
 @dataclass(frozen=True, slots=True)
 class PreparedTurn:
-    """Everything a turn sends to its engine, decided before the call."""
+    """Everything a turn sends to its engine, decided before the call, for every API alike (``prepare``
+    builds it, ``sample`` sends it): what the engine call of a turn carries is added here once."""
 
     engine: GenerationEngine
     info: EngineInfo
@@ -91,7 +92,7 @@ class TurnRunner:
         self,
         *,
         store: StateStore,
-        engines: Fleet,
+        engines: EngineRouter,
         parser: OutputParser,
         metrics: Metrics,
         renderers: Renderers,
@@ -125,10 +126,12 @@ class TurnRunner:
         tools: Sequence[dict[str, Any]] | None,
         stop: Sequence[str] = (),
         meta: dict[str, Any] | None = None,
+        lease: SessionLease | None = None,
     ) -> TurnResult:
+        """``lease``: the turn's session read (its request slot, given back with the node's write)."""
         turn = await self.prepare_anywhere(session, placement, tools=tools, stop=stop)
-        sampled = await self.sample(session, turn)
-        return await self.record(session, placement, turn, sampled, api=api, meta=meta)
+        sampled = await self.sample(session, turn, lease=lease)
+        return await self.record(session, placement, turn, sampled, api=api, meta=meta, lease=lease)
 
     async def prepare_anywhere(
         self,
@@ -160,13 +163,7 @@ class TurnRunner:
         engine = engine or self._engines.route(session.engine)
         info = await engine.info()
         with tracing.span("render", **{"rollout_proxy.session_id": session.id}):
-            delta = await self._renderers.delta(
-                engine,
-                placement,
-                tools=tools,
-                chat_template_kwargs=session.generation.chat_template_kwargs,
-                add_generation_prompt=True,
-            )
+            delta = await self._render(engine, session, placement, tools, generation_prompt=True)
         prompt = np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
         opened = self._parser.reasons and self._parser.reasoning.opened_by(
             await self._renderers.generation_prompt_text(engine, delta)
@@ -200,26 +197,27 @@ class TurnRunner:
         generation prompt), rendered on the session's engine or another; no engine call, nothing stored, no
         context check (a count of tokens, e.g. the Messages API's ``count_tokens``)."""
 
-        async def render(engine: GenerationEngine) -> np.ndarray:
-            return await self._renderers.delta(
-                engine,
-                placement,
-                tools=tools,
-                chat_template_kwargs=session.generation.chat_template_kwargs,
-                add_generation_prompt=True,
-            )
-
-        delta = await self._on_an_engine(session, render)
+        delta = await self._on_an_engine(
+            session, lambda engine: self._render(engine, session, placement, tools, generation_prompt=True)
+        )
         return np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
 
-    async def sample(self, session: SessionRecord, turn: PreparedTurn, *, sink: PieceSink | None = None) -> Sampled:
+    async def sample(
+        self,
+        session: SessionRecord,
+        turn: PreparedTurn,
+        *,
+        sink: PieceSink | None = None,
+        lease: SessionLease | None = None,
+    ) -> Sampled:
         """The turn's engine call through the fleet (``engines.sampling``: failover, pauses, aborted turns),
-        within the session's request bound; the prompt the engine consumed is checked."""
+        within the session's request bound (the slot ``lease`` took, if any); the prompt the engine consumed
+        is checked."""
         waiting = time.perf_counter()
-        async with self._request_slot(session):
+        async with self._request_slot(session, lease):
             if session.concurrency:  # the job's request bound: how long this turn waited for a slot
                 self._metrics.observe("queue_wait_seconds", time.perf_counter() - waiting, reason="concurrency")
-            sampled = await sample_on_fleet(self._engines, turn.engine, turn.prompt, turn.params, sink=sink)
+            sampled = await self._engines.sample(turn.engine, turn.prompt, turn.params, sink=sink)
         completion = sampled.completion
         if completion.prompt_ids is None:
             self._metrics.inc("unchecked_prompts_total")
@@ -246,6 +244,7 @@ class TurnRunner:
         meta: dict[str, Any] | None,
         view: AssistantView | None = None,
         node_id: str | None = None,
+        lease: SessionLease | None = None,
     ) -> TurnResult:
         """The sampled tokens as a node (with its parsed view, routing and policy versions), stored once;
         ``view``, ``node_id``: what a streamed turn already parsed (``parse``) and named (its chunks carry both)."""
@@ -304,7 +303,7 @@ class TurnRunner:
         ).with_routing(routing)
         hashes = [*placement.new_hashes, extend_path_hash(placement.end_hash, node.messages[-1])]
         moved_to = sampled.engine.url if sampled.engine.url != session.engine else None
-        await self._save(session, node, hashes, engine=moved_to)  # the node and the move: one round trip
+        await self._save(session, node, hashes, engine=moved_to, lease=lease)  # the node and the move: one round trip
         node.path_ids = np.concatenate([turn.prompt, output_ids]).astype(np.int32, copy=False)
         if placement.parent:  # the conversation moved on: only its latest node keeps its path's ids
             placement.parent[-1].path_ids = None
@@ -318,21 +317,20 @@ class TurnRunner:
     # -- injected messages ----------------------------------------------------------------------
 
     async def inject(
-        self, session: SessionRecord, placement: Placement, *, api: str, idempotency: Idempotency | None = None
+        self,
+        session: SessionRecord,
+        placement: Placement,
+        *,
+        api: str,
+        idempotency: Idempotency | None = None,
+        lease: SessionLease | None = None,
     ) -> ResponseNode:
         """Append messages the policy did not generate, as a node with loss weight 0
         (the earlier node instead, when ``idempotency`` repeats a key already used)."""
 
         async def render(engine: GenerationEngine) -> tuple[EngineInfo, np.ndarray]:
             info = await engine.info()
-            delta = await self._renderers.delta(
-                engine,
-                placement,
-                tools=session.tools,
-                chat_template_kwargs=session.generation.chat_template_kwargs,
-                add_generation_prompt=False,
-            )
-            return info, delta
+            return info, await self._render(engine, session, placement, session.tools, generation_prompt=False)
 
         info, delta = await self._on_an_engine(session, render)
         total = sum(len(node.prompt_ids) + len(node.output_ids) for node in placement.parent) + len(delta)
@@ -358,13 +356,32 @@ class TurnRunner:
         self._note_sample(placement, api, node.meta)
         if placement.ambiguity is not None:
             node.meta["parent_ambiguity"] = placement.ambiguity
-        node = await self._save(session, node, placement.new_hashes, idempotency=idempotency)
+        node = await self._save(session, node, placement.new_hashes, idempotency=idempotency, lease=lease)
         if placement.parent:  # only a conversation's latest generated node keeps its path's ids
             placement.parent[-1].path_ids = None
         self._metrics.inc("injected_nodes_total")
         return node
 
     # -- the steps' parts -------------------------------------------------------------------------
+
+    async def _render(
+        self,
+        engine: GenerationEngine,
+        session: SessionRecord,
+        placement: Placement,
+        tools: Sequence[dict[str, Any]] | None,
+        *,
+        generation_prompt: bool,
+    ) -> np.ndarray:
+        """The bridge tokens of ``placement``'s new messages, as the session's template renders them: every
+        render of a turn (a generated one's, a count's, injected messages') is this one call."""
+        return await self._renderers.delta(
+            engine,
+            placement,
+            tools=tools,
+            chat_template_kwargs=session.generation.chat_template_kwargs,
+            add_generation_prompt=generation_prompt,
+        )
 
     async def _on_an_engine(self, session: SessionRecord, step: Callable[[GenerationEngine], Awaitable[T]]) -> T:
         """``step`` on the session's engine while it serves, else another; a step that fails because its
@@ -377,7 +394,7 @@ class TurnRunner:
             except (EngineUnavailable, EngineTimeout) as exc:
                 self._engines.report_failure(engine, exc, what="rendering")
                 tried.add(engine.url)
-                if len(tried) > self._engines.settings.retries:
+                if len(tried) > self._engines.retries:
                     raise
 
     def _note_sample(self, placement: Placement, api: str, meta: dict[str, Any]) -> None:
@@ -400,15 +417,22 @@ class TurnRunner:
             self._metrics.inc("engine_failovers_total")
             log.info("session_moved", engine=engine.url, moved_from=moved_from)
 
-    def _request_slot(self, session: SessionRecord) -> contextlib.AbstractAsyncContextManager[Any]:
+    def _request_slot(
+        self, session: SessionRecord, lease: SessionLease | None
+    ) -> contextlib.AbstractAsyncContextManager[Any]:
         """A slot of the session's shared request bound (e.g. a job's request_concurrency), kept in the
         store so that it holds across workers (a dead worker's slots come back after ``REQUEST_LEASE_S``).
-        The Redis store may have taken it with the session read (``ReadAhead.bound``): then it is held from
-        that read to the node write, which gives it back in its own round trip."""
+        The store may have taken it with the session read (``SessionLease.slot``): then it is held from
+        that read to the node write, which gives it back (the Redis store: in its own round trip)."""
         if not session.concurrency:
             return contextlib.nullcontext()
         concurrency = session.concurrency
-        return self._store.request_slot(concurrency["key"], concurrency["max_requests"], lease=REQUEST_LEASE_S)
+        return self._store.request_slot(
+            concurrency["key"],
+            concurrency["max_requests"],
+            lease=REQUEST_LEASE_S,
+            taken=None if lease is None else lease.slot,
+        )
 
     def parse(self, text: str, *, opened: bool = False) -> AssistantView:
         """The view of generated text, counted by how tool-call parsing ended; ``opened``: the turn's
@@ -427,10 +451,11 @@ class TurnRunner:
         *,
         idempotency: Idempotency | None = None,
         engine: str | None = None,
+        lease: SessionLease | None = None,
     ) -> ResponseNode:
         """Store the node with the path hashes of its messages (the last one names the node), and the
-        session's new engine if it moved; returns the node, or the one an earlier request with the same
-        idempotency key stored."""
+        session's new engine if it moved (and give back ``lease``'s slot); returns the node, or the one an
+        earlier request with the same idempotency key stored."""
         node.path_hash = hashes[-1]
         partial = {path_hash: f"{node.id}#{index + 1}" for index, path_hash in enumerate(hashes[:-1])}
         partial.update(node_entries(node))  # what tells it apart from siblings of the same content (core.tree)
@@ -442,6 +467,7 @@ class TurnRunner:
             latest=node.api,
             idempotency=idempotency,
             engine=engine,
+            lease=lease,
         )
         if stored_id == node.id:
             return node

@@ -31,10 +31,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import structlog
 
+from rollout_proxy.engines import sampling
 from rollout_proxy.engines import shared as sharing
-from rollout_proxy.engines.base import Engine, EngineInfo, GenerationEngine
+from rollout_proxy.engines.base import Engine, EngineInfo, GenerationEngine, PieceSink, SamplingParams
 from rollout_proxy.engines.gate import PauseGate
 from rollout_proxy.engines.health import (
     Breaker,
@@ -179,6 +181,10 @@ class Fleet:
     def paused(self) -> bool:
         return self.gate.paused
 
+    @property
+    def retries(self) -> int:
+        return self.settings.retries
+
     def view(self) -> dict[str, object]:
         return {
             "policy_version": self.version,
@@ -269,6 +275,12 @@ class Fleet:
         except EngineUnavailable:
             await self.probe_unanswered(exclude=exclude)
         return self.route(sticky, exclude=exclude)
+
+    async def sample(
+        self, engine: GenerationEngine, prompt: np.ndarray, params: SamplingParams, *, sink: PieceSink | None = None
+    ) -> sampling.Sampled:
+        """One turn's engine call through this fleet (``engines.sampling``: failover, pauses, aborted turns)."""
+        return await sampling.sample(self, engine, prompt, params, sink=sink)
 
     def get(self, sticky: str | None) -> Engine:
         """The session's engine while it serves, else another (``route``)."""

@@ -28,7 +28,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
@@ -41,12 +41,14 @@ from rollout_proxy.engines.base import (
     PieceSink,
     SamplingParams,
 )
-from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.gate import Deadline
 from rollout_proxy.engines.health import counts_against, describe
 from rollout_proxy.engines.member import Member
 from rollout_proxy.errors import EngineTimeout, EngineUnavailable, FleetPaused
 from rollout_proxy.records import PolicySpan, merge_spans
+
+if TYPE_CHECKING:  # the fleet calls ``sample`` (``Fleet.sample``)
+    from rollout_proxy.engines.fleet import Fleet
 
 log = structlog.get_logger(__name__)
 

@@ -100,5 +100,5 @@ ResponsesInput = Annotated[
 ]
 
 #: ``input`` as sent (``input_to_messages`` reads it) once it has one of these shapes; a resent history's
-#: items are not checked again (``proxy.known_input``)
+#: items are not checked again (``proxy.resent_history``)
 Input = Annotated[Any, sent_as_with_items(ResponsesInput, InputItem, max_length=MAX_MESSAGES)]

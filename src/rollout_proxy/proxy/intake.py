@@ -10,10 +10,10 @@
     8 sampling   the generation parameters sent, against ``client_sampling``   ``proxy.client_sampling``
 
 Each stage runs once and hands on what it made; nothing goes back to an earlier one. The list memory
-(``proxy.known_messages`` for Chat Completions' ``messages``, ``proxy.known_input`` for Responses'
-``input`` and the Messages API's ``messages``) spares a resent history its parse, checks and
-normalization; it is the one stage that can be switched off (``--resent-history check``): every body is
-then taken in whole, and a test holds both ways to the same result.
+(``proxy.resent_history``: chat ``messages``, Responses ``input``, the Messages API's ``messages``) spares a
+resent history its parse, checks and normalization, and remembers the body only once it is taken in whole,
+its session checked open; it is the one stage that can be switched off (``--resent-history check``): every
+body is then taken in whole, and a test holds both ways to the same result.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
@@ -31,26 +31,14 @@ from rollout_proxy.proxy.client_sampling import SamplingField, check_client_samp
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import read_body
 from rollout_proxy.proxy.limits import check_json_limits, load_json_object
+from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.proxy.validation import CHECK_ITEMS, M, validate
 from rollout_proxy.records import SessionRecord
-from rollout_proxy.state.store import ReadAhead
+from rollout_proxy.state.store import ReadAhead, SessionLease
 
 C = TypeVar("C")
 #: ``--resent-history``: "reuse" what the list memory holds, or "check" every body whole
 RESENT_HISTORY_MODES = ("reuse", "check")
-
-
-class ListMemory(Protocol):
-    """One request's view of a memory of its body's long list (``key``): the parse (``load``) and which
-    items are still to check (``look_up``); the API's ``normalize`` asks it for the rest."""
-
-    key: str
-
-    def load(self, body: bytes, *, session_id: str | None = None) -> dict[str, Any]: ...
-
-    def look_up(
-        self, items: Any, *, session_id: str | None = None, expires_at: float = 0.0
-    ) -> tuple[int, ...] | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,24 +46,29 @@ class Spec(Generic[M, C]):
     """How one API's requests are taken in."""
 
     model: type[M]
+    api: str  # whose lists the memory keeps: "chat", "responses" or "messages"
     key: str  # the body's long list: "messages" or "input"
     sampling: tuple[SamplingField, ...]  # the API's generation parameters (``proxy.client_sampling``)
-    memory: Callable[[web.Application], ListMemory]  # a request's view of the app's memory of the list
-    #: the conversation of a validated body (with the memory's view, or None: taken whole)
-    normalize: Callable[[M, ListMemory | None], C]
+    #: the conversation of a validated body (with the memory's view of its list, or None: taken whole)
+    normalize: Callable[[M, HistoryIntake | None], C]
     #: what the turn reads right after the session (read with it, in the same round trip)
     read_ahead: Callable[[M, C], ReadAhead | None]
 
 
 @dataclass(frozen=True, slots=True)
 class Taken(Generic[M, C]):
-    """A plugin's generation request, taken in: its open session, its body and conversation, and the
-    generation parameters it sent that the session ignores (``client_sampling: ignore``; recorded)."""
+    """A plugin's generation request, taken in: its open session (read for the turn: ``lease``, which the
+    caller closes), its body and conversation, and the generation parameters it sent that the session
+    ignores (``client_sampling: ignore``; recorded)."""
 
-    session: SessionRecord
+    lease: SessionLease
     body: M
     conversation: C
     client_sampling: dict[str, Any]
+
+    @property
+    def session(self) -> SessionRecord:
+        return self.lease.session
 
 
 async def take_in(request: web.Request, spec: Spec[M, C]) -> Taken[M, C]:
@@ -85,17 +78,26 @@ async def take_in(request: web.Request, spec: Spec[M, C]) -> Taken[M, C]:
         raise AuthenticationFailed("this endpoint needs a session token, not the admin key")
     session_id, expires_at = caller.session_id, caller.expires_at
     raw = await read_body(request)  # 1
-    memory = spec.memory(request.app) if request.app[keys.SETTINGS].resent_history == "reuse" else None
-    payload = load_json_object(raw) if memory is None else memory.load(raw, session_id=session_id)  # 2
-    to_check = (  # 3
-        None if memory is None else memory.look_up(payload.get(spec.key), session_id=session_id, expires_at=expires_at)
+    history = (
+        request.app[keys.RESENT_HISTORY].intake(spec.api, spec.key, session_id, expires_at=expires_at)
+        if request.app[keys.SETTINGS].resent_history == "reuse"
+        else None
     )
+    payload = load_json_object(raw) if history is None else history.load(raw)  # 2
+    to_check = None if history is None else history.look_up(payload.get(spec.key))  # 3
     check_json_limits(payload, messages_to_check=to_check, key=spec.key)  # 4
     body = validate(spec.model, payload, context=None if to_check is None else {CHECK_ITEMS: to_check})  # 5
-    conversation = spec.normalize(body, memory)  # 6
+    conversation = spec.normalize(body, history)  # 6
     ahead = spec.read_ahead(body, conversation)
     if caller.bound is not None:  # the session's request bound: its slot taken in the same round trip
         ahead = dataclasses.replace(ahead or ReadAhead(), bound=caller.bound)
-    session = await request.app[keys.SESSIONS].get_open(session_id, read_ahead=ahead)  # 7
-    asked = check_client_sampling(payload, session.generation, spec.sampling, mode=session.client_sampling)  # 8
-    return Taken(session, body, conversation, asked)
+    lease = await request.app[keys.SESSIONS].lease_open(session_id, ahead or ReadAhead())  # 7
+    try:
+        session = lease.session
+        asked = check_client_sampling(payload, session.generation, spec.sampling, mode=session.client_sampling)  # 8
+    except BaseException:
+        await lease.close()
+        raise
+    if history is not None:  # taken in whole, its session open: remembered for the next turns
+        history.commit()
+    return Taken(lease, body, conversation, asked)

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from rollout_proxy.core.chat import ChatService
 from rollout_proxy.core.distill import Distillation
-from rollout_proxy.core.messages import MessagesService
-from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
+from rollout_proxy.core.turn_service import TurnService
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
-from rollout_proxy.proxy.known_input import KnownInputs
-from rollout_proxy.proxy.known_messages import KnownMessages
+from rollout_proxy.proxy.resent_history import ResentHistory
 from rollout_proxy.settings import Settings
 from rollout_proxy.state.feed import Feed
 from rollout_proxy.state.store import StateStore
@@ -26,16 +23,13 @@ SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", Metrics)
 TELEMETRY = web.AppKey("telemetry", Telemetry)
 TOKENS = web.AppKey("tokens", SessionTokens)
-KNOWN_MESSAGES = web.AppKey("known_messages", KnownMessages)  # messages checked once (``known_messages``)
-KNOWN_INPUTS = web.AppKey("known_inputs", KnownInputs)  # Responses inputs checked once (``known_input``)
+RESENT_HISTORY = web.AppKey("resent_history", ResentHistory)  # resent lists taken in once (``resent_history``)
 STORE = web.AppKey("store", StateStore)
 FEED = web.AppKey("feed", Feed)
 ENGINES = web.AppKey("engines", Fleet)
 SESSIONS = web.AppKey("sessions", SessionService)
 TREE = web.AppKey("tree", ResponseTree)
-CHAT = web.AppKey("chat", ChatService)
-RESPONSES = web.AppKey("responses", ResponsesService)
-MESSAGES = web.AppKey("messages", MessagesService)  # the Anthropic Messages API
+TURNS = web.AppKey("turns", TurnService)  # every API's turns (``core.turn_service``)
 VIEWER = web.AppKey("viewer", Viewer)
 DISTILLATION = web.AppKey("distillation", Distillation)
 UI_ASSETS = web.AppKey("ui_assets", dict[str, Asset])

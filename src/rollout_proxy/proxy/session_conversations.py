@@ -1,4 +1,4 @@
-"""A few conversations per session, what the resent-history memories keep (``known_messages``, ``known_input``).
+"""A few conversations per session, what the resent-history memory keeps (``resent_history``).
 
 A harness's session is not one conversation: its subagents (another system prompt, another task), its
 side calls (Claude Code's title request, a ``count_tokens``) and the main conversation interleave, each

@@ -1,8 +1,7 @@
 """What the app keeps per session, dropped once the session has expired; and the freed memory given back.
 
-The app remembers, per session, its last few conversations and the messages it sent
-(``known_messages``), its last few Responses inputs and Messages API lists (``known_input``), its verified
-token (``auth``) and its place in the open-session gauge (``metrics``); a finish drops the conversations
+The app remembers, per session, its last few lists of each API and the items it sent
+(``resent_history``), its verified token (``auth``) and its place in the open-session gauge (``metrics``); a finish drops the conversations
 at once, and a timer (``sweep_forever``, each ``SWEEP_EVERY`` seconds) drops what only expired sessions
 used, with or without traffic. The stores drop the sessions themselves (the memory store on its own
 timer, Redis by key expiry).
@@ -38,15 +37,15 @@ QUIET_BEFORE_RELEASE = 5.0
 
 def expire(app: web.Application, now: float) -> int:
     """Drop what the app keeps for sessions expired by ``now``; how many entries went."""
-    dropped = app[keys.KNOWN_MESSAGES].expire(now) + app[keys.KNOWN_INPUTS].expire(now) + app[keys.TOKENS].expire(now)
+    dropped = app[keys.RESENT_HISTORY].expire(now) + app[keys.TOKENS].expire(now)
     app[keys.METRICS].sessions.count(now)
     return dropped
 
 
 def held(app: web.Application) -> int:
-    """Entries the app keeps for sessions (conversations, messages, path hashes, tokens, open sessions)."""
-    known = app[keys.KNOWN_MESSAGES].held()
-    entries = known["conversations"] + known["messages"] + known["path_hashes"] + len(app[keys.KNOWN_INPUTS])
+    """Entries the app keeps for sessions (lists, items, path hashes, tokens, open sessions)."""
+    known = app[keys.RESENT_HISTORY].held()
+    entries = known["conversations"] + known["messages"] + known["path_hashes"]
     return entries + len(app[keys.TOKENS]) + app[keys.METRICS].sessions.count(time.time())
 
 

@@ -55,7 +55,7 @@ def sent_as(shape: Any) -> WrapValidator:
 
 
 #: validation context: the indices of a list's items to check (the others were checked before:
-#: ``known_messages``); absent, every item is
+#: ``resent_history``); absent, every item is
 CHECK_ITEMS = "check_items"
 
 

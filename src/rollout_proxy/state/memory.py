@@ -24,7 +24,15 @@ from rollout_proxy.errors import SessionFinished, SessionNotFound
 from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus, TeacherScores
 from rollout_proxy.state import listing
 from rollout_proxy.state.listing import SessionPage, SessionSummary, Where
-from rollout_proxy.state.store import Idempotency, ReadAhead, json_bytes, with_sibling
+from rollout_proxy.state.store import (
+    HeldSlot,
+    Idempotency,
+    ReadAhead,
+    RequestBound,
+    SessionLease,
+    json_bytes,
+    with_sibling,
+)
 
 #: Seconds between expiry sweeps: how long an expired session may still hold memory.
 SWEEP_EVERY = 1.0
@@ -50,6 +58,27 @@ class _Bound:
 
     slots: asyncio.Semaphore
     users: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _TakenSlot:
+    """A slot a session read took (``ReadAhead.bound``): the lease's, until its write, close or task end."""
+
+    key: str
+    store: MemoryStore
+    given_back: bool = False
+
+    @property
+    def held(self) -> bool:
+        return not self.given_back
+
+    async def give_back(self) -> None:
+        self.let_go()
+
+    def let_go(self) -> None:
+        if not self.given_back:
+            self.given_back = True
+            self.store._release(self.key)
 
 
 class MemoryStore:
@@ -95,11 +124,62 @@ class MemoryStore:
         self._sessions[session.id] = _SessionState(session=session, summary=listing.opened(session))
         heapq.heappush(self._expiries, (session.expires_at, session.id))
 
-    async def get_session(self, session_id: str, *, read_ahead: ReadAhead | None = None) -> SessionRecord | None:
-        """``read_ahead`` is ignored: a read here is no round trip (its ``bound`` too: the turn takes its
-        slot at the engine call, a semaphore acquire)."""
+    async def get_session(self, session_id: str) -> SessionRecord | None:
         state = self._state(session_id)
         return None if state is None else state.session
+
+    async def lease_session(self, session_id: str, read_ahead: ReadAhead) -> SessionLease | None:
+        """The read ahead is just a read (no await: as of this step of the event loop); a free slot of the
+        session's bound is taken with it, as the Redis store takes it."""
+        state = self._state(session_id)
+        if state is None:
+            return None
+        session = state.session
+        lease = SessionLease(session)
+        if read_ahead.hashes:
+            matches = [state.paths.get(path_hash) for path_hash in read_ahead.hashes]
+            lease.matches = (tuple(read_ahead.hashes), matches)
+        leaf = read_ahead.response_id
+        if leaf is None:
+            for value in lease.matches[1] if lease.matches is not None else ():
+                if value is not None and "#" not in value:
+                    leaf = value.split("|", 1)[0]  # the newest of the nodes with this path
+        if leaf is not None:
+            lease.leaf, lease.path = leaf, self._path(state, leaf)
+        bound = read_ahead.bound
+        if (
+            bound is not None
+            and session.status is SessionStatus.OPEN
+            and (own := RequestBound.of(session.concurrency)) is not None
+            and own.key == bound.key
+        ):
+            lease.slot = await self._take_now(bound)
+        return lease
+
+    async def _take_now(self, bound: RequestBound) -> HeldSlot | None:
+        """A slot of ``bound`` when one is free now (no wait), held until its lease gives it back or the
+        task that took it ends."""
+        held = self._limits.get(bound.key)
+        if held is None:
+            held = self._limits[bound.key] = _Bound(asyncio.Semaphore(bound.limit))
+        if held.slots.locked():
+            if not held.users:
+                del self._limits[bound.key]
+            return None
+        held.users += 1
+        await held.slots.acquire()  # free (checked just above): taken at once
+        slot = _TakenSlot(bound.key, self)
+        task = asyncio.current_task()
+        if task is not None:
+            task.add_done_callback(lambda _: slot.let_go())
+        return slot
+
+    def _release(self, key: str) -> None:
+        bound = self._limits[key]
+        bound.slots.release()
+        bound.users -= 1
+        if not bound.users:
+            del self._limits[key]
 
     async def finish_session(self, session_id: str, result: dict) -> SessionRecord | None:
         state = self._state(session_id)
@@ -120,8 +200,26 @@ class MemoryStore:
         latest: str | None,
         idempotency: Idempotency | None = None,
         engine: str | None = None,
+        lease: SessionLease | None = None,
     ) -> str:
-        # no await below: the checks and the write are one step of the event loop
+        try:
+            return self._write(session_id, node, paths, partial_paths, latest, idempotency, engine)
+        finally:
+            if lease is not None:  # the turn is done with what it read, and with its slot
+                lease.written()
+                await lease.close()
+
+    def _write(
+        self,
+        session_id: str,
+        node: ResponseNode,
+        paths: Mapping[str, str],
+        partial_paths: Mapping[str, str],
+        latest: str | None,
+        idempotency: Idempotency | None,
+        engine: str | None,
+    ) -> str:
+        """No await: the checks and the write are one step of the event loop."""
         state = self._state(session_id)
         if state is None:
             raise SessionNotFound(f"session {session_id!r} not found (unknown or expired)", param="session_id")
@@ -149,9 +247,14 @@ class MemoryStore:
         return node.id
 
     @contextlib.asynccontextmanager
-    async def request_slot(self, key: str, limit: int, *, lease: float) -> AsyncIterator[None]:
+    async def request_slot(
+        self, key: str, limit: int, *, lease: float, taken: HeldSlot | None = None
+    ) -> AsyncIterator[None]:
         """A semaphore per key: this process is the only one using this store (no lease needed). It lives
         while a slot of its key is held or waited for, so the keys of finished jobs hold nothing."""
+        if taken is not None and taken.held and taken.key == key:
+            yield  # given back by its lease
+            return
         bound = self._limits.get(key)
         if bound is None:
             bound = self._limits[key] = _Bound(asyncio.Semaphore(limit))
@@ -184,7 +287,11 @@ class MemoryStore:
 
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
         state = self._state(session_id)
-        if state is None or node_id not in state.nodes:
+        return None if state is None else self._path(state, node_id)
+
+    @staticmethod
+    def _path(state: _SessionState, node_id: str) -> list[ResponseNode] | None:
+        if node_id not in state.nodes:
             return None
         held = state.held_path
         if held and held[-1].id == node_id:

@@ -39,7 +39,6 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -59,9 +58,11 @@ from rollout_proxy.state.listing import SessionPage, SessionSummary, Where
 from rollout_proxy.state.store import (
     REQUEST_LEASE_S,
     SIBLINGS,
+    HeldSlot,
     Idempotency,
     ReadAhead,
     RequestBound,
+    SessionLease,
     json_bytes,
 )
 
@@ -278,17 +279,6 @@ def _bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else value
 
 
-@dataclass(slots=True)
-class _Ahead:
-    """What a turn's session read also read (``ReadAhead``), until the turn uses it or writes."""
-
-    session_id: str
-    hashes: tuple[str, ...]
-    matches: list[str | None] | None  # None once used
-    leaf: str
-    path: list[ResponseNode] | None
-
-
 #: Held paths: their bytes (estimated, ``_footprint``) at most, each dropped when its session finishes here,
 #: expires, or has left it unused this long (it finished on another worker, or waits on a long tool call:
 #: its next turn then reads its whole path, in the same one round trip).
@@ -380,16 +370,22 @@ def _footprint(nodes: Sequence[ResponseNode]) -> int:
     return total
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Slot:
-    """A request slot a session read took for its task (``ReadAhead.bound``): the task's ``request_slot``
-    uses it; its node write, or else its end, gives it back (``given_back`` once either has)."""
+    """A request slot a session read took for its turn (``ReadAhead.bound``), its lease's: the turn's
+    ``request_slot`` uses it; its node write, ``give_back`` or else its task's end gives it back
+    (``given_back`` once one has)."""
 
     key: str
     leases: str
     lease_id: str
+    store: RedisStore
     renewing: asyncio.Task[None] | None = None
     given_back: bool = False
+
+    @property
+    def held(self) -> bool:
+        return not self.given_back
 
     def let_go(self) -> bool:
         """Mark it given back (stop renewing); False if it already was."""
@@ -399,6 +395,22 @@ class _Slot:
         if self.renewing is not None:
             self.renewing.cancel()
         return True
+
+    async def give_back(self) -> None:
+        if self.let_go():
+            await asyncio.shield(self.store._give_back_slot(self.leases, self.lease_id))
+
+
+@dataclass(slots=True)
+class _TurnRead:
+    """What a turn's session read brought back (``RedisStore.lease_session``)."""
+
+    record: bytes | str | None = None
+    engine: bytes | str | None = None
+    matches: tuple[tuple[str, ...], list[str | None]] | None = None
+    leaf: str | None = None
+    path: list[ResponseNode] | None = None
+    slot: _Slot | None = None
 
 
 def _lease_ms(lease: float) -> int:
@@ -428,10 +440,6 @@ class RedisStore:
         # a blocking pool waits by itself; a cluster's per-node pools do not: a store call waits here instead
         options = options or RedisOptions()
         self._gate = ConnectionGate(options.max_connections, options.pool_timeout) if self._cluster else None
-        # per task (one request): set by a session read with read-ahead, used once, dropped at a write
-        self._ahead: ContextVar[_Ahead | None] = ContextVar(f"rp_read_ahead_{id(self)}", default=None)
-        # per task (one request): the request slot its session read took, until its node write or its end
-        self._slot: ContextVar[_Slot | None] = ContextVar(f"rp_request_slot_{id(self)}", default=None)
         self._giving_back: set[asyncio.Task[None]] = set()  # slots of tasks that ended without a node write
         # per session, the path of its latest node as this worker last read or wrote it (nodes never change):
         # a turn's read then brings only what other workers added below it
@@ -530,31 +538,28 @@ class RedisStore:
             )
 
     @_store_call
-    async def get_session(self, session_id: str, *, read_ahead: ReadAhead | None = None) -> SessionRecord | None:
-        """The record, with the engine a failover moved it to (one MGET: both keys share the session's slot);
-        with ``read_ahead``, one script that also reads the turn's path-index entries and parent path."""
-        self._ahead.set(None)
-        if read_ahead is None:
-            raw, engine = await self._redis.mget(keys.session_key(session_id), keys.engine_key(session_id))
-        else:
-            raw, engine = await self._read_ahead(session_id, read_ahead)
-        session = None if raw is None else SessionRecord.from_dict(orjson.loads(raw))
-        if session is not None and read_ahead is not None:
-            self._paths.expires(session_id, session.expires_at)
-        slot = self._slot.get()
-        if (
-            read_ahead is not None
-            and read_ahead.bound is not None
-            and slot is not None
-            and (session is None or session.status is not SessionStatus.OPEN or not _bounded(session, slot))
-            and slot.let_go()
-        ):  # no turn will use it: given back now
-            await asyncio.shield(self._give_back_slot(slot.leases, slot.lease_id))
-        if session is not None and engine is not None:
-            session.engine = _text(engine)
-        return session
+    async def get_session(self, session_id: str) -> SessionRecord | None:
+        """The record, with the engine a failover moved it to (one MGET: both keys share the session's slot)."""
+        raw, engine = await self._redis.mget(keys.session_key(session_id), keys.engine_key(session_id))
+        return _session(raw, engine)
 
-    async def _read_ahead(self, session_id: str, ahead: ReadAhead) -> tuple[bytes | None, bytes | None]:
+    @_store_call
+    async def lease_session(self, session_id: str, read_ahead: ReadAhead) -> SessionLease | None:
+        """One script that reads the record and the turn's path-index entries and parent path (pipelined
+        with the slot's take when ``read_ahead`` names a bound)."""
+        read = await self._read_ahead(session_id, read_ahead)
+        session, slot = _session(read.record, read.engine), read.slot
+        if slot is not None and (
+            session is None or session.status is not SessionStatus.OPEN or not _bounded(session, slot.key)
+        ):
+            await slot.give_back()  # no turn will use it: given back now
+            slot = None
+        if session is None:
+            return None
+        self._paths.expires(session_id, session.expires_at)
+        return SessionLease(session, matches=read.matches, leaf=read.leaf, path=read.path, slot=slot)
+
+    async def _read_ahead(self, session_id: str, ahead: ReadAhead) -> _TurnRead:
         turn_keys = [
             keys.session_key(session_id),
             keys.engine_key(session_id),
@@ -569,8 +574,9 @@ class RedisStore:
             rows = await self._read_turn(keys=turn_keys, args=turn_args)
         else:
             rows = await self._read_and_take(turn_keys, turn_args, slot, ahead.bound.limit)
+        read = _TurnRead(slot=slot if slot is not None and slot.renewing is not None else None)  # taken or not
         if not rows:
-            return None, None
+            return read
         n = int(rows[2])
         matches = [None if value is None else _text(value) for value in rows[3 : 3 + n]]
         leaf, stopped, blobs = _text(rows[3 + n]), rows[4 + n], rows[5 + n :]
@@ -583,18 +589,18 @@ class RedisStore:
             path = below
             self._paths.hold(session_id, path)
             self._start_sweeper()
-        self._ahead.set(_Ahead(session_id, ahead.hashes, matches, leaf, path))
-        return rows[0], rows[1]
+        read.record, read.engine = rows[0], rows[1]
+        if ahead.hashes:
+            read.matches = (tuple(ahead.hashes), matches)
+        if leaf:
+            read.leaf, read.path = leaf, path
+        return read
 
     def _slot_to_take(self, bound: RequestBound | None) -> _Slot | None:
-        """The slot a session read should take with it: none on a cluster (see the module) or when this
-        task holds one already."""
+        """The slot a session read should take with it: none on a cluster (see the module)."""
         if bound is None or self._cluster:
             return None
-        held = self._slot.get()
-        if held is not None and not held.given_back:
-            return None
-        return _Slot(bound.key, keys.request_leases_key(bound.key), uuid.uuid4().hex)
+        return _Slot(bound.key, keys.request_leases_key(bound.key), uuid.uuid4().hex, self)
 
     async def _read_and_take(
         self, turn_keys: list[str], turn_args: list[str | int], slot: _Slot, limit: int
@@ -623,11 +629,11 @@ class RedisStore:
         return list(rows)
 
     def _hold(self, slot: _Slot) -> None:
-        """The slot is this task's: renewed while held, given back by its node write or else when it ends."""
+        """The slot is the lease's: renewed while held, given back by its node write or close, or else when
+        the task that took it ends."""
         slot.renewing = asyncio.create_task(
             self._renew_slot(slot.leases, slot.lease_id, REQUEST_LEASE_S), name="request-slot-lease"
         )
-        self._slot.set(slot)
         task = asyncio.current_task()
         if task is not None:
             task.add_done_callback(lambda _: self._give_back_later(slot))
@@ -641,13 +647,14 @@ class RedisStore:
         giving_back.add_done_callback(self._giving_back.discard)
 
     @contextlib.asynccontextmanager
-    async def request_slot(self, key: str, limit: int, *, lease: float) -> AsyncIterator[None]:
+    async def request_slot(
+        self, key: str, limit: int, *, lease: float, taken: HeldSlot | None = None
+    ) -> AsyncIterator[None]:
         """A lease in Redis: taken by a script (one round trip while there is room; a full bound is polled
         with backoff), given back with ZREM; a holder that died frees its slot when the lease runs out.
-        The slot this task's session read took for ``key`` is used as it is (no round trip here)."""
-        held = self._slot.get()
-        if held is not None and not held.given_back and held.key == key:
-            yield  # given back with the node write, or when the task ends
+        The slot the turn's session read took for ``key`` (``taken``) is used as it is (no round trip)."""
+        if taken is not None and taken.held and taken.key == key:
+            yield  # given back with the node write, by its lease, or when the task ends
             return
         leases, lease_id = keys.request_leases_key(key), uuid.uuid4().hex
         pause = SLOT_POLL_MIN
@@ -687,7 +694,6 @@ class RedisStore:
 
     @_store_call
     async def set_session_engine(self, session_id: str, engine: str) -> bool:
-        self._ahead.set(None)
         keys_ = [keys.session_key(session_id), keys.engine_key(session_id)]
         return bool(await self._set_engine(keys=keys_, args=[engine]))
 
@@ -771,9 +777,18 @@ class RedisStore:
         latest: str | None,
         idempotency: Idempotency | None = None,
         engine: str | None = None,
+        lease: SessionLease | None = None,
     ) -> str:
-        self._ahead.set(None)
-        blob, routing = await self._encode(node)
+        slot = None
+        if lease is not None:
+            lease.written()
+            slot = lease.slot
+        try:
+            blob, routing = await self._encode(node)
+        except BaseException:
+            if lease is not None:
+                await lease.close()
+            raise
         args: list[str | bytes | int] = [
             node.id,
             blob,
@@ -789,9 +804,8 @@ class RedisStore:
         for entries in (partial_paths, paths):
             for path_hash, value in entries.items():
                 args += [path_hash, value]
-        slot = self._slot.get()
         try:
-            if slot is not None and slot.let_go():  # the turn is done with its request slot
+            if isinstance(slot, _Slot) and slot.let_go():  # the turn is done with its request slot
                 written = await self._write_node_and_give_back(keys.session_keys(session_id), args, slot)
             else:
                 written = await self._put_node(keys=keys.session_keys(session_id), args=args)
@@ -835,10 +849,6 @@ class RedisStore:
 
     @_store_call
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:
-        ahead = self._ahead.get()
-        if ahead is not None and not routing and ahead.session_id == session_id and ahead.leaf == node_id:
-            self._ahead.set(None)
-            return ahead.path
         blobs = await self._get_path(
             keys=[keys.parents_key(session_id), keys.nodes_key(session_id), keys.routing_key(session_id)],
             args=[node_id, MAX_DEPTH, "1" if routing else "0"],
@@ -853,11 +863,6 @@ class RedisStore:
     async def match_paths(self, session_id: str, hashes: Sequence[str]) -> list[str | None]:
         if not hashes:
             return []
-        ahead = self._ahead.get()
-        if ahead is not None and ahead.matches is not None and ahead.session_id == session_id:
-            matches, ahead.matches = ahead.matches, None  # once: a later read of them is a fresh one
-            if ahead.hashes == tuple(hashes):
-                return matches
         values = await self._redis.hmget(keys.paths_key(session_id), list(hashes))
         return [None if value is None else _text(value) for value in values]
 
@@ -907,7 +912,15 @@ class RedisStore:
                     return scan.page(exhausted=False)
 
 
-def _bounded(session: SessionRecord, slot: _Slot) -> bool:
+def _bounded(session: SessionRecord, key: str) -> bool:
     """Whether the session's own bound is the one its token named (the record, not the token, decides)."""
     bound = RequestBound.of(session.concurrency)
-    return bound is not None and bound.key == slot.key
+    return bound is not None and bound.key == key
+
+
+def _session(raw: bytes | str | None, engine: bytes | str | None) -> SessionRecord | None:
+    """The record as read, with the engine a failover moved it to."""
+    session = None if raw is None else SessionRecord.from_dict(orjson.loads(raw))
+    if session is not None and engine is not None:
+        session.engine = _text(engine)
+    return session

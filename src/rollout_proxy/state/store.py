@@ -24,10 +24,14 @@ Contract (tested once, over both, in tests/state/test_store_contract.py):
 - ids are looked up within the given session only: another session's id is absent;
 - a write to a session that is unknown or expired raises ``SessionNotFound``;
 - ``get_nodes`` returns every node of a session in one round trip;
-- ``get_session`` with a ``ReadAhead`` answers the turn's next ``match_paths``/``get_path`` of what
-  it names as if they were read with the session (the Redis store: in the same round trip);
+- ``lease_session`` reads a session for a turn with what the turn reads next (``ReadAhead``; the Redis
+  store: in the same round trip) and answers with a ``SessionLease``: the record, those reads' answers
+  (each used once, as of the read; dropped at the lease's node write) and the request slot taken with
+  the read, if any;
 - ``request_slot`` bounds the requests in flight per key across everything sharing the store; a
-  slot taken with a session read (``ReadAhead.bound``) is given back at the task's node write or end;
+  slot taken with a session read (``ReadAhead.bound``) is the lease's: its turn's ``request_slot`` uses
+  it, and it is given back at the lease's node write (``put_node(lease=...)``), when the lease is
+  closed, or when the task that read it ends, whichever comes first; nothing is left behind;
 - ``list_sessions`` pages the live sessions' summaries newest first (``state.listing``):
   a summary is written at create and at finish only, and goes when its session expires;
 - ``put_fleet_state``/``get_fleet_state`` keep one JSON object, the engine fleet's shared state
@@ -39,7 +43,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from enum import Enum
+from typing import Any, Literal, Protocol
 
 import orjson
 
@@ -101,18 +106,91 @@ class RequestBound:
 class ReadAhead:
     """What a turn reads right after its session, named up front so a store can read it in the same
     round trip: the path-index entries of ``hashes`` (``match_paths``) and the path of their deepest
-    whole-node match, or the path of ``response_id`` (``get_path``). A store may ignore it; one that
-    reads ahead answers the turn's next ``match_paths``/``get_path`` of exactly these from that read,
-    once, and forgets it at the turn's first write.
+    whole-node match, or the path of ``response_id`` (``get_path``). The read's ``SessionLease`` answers
+    them (``take_matches``, ``take_path``).
 
     ``bound``: the request bound whose slot the turn will take (its session token names it). A store
-    may take the slot in the same round trip, for an open session of that bound only; the slot is then
-    the calling task's: its ``request_slot`` of that key uses it (no wait), its next ``put_node`` gives
-    it back (in the write's round trip), and it is given back when the task ends, whatever happened."""
+    takes the slot with the read when one is free, for an open session of that bound only: it is then
+    the lease's (``SessionLease.slot``)."""
 
     hashes: tuple[str, ...] = ()
     response_id: str | None = None
     bound: RequestBound | None = None
+
+
+class HeldSlot(Protocol):
+    """A request slot a session read took for its turn (``ReadAhead.bound``)."""
+
+    @property
+    def key(self) -> str:
+        """The bound's key (``RequestBound.key``)."""
+        ...
+
+    @property
+    def held(self) -> bool:
+        """Not given back yet."""
+        ...
+
+    async def give_back(self) -> None:
+        """Give it back now, unless it was already (then nothing happens)."""
+        ...
+
+
+class _NotRead(Enum):
+    NOT_READ = "not read ahead"
+
+
+#: what a lease answers for a read it did not make ahead (the turn reads it from the store)
+NOT_READ = _NotRead.NOT_READ
+
+
+@dataclass(eq=False, slots=True)
+class SessionLease:
+    """A session read for one turn (``StateStore.lease_session``), carried by the turn: no hidden state.
+
+    ``matches``: the path-index entries of the ``ReadAhead``'s hashes, as of the read; ``leaf`` and ``path``:
+    the node whose path was read with it (the ``ReadAhead``'s response id, or the deepest whole-node match,
+    the newest of its siblings) and that path (None: not in the session). Each is answered once (a later
+    read of the same is a fresh one) and both are dropped at the lease's node write. ``slot``: the request
+    slot taken with the read, given back by the lease's node write, by ``close``, or when the task that
+    read it ends."""
+
+    session: SessionRecord
+    matches: tuple[tuple[str, ...], list[str | None]] | None = None
+    leaf: str | None = None
+    path: list[ResponseNode] | None = None
+    slot: HeldSlot | None = None
+
+    def take_matches(self, hashes: Sequence[str]) -> list[str | None] | Literal[_NotRead.NOT_READ]:
+        """The entries read ahead when they are those of ``hashes``; the first ask uses them up either way."""
+        ahead, self.matches = self.matches, None
+        if ahead is None or ahead[0] != tuple(hashes):
+            return NOT_READ
+        return ahead[1]
+
+    def take_path(self, node_id: str) -> list[ResponseNode] | Literal[_NotRead.NOT_READ] | None:
+        """The path read ahead when it is ``node_id``'s (None: not in the session); once, and then nothing
+        read ahead is left."""
+        if self.leaf is None or self.leaf != node_id:
+            return NOT_READ
+        path = self.path
+        self.written()
+        return path
+
+    def written(self) -> None:
+        """The turn wrote: what was read ahead may be stale now."""
+        self.matches, self.leaf, self.path = None, None, None
+
+    async def close(self) -> None:
+        """Give back the slot no node write gave back (a turn refused or failed before it wrote)."""
+        if self.slot is not None:
+            await self.slot.give_back()
+
+    async def __aenter__(self) -> SessionLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 def json_bytes(value: Any, what: str) -> bytes:
@@ -126,8 +204,13 @@ def json_bytes(value: Any, what: str) -> bytes:
 class StateStore(Protocol):
     async def create_session(self, session: SessionRecord) -> None: ...
 
-    async def get_session(self, session_id: str, *, read_ahead: ReadAhead | None = None) -> SessionRecord | None:
-        """The record (with the engine the session moved to); ``read_ahead``: see ``ReadAhead``."""
+    async def get_session(self, session_id: str) -> SessionRecord | None:
+        """The record (with the engine the session moved to)."""
+        ...
+
+    async def lease_session(self, session_id: str, read_ahead: ReadAhead) -> SessionLease | None:
+        """The record read for a turn, with what ``read_ahead`` names (``SessionLease``); None if it is gone
+        (a slot taken with it is given back then, and when the session is not open or not of that bound)."""
         ...
 
     async def finish_session(self, session_id: str, result: dict) -> SessionRecord | None:
@@ -144,10 +227,12 @@ class StateStore(Protocol):
         latest: str | None,
         idempotency: Idempotency | None = None,
         engine: str | None = None,
+        lease: SessionLease | None = None,
     ) -> str:
-        """Store a node (and, with ``engine``, move the session there, as ``set_session_engine``); returns the id stored for this write: ``node.id``, or, for an
-        idempotency key already used with the same request, the earlier node's (and
-        nothing is written). ``paths`` entries overwrite a partial entry and keep a whole-node one's
+        """Store a node (and, with ``engine``, move the session there, as ``set_session_engine``); returns the
+        id stored for this write: ``node.id``, or, for an idempotency key already used with the same request,
+        the earlier node's (and nothing is written). ``lease``: the turn's; its slot goes back with the write
+        (the Redis store: in its round trip) and its read-ahead is dropped, whether or not the write succeeds. ``paths`` entries overwrite a partial entry and keep a whole-node one's
         nodes behind theirs (``with_sibling``), ``partial_paths`` never overwrite; the
         latest pointer is set for ``latest`` (an api name) and for ``"*"``.
 
@@ -184,11 +269,13 @@ class StateStore(Protocol):
         ``listing.SCAN_LIMIT`` summaries. ``InvalidRequest`` for a cursor it never gave out."""
         ...
 
-    def request_slot(self, key: str, limit: int, *, lease: float) -> AbstractAsyncContextManager[None]:
+    def request_slot(
+        self, key: str, limit: int, *, lease: float, taken: HeldSlot | None = None
+    ) -> AbstractAsyncContextManager[None]:
         """One of ``limit`` slots shared by every request naming ``key`` (a job's request_concurrency), held
         while the context is; waits for a free one. A Redis store shares them across workers and proxies; a
-        slot whose holder died is freed after ``lease`` seconds. A slot the task's session read already took
-        (``ReadAhead.bound``) is used instead, and stays held until the task's node write or its end."""
+        slot whose holder died is freed after ``lease`` seconds. ``taken``: the slot the turn's session read
+        took (``SessionLease.slot``): used instead while it is held, and left held (its lease gives it back)."""
         ...
 
     async def put_teacher_scores(self, session_id: str, response_id: str, scores: TeacherScores) -> bool:

@@ -163,6 +163,28 @@ def normalize_messages(messages: Any, *, param: str = "messages") -> list[dict[s
     return [normalize_message(message, param=f"{param}[{index}]") for index, message in enumerate(messages)]
 
 
+@dataclass(slots=True)
+class MessageFold:
+    """Chat messages folded one by one (``normalize_messages``, as ``wire.responses.InputFold`` folds an
+    input): each message's normal form is its own, so a resent history is normalized once."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def settled(self) -> int:
+        """No message added later changes an earlier one: all of them."""
+        return len(self.messages)
+
+    def extended(self) -> MessageFold:
+        return MessageFold(list(self.messages))
+
+    def upto(self, count: int) -> MessageFold:
+        return MessageFold(self.messages[:count])
+
+    def add(self, message: Any, where: str) -> None:
+        self.messages.append(normalize_message(message, param=where))
+
+
 #: Tool types the policy cannot call as a JSON function, left out of the prompt (and recorded): tools the
 #: OpenAI platform runs itself (search, code, images, MCP servers, tool search), and client tools whose calls
 #: are not function calls (custom/freeform text tools, the computer, shell, local_shell and apply_patch tools,

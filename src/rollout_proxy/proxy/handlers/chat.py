@@ -5,24 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 from aiohttp import web
 
+from rollout_proxy.core.chat import ChatPlacement
 from rollout_proxy.core.tree import match_window
+from rollout_proxy.core.turn_service import Ask
 from rollout_proxy.core.turns import TurnResult
 from rollout_proxy.errors import InvalidRequest
-from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.chat_stream import ChatChunks, include_usage
 from rollout_proxy.proxy.client_sampling import CHAT_FIELDS
-from rollout_proxy.proxy.handlers.common import turn_meta
-from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, take_in
-from rollout_proxy.proxy.known_messages import MessageIntake
+from rollout_proxy.proxy.handlers.turn import TurnPlan, serve_turn, turn_meta
+from rollout_proxy.proxy.intake import Spec, Taken
+from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.proxy.schemas import ChatRequest
-from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
 from rollout_proxy.tokenization.messages import path_hashes
-from rollout_proxy.wire.messages import normalize_messages, split_tools
+from rollout_proxy.wire.messages import MessageFold, normalize_messages, split_tools
 
 
 def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | None, top: int = 0) -> dict[str, Any]:
@@ -77,10 +75,11 @@ class ChatConversation:
     hashes: tuple[str, ...]  # their rolling path hashes (the tree attaches by them)
 
 
-def _normalized(body: ChatRequest, memory: ListMemory | None) -> ChatConversation:
+def _normalized(body: ChatRequest, history: HistoryIntake | None) -> ChatConversation:
     """The messages' normal forms and path hashes: only those the memory has not seen computed."""
-    if isinstance(memory, MessageIntake):
-        return ChatConversation(*memory.normalize_and_hash(body.messages))
+    if history is not None:
+        folded = history.take(body.messages, MessageFold)
+        return ChatConversation(list(folded.fold.messages), tuple(folded.hashes))
     messages = normalize_messages(body.messages)
     return ChatConversation(messages, tuple(path_hashes(messages)))
 
@@ -88,16 +87,16 @@ def _normalized(body: ChatRequest, memory: ListMemory | None) -> ChatConversatio
 #: how a Chat Completions request is taken in (``proxy.intake``)
 CHAT = Spec(
     model=ChatRequest,
+    api="chat",
     key="messages",
     sampling=CHAT_FIELDS,
-    memory=lambda app: MessageIntake(app[keys.KNOWN_MESSAGES]),
     normalize=_normalized,
     read_ahead=lambda body, conversation: ReadAhead(hashes=match_window(conversation.hashes)),
 )
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    call = await take_in(request, CHAT)
+def _plan(request: web.Request, call: Taken[ChatRequest, ChatConversation]) -> TurnPlan:
+    """The turn a Chat Completions request asks for, placed by content (``core.chat``)."""
     session, body = call.session, call.body
     recorded = session.generation.top_logprobs
     if body.top_logprobs and (body.top_logprobs > recorded or body.stream):
@@ -107,21 +106,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "logprobs=true alone returns the sampled ones",
             param="top_logprobs",
         )
-    messages, hashes = call.conversation.messages, call.conversation.hashes
     toolset = split_tools(body.tools)
-    tools, meta = toolset.functions, turn_meta(request, "chat", call, toolset)
-    if body.stream:
-        usage = include_usage(body.model_extra)
-        events = request.app[keys.CHAT].stream(
-            session, messages, tools=tools, stop=body.stop_list(), hashes=hashes, meta=meta
-        )
-        return await serve_stream(
-            request,
-            events,
-            lambda started: ChatChunks(started, model=body.model, usage=usage, logprobs=bool(body.logprobs)),
-        )
-    result = await request.app[keys.CHAT].complete(
-        session, messages, tools=tools, stop=body.stop_list(), hashes=hashes, meta=meta
+    meta = turn_meta(request, "chat", call, toolset)
+    usage = include_usage(body.model_extra) if body.stream else False
+    return TurnPlan(
+        Ask(call.conversation.messages, tools=toolset.functions, stop=body.stop_list(), meta=meta),
+        ChatPlacement(hashes=call.conversation.hashes),
+        stream=bool(body.stream),
+        body=lambda result: completion_body(
+            result, model=body.model, logprobs=body.logprobs, top=body.top_logprobs or 0
+        ),
+        framing=lambda started: ChatChunks(started, model=body.model, usage=usage, logprobs=bool(body.logprobs)),
     )
-    structlog.contextvars.bind_contextvars(response_id=result.node.id)
-    return json_response(completion_body(result, model=body.model, logprobs=body.logprobs, top=body.top_logprobs or 0))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await serve_turn(request, CHAT, _plan)

@@ -9,28 +9,27 @@ session's ``base_url`` (``…/v1``, hence ``/v1/v1/messages``); ``?beta=true`` a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import orjson
-import structlog
 from aiohttp import web
 
-from rollout_proxy.core.messages import API, THREAD_TOOLS, Thread
+from rollout_proxy.core.messages import API, THREAD_TOOLS, MessagesPlacement, Thread
 from rollout_proxy.core.tree import match_window
+from rollout_proxy.core.turn_service import Ask
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.ids import session_of_response
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.anthropic_answers import message_body, signed_node, signing_key
 from rollout_proxy.proxy.anthropic_models import CountTokensRequest, MessagesRequest
 from rollout_proxy.proxy.client_sampling import MESSAGES_FIELDS
-from rollout_proxy.proxy.handlers.common import turn_meta
+from rollout_proxy.proxy.handlers.turn import TurnPlan, serve_turn, turn_meta
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, take_in
-from rollout_proxy.proxy.known_input import ListIntake
+from rollout_proxy.proxy.intake import Spec, Taken, take_in
 from rollout_proxy.proxy.messages_stream import MessageEvents
-from rollout_proxy.proxy.sse import serve_stream
+from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.state.store import ReadAhead
-from rollout_proxy.tokenization.messages import path_hashes, path_hashes_of_keys
+from rollout_proxy.tokenization.messages import path_hashes
 from rollout_proxy.wire.anthropic import Conversation, conversation, split_tools, stop_sequences, system_message
 
 MR = TypeVar("MR", bound=CountTokensRequest)
@@ -64,17 +63,19 @@ def _thread(body: CountTokensRequest) -> str | None:
     return body.previous_message_id if isinstance(body, MessagesRequest) else None
 
 
-def _normalized(body: CountTokensRequest, memory: ListMemory | None) -> MessagesConversation:
+def _normalized(body: CountTokensRequest, history: HistoryIntake | None) -> MessagesConversation:
     """The conversation folded message by message (only what the memory has not seen: a resent history is
     folded once, when its ``system`` is the same); on a thread, the system is the thread's (checked against
     it later), not a new message."""
     previous = _thread(body)
     system = None if previous else body.system
-    if isinstance(memory, ListIntake):
+    hashes = None
+    if history is not None:
         context = b"thread" if previous else orjson.dumps(system)
-        found, message_keys = memory.fold(body.messages, lambda: Conversation.starting(system), context=context)
+        folded = history.take(body.messages, lambda: Conversation.starting(system), context=context)
+        found, hashes = folded.fold, folded.hashes
     else:
-        found, message_keys = conversation(system, body.messages), None
+        found = conversation(system, body.messages)
     messages = found.messages
     if messages[-1]["role"] == "assistant":
         raise InvalidRequest(
@@ -84,8 +85,7 @@ def _normalized(body: CountTokensRequest, memory: ListMemory | None) -> Messages
         )
     if previous is not None:
         return MessagesConversation(found, [])
-    hashes = path_hashes(messages) if message_keys is None else path_hashes_of_keys(message_keys)
-    return MessagesConversation(found, hashes)
+    return MessagesConversation(found, path_hashes(messages) if hashes is None else hashes)
 
 
 def _read_ahead(body: CountTokensRequest, read: MessagesConversation) -> ReadAhead:
@@ -98,9 +98,9 @@ def _spec(model: type[MR]) -> Spec[MR, MessagesConversation]:
     """How a Messages request is taken in (``proxy.intake``): a resent history checked and folded once."""
     return Spec(
         model=model,
+        api=API,
         key="messages",
         sampling=MESSAGES_FIELDS if model is MessagesRequest else (),
-        memory=lambda app: ListIntake(app[keys.KNOWN_INPUTS], api=API, key="messages"),
         normalize=_normalized,
         read_ahead=_read_ahead,
     )
@@ -110,8 +110,9 @@ MESSAGES = _spec(MessagesRequest)  # what a turn takes in
 COUNT_TOKENS = _spec(CountTokensRequest)
 
 
-async def create_message(request: web.Request) -> web.StreamResponse:
-    call = await take_in(request, MESSAGES)
+def _plan(request: web.Request, call: Taken[MessagesRequest, MessagesConversation]) -> TurnPlan:
+    """The turn a Messages request asks for, placed by content and signed thinking, or on a thread
+    (``core.messages``)."""
     session, body, read = call.session, call.body, call.conversation
     key = signing_key(request.app[keys.SETTINGS].token_secret)
     signed = read.signed(key, session.id)
@@ -125,28 +126,28 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         thread = Thread(body.previous_message_id, None if system is None else system["content"])
     if body.thread is not None and toolset.functions is not None:  # a thread's later turns may leave them out
         meta[THREAD_TOOLS] = toolset.functions
-    arguments: dict[str, Any] = {
-        "tools": toolset.functions,
-        "stop": stop_sequences(body.stop_sequences),
-        "hashes": read.hashes or None,
-        "signed": signed,
-        "thread": thread,
-        "meta": meta,
-    }
-    service = request.app[keys.MESSAGES]
-    if body.stream:
-        events = service.stream(session, read.conversation.messages, **arguments)
-        return await serve_stream(request, events, lambda started: MessageEvents(started, model=body.model, key=key))
-    result = await service.complete(session, read.conversation.messages, **arguments)
-    structlog.contextvars.bind_contextvars(response_id=result.node.id)
-    return json_response(message_body(result, model=body.model, key=key))
+    return TurnPlan(
+        Ask(read.conversation.messages, tools=toolset.functions, stop=stop_sequences(body.stop_sequences), meta=meta),
+        MessagesPlacement(hashes=read.hashes or None, signed=signed, thread=thread),
+        stream=bool(body.stream),
+        body=lambda result: message_body(result, model=body.model, key=key),
+        framing=lambda started: MessageEvents(started, model=body.model, key=key),
+    )
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    return await serve_turn(request, MESSAGES, _plan)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
+    """A turn's placement and prompt, nothing sampled (``TurnService.count_tokens``)."""
     call = await take_in(request, COUNT_TOKENS)
-    session, body, read = call.session, call.body, call.conversation
-    signed = read.signed(signing_key(request.app[keys.SETTINGS].token_secret), session.id)
-    count = await request.app[keys.MESSAGES].count_tokens(
-        session, read.conversation.messages, tools=split_tools(body.tools).functions, hashes=read.hashes, signed=signed
-    )
+    async with call.lease:
+        read = call.conversation
+        signed = read.signed(signing_key(request.app[keys.SETTINGS].token_secret), call.session.id)
+        count = await request.app[keys.TURNS].count_tokens(
+            call.lease,
+            Ask(read.conversation.messages, tools=split_tools(call.body.tools).functions),
+            MessagesPlacement(hashes=read.hashes, signed=signed),
+        )
     return json_response({"input_tokens": count})

@@ -5,22 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 from aiohttp import web
 
+from rollout_proxy.core.responses import ResponsesPlacement
+from rollout_proxy.core.turn_service import Ask
 from rollout_proxy.core.turns import path_tokens
 from rollout_proxy.errors import NotFound
 from rollout_proxy.ids import session_of_response
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.client_sampling import RESPONSES_FIELDS
-from rollout_proxy.proxy.handlers.common import request_caller, turn_meta
+from rollout_proxy.proxy.handlers.common import request_caller
+from rollout_proxy.proxy.handlers.turn import TurnPlan, serve_turn, turn_meta
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.proxy.intake import ListMemory, Spec, take_in
-from rollout_proxy.proxy.known_input import ListIntake
+from rollout_proxy.proxy.intake import Spec, Taken
 from rollout_proxy.proxy.openai_responses import response_body
+from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.proxy.responses_stream import ResponseEvents
 from rollout_proxy.proxy.schemas import ResponsesRequest
-from rollout_proxy.proxy.sse import serve_stream
 from rollout_proxy.state.store import ReadAhead
 from rollout_proxy.wire.messages import split_tools
 from rollout_proxy.wire.responses import InputFold, input_to_messages
@@ -32,64 +33,52 @@ class InputConversation:
     keys: list[bytes] | None  # their canonical keys (None: the tree computes them)
 
 
-def _folded(body: ResponsesRequest, memory: ListMemory | None) -> InputConversation:
+def _folded(body: ResponsesRequest, history: HistoryIntake | None) -> InputConversation:
     """The input as messages: a list folded item by item (only what the memory has not seen), a string as
     one user message."""
-    if type(body.input) is list and isinstance(memory, ListIntake):
-        fold, message_keys = memory.fold(body.input, InputFold)
-        return InputConversation(fold.messages, message_keys)
+    if type(body.input) is list and history is not None:
+        folded = history.take(body.input, InputFold)
+        return InputConversation(folded.fold.messages, folded.keys)
     return InputConversation(input_to_messages(body.input), None)
 
 
 #: how a Responses request is taken in (``proxy.intake``)
 RESPONSES = Spec(
     model=ResponsesRequest,
+    api="responses",
     key="input",
     sampling=RESPONSES_FIELDS,
-    memory=lambda app: ListIntake(app[keys.KNOWN_INPUTS], api="responses", key="input"),
     normalize=_folded,
     read_ahead=lambda body, conversation: ReadAhead(response_id=body.previous_response_id),
 )
 
 
-async def create_response(request: web.Request) -> web.StreamResponse:
-    call = await take_in(request, RESPONSES)  # a resent input's items are checked once
+def _plan(request: web.Request, call: Taken[ResponsesRequest, InputConversation]) -> TurnPlan:
+    """The turn a Responses request asks for, placed by ``previous_response_id`` or by content
+    (``core.responses``)."""
     session, body = call.session, call.body
-    messages, message_keys = call.conversation.messages, call.conversation.keys
     toolset = split_tools(body.tools)
-    tools, meta = toolset.functions, turn_meta(request, "responses", call, toolset)
-    if body.stream:
-        events = request.app[keys.RESPONSES].stream(
-            session,
-            messages,
+    tools = toolset.functions
+    return TurnPlan(
+        Ask(call.conversation.messages, tools=tools, meta=turn_meta(request, "responses", call, toolset)),
+        ResponsesPlacement(
             previous_response_id=body.previous_response_id,
             instructions=body.instructions,
-            tools=tools,
             store=body.store,
-            meta=meta,
-            keys=message_keys,
-        )
-        return await serve_stream(
-            request,
-            events,
-            lambda started: ResponseEvents(started, session=session, tools=tools or session.tools, model=body.model),
-        )
-    result, _ = await request.app[keys.RESPONSES].create(
-        session,
-        messages,
-        previous_response_id=body.previous_response_id,
-        instructions=body.instructions,
-        tools=tools,
-        store=body.store,
-        meta=meta,
-        keys=message_keys,
-    )
-    structlog.contextvars.bind_contextvars(response_id=result.node.id)
-    return json_response(
-        response_body(
+            keys=call.conversation.keys,
+        ),
+        stream=bool(body.stream),
+        body=lambda result: response_body(
             result.node, prompt_ids=result.prompt_ids, session=session, tools=tools or session.tools, model=body.model
-        )
+        ),
+        framing=lambda started: ResponseEvents(
+            started, session=session, tools=tools or session.tools, model=body.model
+        ),
     )
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    return await serve_turn(request, RESPONSES, _plan)  # a resent input's items are checked once
 
 
 async def get_response(request: web.Request) -> web.Response:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import structlog
 from aiohttp import web
 
+from rollout_proxy.core.responses import ResponsesPlacement, idempotency
+from rollout_proxy.core.turn_service import Ask
 from rollout_proxy.proxy import keys, validation
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response, read_json_object
 from rollout_proxy.proxy.schemas import AppendMessages, FinishRequest, SessionCreate
-from rollout_proxy.state.store import RequestBound
+from rollout_proxy.state.store import ReadAhead, RequestBound
 from rollout_proxy.wire.messages import normalize_messages, normalize_tools
 
 
@@ -62,13 +64,15 @@ async def append_messages(request: web.Request) -> web.Response:
     session_id = request.match_info["session_id"]
     request_caller(request).require_session(session_id)
     body = validation.validate(AppendMessages, await read_json_object(request))
-    session = await request.app[keys.SESSIONS].get_open(session_id)
-    node = await request.app[keys.RESPONSES].append_messages(
-        session,
-        normalize_messages(body.messages),
-        previous_response_id=body.previous_response_id,
-        idempotency_key=request.headers.get("Idempotency-Key"),
-    )
+    async with await request.app[keys.SESSIONS].lease_open(session_id, ReadAhead()) as lease:
+        messages = normalize_messages(body.messages)
+        claim = idempotency(request.headers.get("Idempotency-Key"), messages, body.previous_response_id)
+        node = await request.app[keys.TURNS].append(
+            lease,
+            Ask(messages),
+            ResponsesPlacement(previous_response_id=body.previous_response_id, api="injected"),
+            idempotency=claim,
+        )
     structlog.contextvars.bind_contextvars(response_id=node.id)
     return json_response({"response_id": node.id, "session_id": session_id}, status=201)
 
@@ -99,6 +103,5 @@ async def finish_session(request: web.Request) -> web.Response:
     )
     await sessions.commit_finish(plan)
     request.app[keys.METRICS].sessions.closed(session_id)
-    request.app[keys.KNOWN_MESSAGES].forget(session_id)  # no turn resends its conversation after a finish
-    request.app[keys.KNOWN_INPUTS].forget(session_id)
+    request.app[keys.RESENT_HISTORY].forget(session_id)  # no turn resends its conversation after a finish
     return answer
