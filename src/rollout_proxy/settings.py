@@ -218,7 +218,7 @@ class DeclaredSettings(BaseSettings):
             for name in names:
                 default = cls.shown_default(name)
                 choices = cls.choices_of(name)
-                what = (cls.model_fields[name].description or "").replace("|", "\\|")
+                what = (cls.model_fields[name].description or "").replace("|", "\\|").replace("<", "&lt;")
                 if choices:
                     what += f" (one of {', '.join(f'`{c}`' for c in choices)})"
                 cell = f"`{default}`" if default not in (None, "") else "—"
