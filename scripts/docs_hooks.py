@@ -4,6 +4,8 @@ A page asks for one with a marker line; the marker is replaced by what the insta
 those parts cannot drift from the code:
 
     <!-- generated: run-help -->     ``rollout-proxy run --help`` (serve's options: the table of docs/settings.md)
+    <!-- generated: run-settings -->     the table of ``run``'s options (``RunSettings``)
+    <!-- generated: trainer-settings --> the table of the reference trainer's options (``TrainerSettings``)
     <!-- generated: metrics -->      every metric of ``rollout_proxy.metrics.DECLARED``: kind, labels, help
 """
 
@@ -53,8 +55,22 @@ def metrics_table() -> str:
     return "\n".join(rows)
 
 
+def run_settings_table() -> str:
+    from rollout_proxy.runner.settings import RunSettings
+
+    return RunSettings.table()
+
+
+def trainer_settings_table() -> str:
+    from rollout_proxy.trainer.settings import TrainerSettings
+
+    return TrainerSettings.table()
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "run-help": lambda: cli_help("run"),
+    "run-settings": run_settings_table,
+    "trainer-settings": trainer_settings_table,
     "metrics": metrics_table,
 }
 

@@ -44,6 +44,16 @@ def structlog_as_pytest_started() -> Iterator[None]:
     structlog.reset_defaults()
 
 
+@pytest.fixture
+def settings_environ(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The environment without any ``ROLLOUT_PROXY_*`` variable (what ``from_env`` reads), to set with
+    ``settings_environ.setenv``; restored after the test."""
+    for name in list(os.environ):
+        if name.upper().startswith("ROLLOUT_PROXY_"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

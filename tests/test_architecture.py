@@ -189,6 +189,25 @@ def test_the_trainer_does_not_import_the_server(graph):
     assert not bad, "trainer must not import proxy, core or app:\n" + "\n".join(map(str, bad))
 
 
+#: the package's two HTTP client stacks, each on one side (docs/architecture.md "HTTP clients"): aiohttp on the
+#: server's (the server, its engine client, the app that runs them), httpx2 on the plugins' (the SDK's transport,
+#: sync and async; the openai and anthropic SDKs are built on it too). Runner and trainer reach the proxy through
+#: the SDK's transport and the engines through the engine client, never with a stack of their own.
+HTTP_STACKS = {"aiohttp": {"proxy", "engines", "app", "embedded", "cli"}, "httpx2": {"sdk"}}
+OTHER_HTTP_CLIENTS = {"httpx", "requests", "urllib3", "urllib.request", "http.client", "pycurl"}
+
+
+def test_each_http_stack_stays_on_its_side_and_there_is_no_third(graph):
+    bad = []
+    for edge in graph.external():
+        top = edge.target.split(".")[0]
+        if top in HTTP_STACKS and graph.part(edge.source) not in HTTP_STACKS[top]:
+            bad.append(f"{edge} (only {sorted(HTTP_STACKS[top])} use {top})")
+        if top in OTHER_HTTP_CLIENTS or edge.target in OTHER_HTTP_CLIENTS:
+            bad.append(f"{edge} (a third HTTP client: use the SDK's transport or the engine client)")
+    assert not bad, "\n".join(bad)
+
+
 def redis_imports_outside_state(graph: ImportGraph) -> list[Edge]:
     return [
         edge for edge in graph.external() if edge.target.split(".")[0] == "redis" and graph.part(edge.source) != "state"

@@ -8,7 +8,7 @@ from rollout_proxy.cli import main
 from rollout_proxy.settings import Settings
 
 
-def test_settings_read_the_environment_and_flags_win():
+def test_settings_read_the_environment_and_flags_win(settings_environ):
     env = {
         "ROLLOUT_PROXY_ENGINES": "http://a:1, http://b:2",
         "ROLLOUT_PROXY_STORE": "redis://r:6379/1",
@@ -16,7 +16,9 @@ def test_settings_read_the_environment_and_flags_win():
         "ROLLOUT_PROXY_ADMIN_KEY": "from-env",
         "ROLLOUT_PROXY_TOOL_PARSER": "none",
     }
-    settings = Settings.from_env(env, port=9100, admin_key=None)
+    for name, value in env.items():
+        settings_environ.setenv(name, value)
+    settings = Settings.from_env(port=9100, admin_key=None)
     assert settings.engines == ("http://a:1", "http://b:2")
     assert settings.store == "redis://r:6379/1"
     assert settings.port == 9100

@@ -60,6 +60,10 @@ def test_the_api_reference_and_the_generated_parts_are_rendered(site: Path):
     assert 'id="rollout_proxy.trainer.TrajectoryConsumer"' in trainer and "FeedGroup" in trainer
     settings = (site / "settings" / "index.html").read_text()
     assert "--engine-backoff-max" in settings and "<!-- generated" not in settings
+    runner = (site / "runner" / "index.html").read_text()
+    assert "ROLLOUT_PROXY_RUN_STORE" in runner and "<!-- generated" not in runner
+    training = (site / "training" / "index.html").read_text()
+    assert "ROLLOUT_PROXY_TRAINER_KEEP_WEIGHTS" in training and "<!-- generated" not in training
     metrics = (site / "metrics" / "index.html").read_text()
     assert "rollout_proxy_turns_total" in metrics and "rollout_proxy_prompt_drift_total" in metrics
 

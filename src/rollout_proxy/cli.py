@@ -1,7 +1,9 @@
 """``rollout-proxy``: the command line.
 
-Every option of ``serve`` can also come from a ``ROLLOUT_PROXY_<NAME>`` variable
-(e.g. ``ROLLOUT_PROXY_ENGINES=http://a:8000,http://b:8000``); flags win.
+Each command's options are its settings model's fields (``settings.Settings`` for ``serve``,
+``runner.settings.RunSettings`` for ``run``): every option of ``serve`` can also come from a
+``ROLLOUT_PROXY_<NAME>`` variable (e.g. ``ROLLOUT_PROXY_ENGINES=http://a:8000,http://b:8000``), every
+option of ``run`` from ``ROLLOUT_PROXY_RUN_<NAME>``; flags win.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rollout_proxy import __version__
-from rollout_proxy.logs import LOG_FORMATS, configure_logging
+from rollout_proxy.logs import configure_logging
 from rollout_proxy.proxy.workers import WORKER_HEADER
-from rollout_proxy.settings import SECTIONS, Settings, choices_of, env_name, flag_name, help_text
+from rollout_proxy.runner.settings import RunSettings
+from rollout_proxy.settings import Settings
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -31,25 +34,8 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:
         description="Run the OpenAI-compatible rollout proxy in front of one or more vLLM engines.",
         epilog="Every option also reads ROLLOUT_PROXY_<OPTION> (e.g. ROLLOUT_PROXY_ADMIN_KEY); flags win.",
     )
-    add_settings_arguments(serve)
+    Settings.add_arguments(serve)
     serve.set_defaults(handler=_serve)
-
-
-def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field of ``Settings``, grouped by its section: its name, help, default, choices and bounds
-    are the field's (``settings``); values are checked by ``Settings`` itself, as the environment's are."""
-    groups = {section: parser.add_argument_group(title) for section, title in SECTIONS.items()}
-    for name, spec in Settings.model_fields.items():
-        extra = spec.json_schema_extra if isinstance(spec.json_schema_extra, dict) else {}
-        options: dict[str, Any] = {"dest": name, "help": f"{help_text(name)} [{env_name(name)}]".replace("%", "%%")}
-        if extra.get("metavar"):
-            options["metavar"] = extra["metavar"]
-        choices = choices_of(name)
-        if choices:
-            options["choices"] = choices
-        if extra.get("separator"):
-            options["action"] = "append"
-        groups[str(extra["section"])].add_argument(flag_name(name), **options)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -120,27 +106,7 @@ def _run_parser(commands: argparse._SubParsersAction) -> None:
         "trainer feed. Without --proxy-url a proxy is started in-process on the job's engines.",
     )
     run.add_argument("job", help="the job file (the seed's job.yaml format)")
-    run.add_argument(
-        "--engine", dest="engines", action="append", metavar="URL", help="vLLM server(s); overrides proxy.engines"
-    )
-    run.add_argument(
-        "--store", help="state store of the in-process proxy: memory or redis://... (default: the job's, memory)"
-    )
-    run.add_argument("--feed", help="trainer feed: jsonl:PATH or redis://... (default: OUT/<job name>/feed.jsonl)")
-    run.add_argument("--out", help="output directory (default: the job's proxy.output_dir, 'out')")
-    run.add_argument("--proxy-url", help="use this running proxy instead of starting one (needs --admin-key)")
-    run.add_argument("--admin-key", help="admin key of --proxy-url (env ROLLOUT_PROXY_ADMIN_KEY)")
-    run.add_argument("--job-id", help="id of this run (default: the job's name); a rerun with the same id resumes")
-    run.add_argument(
-        "--ray",
-        metavar="ADDRESS",
-        help="run each sample's rollout and grading calls as Ray tasks on this cluster: HOST:PORT of the head, "
-        "ray://HOST:PORT or 'auto' (overrides the job's ray.address; the workers must reach the proxy)",
-    )
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.add_argument("--summary-json", help="also write the summary to this JSON file")
-    run.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
-    run.add_argument("--log-level", default="warning", help="runner log level (default warning: retries and discards)")
+    RunSettings.add_arguments(run)
     run.set_defaults(handler=_run)
 
 
@@ -160,11 +126,11 @@ async def _stopped_by_sigterm(main: Coroutine[Any, Any, Any]) -> Any:
 def _run(args: argparse.Namespace) -> int:
     import asyncio
     import json
-    import os
 
     from rollout_proxy.runner import JobConfig, JobError, JobFailed, run_job
 
-    configure_logging(args.log_format, args.log_level)
+    settings = RunSettings.from_env(**{name: getattr(args, name) for name in RunSettings.model_fields})
+    configure_logging(settings.log_format, settings.log_level)
     try:
         job = JobConfig.load(args.job)
     except JobError as exc:
@@ -175,15 +141,15 @@ def _run(args: argparse.Namespace) -> int:
             _stopped_by_sigterm(
                 run_job(
                     job,
-                    proxy_url=args.proxy_url,
-                    admin_key=args.admin_key or os.environ.get("ROLLOUT_PROXY_ADMIN_KEY"),
-                    engines=args.engines,
-                    store=args.store,
-                    feed=args.feed,
-                    output_dir=args.out,
-                    job_id=args.job_id,
-                    progress=not args.no_progress,
-                    ray=args.ray,
+                    proxy_url=settings.proxy_url,
+                    admin_key=settings.admin_key,
+                    engines=settings.engines,
+                    store=settings.store,
+                    feed=settings.feed,
+                    output_dir=settings.out,
+                    job_id=settings.job_id,
+                    progress=not settings.no_progress,
+                    ray=settings.ray,
                 )
             )
         )
@@ -197,8 +163,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"rollout-proxy run: job failed: {exc}", file=sys.stderr)
         return 1
     print(summary.render())
-    if args.summary_json:
-        with open(args.summary_json, "w", encoding="utf-8") as out:
+    if settings.summary_json:
+        with open(settings.summary_json, "w", encoding="utf-8") as out:
             json.dump(summary.to_json(), out, indent=2, default=str)
     return 0
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from rollout_proxy.proxy.server import LISTEN_BACKLOG, ProxyRunner
+from rollout_proxy.proxy.server import LISTEN_BACKLOG, start_app
 
 T = TypeVar("T")
 
@@ -40,10 +40,9 @@ class BackgroundLoop:
         self.loop.close()
 
 
-async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, str]:
+async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> tuple[web.BaseRunner, str]:
     """Start ``app`` on the current loop; returns its runner and base URL (malformed HTTP answered as JSON)."""
-    runner = ProxyRunner(app, access_log=None)
-    await runner.setup()
+    runner = await start_app(app, access_log=None)
     site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
     await site.start()
     bound = runner.addresses[0][1]  # the (host, port) the site's socket was bound to
@@ -65,7 +64,7 @@ class BackgroundServer:
         self._host, self._port = host, port
         self._own_loop = loop is None
         self.loop = loop or BackgroundLoop()
-        self._runner: web.AppRunner | None = None
+        self._runner: web.BaseRunner | None = None
         self.app: web.Application | None = None
         self.url = ""
 

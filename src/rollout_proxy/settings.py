@@ -1,27 +1,35 @@
-"""The server's settings, declared once: each field's type, default, help and bounds.
+"""Settings declared once: each field's type, default, help and bounds, and all that is made from them.
 
-``rollout-proxy serve``'s flags, its ``--help``, the ``ROLLOUT_PROXY_<NAME>`` environment variables
-and the settings table of the docs (``python -m rollout_proxy.settings``) are all generated from
-``Settings``; a test holds each of them to it. A flag is ``--`` and the field's name with dashes
-(``engine_hang_timeout`` is ``--engine-hang-timeout`` and ``ROLLOUT_PROXY_ENGINE_HANG_TIMEOUT``), but
-where ``flag`` says otherwise (``--engine`` for ``engines``, repeatable). Flags win over variables,
-variables over defaults; a value out of bounds is refused before anything starts.
+Three commands have settings, each a ``DeclaredSettings`` (a pydantic-settings model): ``rollout-proxy
+serve`` (``Settings``, here), ``rollout-proxy run`` (``runner.settings.RunSettings``) and the reference
+trainer (``trainer.settings.TrainerSettings``). From a model's fields come the command's flags and its
+``--help`` (``add_arguments``), its environment variables and its docs table (``table``; the server's is
+``python -m rollout_proxy.settings``); a test holds each of them to the fields. A flag is ``--`` and the
+field's name with dashes, but where ``flag`` says otherwise (``--engine`` for ``engines``, repeatable); a
+variable is the model's ``env_prefix`` and the name in capitals (``engine_hang_timeout`` is
+``--engine-hang-timeout`` and ``ROLLOUT_PROXY_ENGINE_HANG_TIMEOUT``; ``run``'s ``store`` is
+``ROLLOUT_PROXY_RUN_STORE``), but where ``env_prefix`` says otherwise (the admin key is
+``ROLLOUT_PROXY_ADMIN_KEY`` for all three). ``from_env``: flags win over variables (read by
+pydantic-settings), variables over defaults; a value out of bounds is refused before anything starts,
+naming its flag or variable. A model built in code (``Settings(...)``: a test, ``run``'s in-process
+proxy) is what it is given: it never reads the environment.
 
-Components get their part of it from the app factory (``app.fleet_settings``, ``app.redis_options``,
-``app.rendering_config``, ``app.engine_client``); nothing else reads the environment.
+Components get their part of the server's settings from the app factory (``app.fleet_settings``,
+``app.redis_options``, ``app.rendering_config``, ``app.engine_client``); nothing else reads the environment.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import hmac
 import os
 import sys
-from collections.abc import Mapping
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, ClassVar, Literal, Self, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from rollout_proxy.logs import LOG_FORMATS
 from rollout_proxy.tokenization.parsers import REASONING_PARSERS, TOOL_PARSERS
@@ -32,19 +40,6 @@ DEFAULT_ENGINE = "http://127.0.0.1:8000"
 TOOL_PARSER_NAMES = tuple(sorted(TOOL_PARSERS))
 REASONING_PARSER_NAMES = tuple(sorted(REASONING_PARSERS))
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-#: the groups of ``serve --help`` and of the docs table, in order
-SECTIONS = {
-    "serving": "Serving",
-    "engines": "Engines",
-    "fleet": "Fleet, failover and weight updates",
-    "pools": "Pools and worker processes",
-    "redis": "Redis",
-    "rendering": "Rendering and parsing",
-    "feed": "Trainer feed",
-    "telemetry": "Logs and traces",
-    "distillation": "On-policy distillation",
-}
 
 
 def setting(
@@ -57,19 +52,213 @@ def setting(
     separator: str | None = None,
     choices: tuple[str, ...] | None = None,
     show_default: bool = True,
+    env_prefix: str | None = None,
     **bounds: Any,
 ) -> Any:
-    """A field of ``Settings``: its default, its help (the default is added by whoever shows it), where it
-    goes in ``--help``, and, for a flag that may repeat, how its values are joined (``separator``)."""
+    """A field of a ``DeclaredSettings``: its default (``...``: required), its help (the default is added by
+    whoever shows it), where it goes in ``--help``, for a flag that may repeat how its values are joined
+    (``separator``; its variable spells them so), and ``env_prefix`` where its variable is not the model's."""
     extra: dict[str, Any] = {"section": section, "flag": flag, "metavar": metavar, "separator": separator}
-    extra.update(choices=list(choices) if choices else None, show_default=show_default)
+    extra.update(choices=list(choices) if choices else None, show_default=show_default, env_prefix=env_prefix)
     return Field(default, description=help, json_schema_extra=extra, **bounds)
 
 
-class Settings(BaseModel):
+class DeclaredSettings(BaseSettings):
+    """One command's settings (see the module docstring): the fields, and what is made from them."""
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        env_prefix=ENV_PREFIX,
+        env_ignore_empty=True,  # an empty variable is an unset one
+        enable_decoding=False,  # a list's variable is its values joined by its separator, not JSON
+    )
+    #: the groups of ``--help`` and of the docs table, in order
+    sections: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Only what it is given: the environment is read by ``from_env``, for a command, never for a model
+        built in code."""
+        return (init_settings,)
+
+    @classmethod
+    def from_env(cls, **given: Any) -> Self:
+        """Defaults, then the variables, then ``given`` (a flag's value; None: not given; empty: the default,
+        whatever the variable says). A repeated flag's values come as a list."""
+        unknown = set(given) - set(cls.model_fields)
+        if unknown:
+            raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
+        emptied = {name for name, value in given.items() if isinstance(value, str | list | tuple) and not value}
+        flags = {name: value for name, value in given.items() if value is not None and name not in emptied}
+        variables = {name: value for name, value in cls.variables().items() if name not in emptied}
+        try:
+            return cls(**{**variables, **flags})
+        except ValidationError as exc:
+            raise SettingsError(cls, exc, given=set(flags)) from None
+
+    @classmethod
+    def variables(cls) -> dict[str, Any]:
+        """The values the environment gives, by field name (pydantic-settings reads them: a field's variable
+        under its prefix, names in any case, empty ones skipped)."""
+        found: dict[str, Any] = {}
+        for prefix in {cls.env_prefix_of(name) for name in cls.model_fields}:
+            read = EnvSettingsSource(cls, env_prefix=prefix)()
+            found |= {name: value for name, value in read.items() if cls.env_prefix_of(name) == prefix}
+        return found
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _values_of_a_repeated_flag(cls, value: Any, info: ValidationInfo) -> Any:
+        """A repeatable setting's values: a list (a flag given several times) or one string (its variable)."""
+        separator = cls.extra(str(info.field_name)).get("separator")
+        if separator is None:
+            return value
+        if cls.model_fields[str(info.field_name)].annotation == tuple[str, ...]:
+            return tuple(value.split(separator)) if isinstance(value, str) else value
+        return separator.join(value) if isinstance(value, list | tuple) else value
+
+    @field_validator("*")
+    @classmethod
+    def _one_of_its_choices(cls, value: Any, info: ValidationInfo) -> Any:
+        choices = cls.extra(str(info.field_name)).get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, not {value!r}")
+        return value
+
+    # -- what is made from the fields ---------------------------------------------------------------------
+
+    @classmethod
+    def extra(cls, name: str) -> dict[str, Any]:
+        return dict(cls.model_fields[name].json_schema_extra or {})  # type: ignore[arg-type]
+
+    @classmethod
+    def env_prefix_of(cls, name: str) -> str:
+        return cls.extra(name).get("env_prefix") or cls.model_config.get("env_prefix", "")
+
+    @classmethod
+    def env_name(cls, name: str) -> str:
+        return cls.env_prefix_of(name) + name.upper()
+
+    @classmethod
+    def flag_name(cls, name: str) -> str:
+        return cls.extra(name).get("flag") or "--" + name.replace("_", "-")
+
+    @classmethod
+    def choices_of(cls, name: str) -> tuple[str, ...] | None:
+        """The values a setting takes, when it takes few (a ``Literal`` or its ``choices``)."""
+        extra = cls.extra(name)
+        if extra.get("choices"):
+            return tuple(extra["choices"])
+        annotation = cls.model_fields[name].annotation
+        return tuple(str(arg) for arg in get_args(annotation)) if get_origin(annotation) is Literal else None
+
+    @classmethod
+    def shown_default(cls, name: str) -> str | None:
+        """The default as ``--help`` and the docs show it; None where showing it says nothing (an empty
+        string, none at all)."""
+        spec = cls.model_fields[name]
+        if spec.is_required():
+            return "required"
+        value = spec.default
+        if not cls.extra(name).get("show_default", True) or value is None:
+            return None
+        if isinstance(value, bool):
+            return str(value).lower()
+        if isinstance(value, tuple):
+            return ",".join(value)
+        if isinstance(value, float) and value.is_integer():
+            return str(int(value))
+        return str(value)
+
+    @classmethod
+    def help_text(cls, name: str) -> str:
+        """A setting's help as ``--help`` shows it: its description, and its default."""
+        default = cls.shown_default(name)
+        text = cls.model_fields[name].description or ""
+        if default == "required":
+            return f"{text} (required)"
+        return f"{text} (default {default})" if default not in (None, "") else text
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field, grouped by its section: its name, help, choices and variable are the field's;
+        values are checked by the model itself, as the environment's are (a flag not given is None)."""
+        groups = {section: parser.add_argument_group(title) for section, title in cls.sections.items()}
+        for name, spec in cls.model_fields.items():
+            extra = cls.extra(name)
+            help = f"{cls.help_text(name)} [{cls.env_name(name)}]".replace("%", "%%")
+            options: dict[str, Any] = {"dest": name, "help": help, "default": None}
+            if extra.get("metavar"):
+                options["metavar"] = extra["metavar"]
+            if cls.choices_of(name):
+                options["choices"] = cls.choices_of(name)
+            if extra.get("separator"):
+                options["action"] = "append"
+            if spec.annotation is bool:  # a switch: the flag says the other way round from the default
+                options.update(action="store_const", const=not spec.default)
+            groups[str(extra["section"])].add_argument(cls.flag_name(name), **options)
+
+    @classmethod
+    def table(cls) -> str:
+        """The docs' table of every setting, by section."""
+        lines = []
+        for section, title in cls.sections.items():
+            names = [name for name in cls.model_fields if cls.extra(name)["section"] == section]
+            if not names:
+                continue
+            lines += [f"### {title}", "", "| flag | environment | default | what |", "|---|---|---|---|"]
+            for name in names:
+                default = cls.shown_default(name)
+                choices = cls.choices_of(name)
+                what = (cls.model_fields[name].description or "").replace("|", "\\|").replace("<", "&lt;")
+                if choices:
+                    what += f" (one of {', '.join(f'`{c}`' for c in choices)})"
+                cell = f"`{default}`" if default not in (None, "") else "—"
+                lines.append(f"| `{cls.flag_name(name)}` | `{cls.env_name(name)}` | {cell} | {what} |")
+            lines.append("")
+        return "\n".join(lines)
+
+
+class SettingsError(ValueError):
+    """Settings refused, in words that name each flag (or variable) and what it takes, on one line each."""
+
+    def __init__(self, model: type[DeclaredSettings], error: ValidationError, *, given: set[str]) -> None:
+        lines = []
+        for problem in error.errors():
+            name = str(problem["loc"][0]) if problem["loc"] else ""
+            message = problem["msg"].removeprefix("Value error, ")
+            if name not in model.model_fields:  # about several settings together: the message names them
+                lines.append(message)
+            elif problem["type"] == "missing":
+                lines.append(f"{model.flag_name(name)} (or {model.env_name(name)}) is required")
+            else:
+                where = model.flag_name(name) if name in given else model.env_name(name)
+                lines.append(f"{where}: {message} (got {problem['input']!r})")
+        super().__init__("; ".join(lines))
+
+
+class Settings(DeclaredSettings):
     """Every setting of ``rollout-proxy serve`` (see the module docstring)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    sections: ClassVar[dict[str, str]] = {
+        "serving": "Serving",
+        "engines": "Engines",
+        "fleet": "Fleet, failover and weight updates",
+        "pools": "Pools and worker processes",
+        "redis": "Redis",
+        "rendering": "Rendering and parsing",
+        "feed": "Trainer feed",
+        "telemetry": "Logs and traces",
+        "distillation": "On-policy distillation",
+    }
 
     # -- serving --------------------------------------------------------------------------------------
     host: str = setting("127.0.0.1", "interface to listen on", section="serving")
@@ -363,14 +552,6 @@ class Settings(BaseModel):
         show_default=False,
     )
 
-    @field_validator("tool_parser", "reasoning_parser", "log_format", "log_level")
-    @classmethod
-    def _one_of_its_choices(cls, value: str, info: Any) -> str:
-        choices = choices_of(info.field_name)
-        if choices and value not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}, not {value!r}")
-        return value
-
     @field_validator("engines")
     @classmethod
     def _some_engine(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -390,6 +571,15 @@ class Settings(BaseModel):
             )
         return self
 
+    @classmethod
+    def variables(cls) -> dict[str, Any]:
+        """The variables, and ``ROLLOUT_PROXY_ENGINE`` (one engine: the name before several could be given)."""
+        found = super().variables()
+        legacy = os.environ.get(ENV_PREFIX + "ENGINE")
+        if "engines" not in found and legacy:
+            found["engines"] = legacy
+        return found
+
     @property
     def token_secret(self) -> bytes:
         """Key for session tokens; stable across restarts as long as the admin key is."""
@@ -397,55 +587,9 @@ class Settings(BaseModel):
             return self.jwt_secret.encode()
         return hmac.new(self.admin_key.encode(), b"rollout-proxy session tokens", hashlib.sha256).digest()
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Defaults, then ``ROLLOUT_PROXY_<NAME>`` variables, then ``overrides`` (a flag's value; None: not given).
-        A repeated flag's values come as a list and are joined as its variable would spell them."""
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for name, spec in cls.model_fields.items():
-            extra = _extra(name)
-            raw: Any = environ.get(env_name(name)) or (
-                environ.get(ENV_PREFIX + "ENGINE") if name == "engines" else None
-            )
-            given = overrides.get(name)
-            if given is not None:
-                raw = given
-            if raw is None or raw == "" or raw == []:
-                continue
-            separator = extra.get("separator")
-            if separator is not None and spec.annotation == tuple[str, ...]:
-                raw = tuple(raw) if isinstance(raw, list | tuple) else tuple(raw.split(separator))
-            elif separator is not None and isinstance(raw, list | tuple):
-                raw = separator.join(raw)
-            values[name] = raw
-        unknown = set(overrides) - set(cls.model_fields)
-        if unknown:
-            raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
-        try:
-            return cls(**values)
-        except ValidationError as exc:
-            raise SettingsError(exc, given={name for name, value in overrides.items() if value is not None}) from None
-
-
-class SettingsError(ValueError):
-    """Settings refused, in words that name each flag (or variable) and what it takes, on one line each."""
-
-    def __init__(self, error: ValidationError, *, given: set[str]) -> None:
-        lines = []
-        for problem in error.errors():
-            name = str(problem["loc"][0]) if problem["loc"] else ""
-            message = problem["msg"].removeprefix("Value error, ")
-            if name not in Settings.model_fields:  # about several settings together: the message names them
-                lines.append(message)
-                continue
-            where = flag_name(name) if name in given else env_name(name)
-            lines.append(f"{where}: {message} (got {problem['input']!r})")
-        super().__init__("; ".join(lines))
-
 
 def default(name: str) -> Any:
-    """A setting's default, for a component's own default of the same value (never retyped)."""
+    """A server setting's default, for a component's own default of the same value (never retyped)."""
     return Settings.model_fields[name].default
 
 
@@ -466,67 +610,5 @@ def part(component: type[T], settings: Settings, **given: Any) -> T:
     return component(**{**values, **given})
 
 
-def _extra(name: str) -> dict[str, Any]:
-    return dict(Settings.model_fields[name].json_schema_extra or {})  # type: ignore[arg-type]
-
-
-def env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
-def flag_name(name: str) -> str:
-    return _extra(name).get("flag") or "--" + name.replace("_", "-")
-
-
-def choices_of(name: str) -> tuple[str, ...] | None:
-    """The values a setting takes, when it takes few (a ``Literal`` or its ``choices``)."""
-    extra = _extra(name)
-    if extra.get("choices"):
-        return tuple(extra["choices"])
-    annotation = Settings.model_fields[name].annotation
-    return tuple(str(arg) for arg in get_args(annotation)) if get_origin(annotation) is Literal else None
-
-
-def shown_default(name: str) -> str | None:
-    """The default as ``--help`` and the docs show it; None where showing it says nothing (an empty string)."""
-    spec = Settings.model_fields[name]
-    if not _extra(name).get("show_default", True):
-        return None
-    value = spec.default
-    if isinstance(value, tuple):
-        return ",".join(value)
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
-
-
-def help_text(name: str) -> str:
-    """A setting's help as ``--help`` shows it: its description, and its default."""
-    spec = Settings.model_fields[name]
-    default = shown_default(name)
-    text = spec.description or ""
-    return f"{text} (default {default})" if default is not None else text
-
-
-def settings_table() -> str:
-    """The docs' table of every setting, by section (``python -m rollout_proxy.settings``)."""
-    lines = []
-    for section, title in SECTIONS.items():
-        names = [name for name in Settings.model_fields if _extra(name)["section"] == section]
-        if not names:
-            continue
-        lines += [f"### {title}", "", "| flag | environment | default | what |", "|---|---|---|---|"]
-        for name in names:
-            default = shown_default(name)
-            choices = choices_of(name)
-            what = (Settings.model_fields[name].description or "").replace("|", "\\|")
-            if choices:
-                what += f" (one of {', '.join(f'`{c}`' for c in choices)})"
-            cell = f"`{default}`" if default not in (None, "") else "—"
-            lines.append(f"| `{flag_name(name)}` | `{env_name(name)}` | {cell} | {what} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
 if __name__ == "__main__":
-    sys.stdout.write(settings_table())
+    sys.stdout.write(Settings.table())

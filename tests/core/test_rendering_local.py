@@ -296,19 +296,16 @@ async def test_a_hung_tokenize_during_the_self_check_fails_that_turn_only(engine
         assert counter(proxy, "render_checks_total", check="startup", outcome="match") == 1
 
 
-def test_rendering_settings_are_checked_and_read_from_the_environment():
+def test_rendering_settings_are_checked_and_read_from_the_environment(settings_environ):
     with pytest.raises(ValueError, match="rendering"):
         create_app(Settings(admin_key=ADMIN_KEY, rendering="remote"))
     with pytest.raises(ValueError, match="render_check_rate"):
         create_app(Settings(admin_key=ADMIN_KEY, render_check_rate=2.0))
-    settings = Settings.from_env(
-        {
-            "ROLLOUT_PROXY_RENDERING": "engine",
-            "ROLLOUT_PROXY_TOKENIZER": "/models/m",
-            "ROLLOUT_PROXY_CHAT_TEMPLATE": "/models/m/t.jinja",
-            "ROLLOUT_PROXY_RENDER_CHECK_RATE": "0.25",
-        }
-    )
+    settings_environ.setenv("ROLLOUT_PROXY_RENDERING", "engine")
+    settings_environ.setenv("ROLLOUT_PROXY_TOKENIZER", "/models/m")
+    settings_environ.setenv("ROLLOUT_PROXY_CHAT_TEMPLATE", "/models/m/t.jinja")
+    settings_environ.setenv("ROLLOUT_PROXY_RENDER_CHECK_RATE", "0.25")
+    settings = Settings.from_env()
     assert (settings.rendering, settings.tokenizer, settings.chat_template) == (
         "engine",
         "/models/m",

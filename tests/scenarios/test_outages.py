@@ -313,15 +313,16 @@ async def test_a_reset_connection_is_a_503(resetting_engine):
         assert resetting_engine.removeprefix("http://") not in raised.value.body["message"]
 
 
-def test_the_timeouts_come_from_flags_and_the_environment():
+def test_the_timeouts_come_from_flags_and_the_environment(settings_environ):
     from rollout_proxy.app import engine_client, fleet_settings, redis_options
     from rollout_proxy.cli import build_parser
     from rollout_proxy.settings import Settings
 
-    environ = {"ROLLOUT_PROXY_ENGINE_FIRST_BYTE_TIMEOUT": "42.5", "ROLLOUT_PROXY_REDIS_RETRIES": "3"}
+    settings_environ.setenv("ROLLOUT_PROXY_ENGINE_FIRST_BYTE_TIMEOUT", "42.5")
+    settings_environ.setenv("ROLLOUT_PROXY_REDIS_RETRIES", "3")
     args = build_parser().parse_args(["serve", "--engine-connect-timeout", "1.5", "--redis-socket-timeout", "0.25"])
     settings = Settings.from_env(
-        environ, engine_connect_timeout=args.engine_connect_timeout, redis_socket_timeout=args.redis_socket_timeout
+        engine_connect_timeout=args.engine_connect_timeout, redis_socket_timeout=args.redis_socket_timeout
     )
     client = engine_client("http://engine:8000", settings)
     assert (client._timeout.sock_connect, client._timeout.sock_read, client._timeout.total) == (1.5, 42.5, 600.0)

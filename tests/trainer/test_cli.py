@@ -53,7 +53,7 @@ def test_a_step_count_below_one_is_refused(capsys):
                 "0",
             ]
         )
-    assert "--steps must be at least 1" in capsys.readouterr().err
+    assert "--steps: Input should be greater than or equal to 1" in capsys.readouterr().err
 
 
 async def run_cli(*args: str) -> tuple[int, str]:

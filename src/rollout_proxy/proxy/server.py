@@ -3,10 +3,14 @@
 A request line or header too long, bad chunking, conflicting lengths, an unknown method,
 a ``Content-Encoding`` aiohttp cannot decode: aiohttp answers these from its protocol
 handler (``RequestHandler.handle_error``), outside the app and its middleware, with a
-plain-text body. ``JsonRequestHandler`` answers them as OpenAI-style errors instead;
-``ProxyRunner`` is an ``AppRunner`` whose server makes those handlers. Everything that
-serves the app (``embedded.serve_app``, ``rollout-proxy serve``) runs it through
-``ProxyRunner``; ``serve_until_stopped`` is the command line's loop around it.
+plain-text body. ``JsonRequestHandler`` answers them as OpenAI-style errors instead.
+``start_app`` starts an app as aiohttp's ``AppRunner`` would, through aiohttp's public API
+only: an ``AppRunner`` starts the app and makes its ``web.Server``; a ``JsonServer`` (a
+``web.Server``, the protocol factory a site listens with) takes that server's handler and
+request factory and makes ``JsonRequestHandler`` connections; a ``ProxyRunner`` (a
+``web.ServerRunner``) serves it and, at cleanup, shuts the app down as ``AppRunner`` does.
+Everything that serves the app (``embedded.serve_app``, ``rollout-proxy serve``) runs it so;
+``serve_until_stopped`` is the command line's loop around it.
 """
 
 from __future__ import annotations
@@ -14,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
-from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_request import BaseRequest
 
 from rollout_proxy.errors import InvalidRequest, ProxyError, UnsupportedMediaType
 from rollout_proxy.proxy.http import json_response
@@ -42,12 +46,12 @@ def protocol_error(status: int, exc: BaseException | None, message: str | None) 
     return InvalidRequest(f"malformed HTTP request: {reason}", code="malformed_request")
 
 
-class JsonRequestHandler(RequestHandler):
+class JsonRequestHandler(web.RequestHandler):
     """aiohttp's protocol handler for one connection, answering what it refuses in our error shape."""
 
     def handle_error(
         self,
-        request: BaseRequest,
+        request: web.BaseRequest,
         status: int = 500,
         exc: BaseException | None = None,
         message: str | None = None,
@@ -66,24 +70,63 @@ class JsonRequestHandler(RequestHandler):
 
 
 class JsonServer(web.Server):
-    """A ``web.Server`` whose connections are served by ``JsonRequestHandler``."""
+    """A ``web.Server`` whose connections are served by ``JsonRequestHandler``, each made with the handler
+    arguments this server was made with (aiohttp's own ``__call__`` does the same with ``RequestHandler``)."""
 
-    def __call__(self) -> RequestHandler:
-        return JsonRequestHandler(self, loop=self._loop, **self._kwargs)
+    def __init__(
+        self,
+        handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+        *,
+        request_factory: Callable[..., web.BaseRequest] | None = None,
+        handler_cancellation: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(handler, request_factory=request_factory, handler_cancellation=handler_cancellation, **kwargs)
+        self.serving_loop = asyncio.get_running_loop()
+        self.handler_args = kwargs
+
+    def __call__(self) -> web.RequestHandler:
+        return JsonRequestHandler(self, loop=self.serving_loop, **self.handler_args)
 
 
-class ProxyRunner(web.AppRunner):
-    """An ``AppRunner`` serving through ``JsonServer``; otherwise aiohttp's own."""
+class ProxyRunner(web.ServerRunner):
+    """A ``web.ServerRunner`` of a ``JsonServer`` serving ``app`` (``start_app``): its cleanup stops the sites,
+    lets requests in flight finish and closes the connections, then shuts the app down as aiohttp's
+    ``AppRunner`` does (``on_shutdown`` once the sites are stopped, ``on_cleanup`` and the cleanup contexts
+    last)."""
 
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()  # starts the app and builds aiohttp's server for it
-        return JsonServer(
-            server.request_handler,
-            request_factory=server.request_factory,
-            handler_cancellation=server.handler_cancellation,
-            loop=server._loop,
-            **server._kwargs,
-        )
+    def __init__(self, server: JsonServer, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(server, **kwargs)
+        self.app = app
+
+    async def shutdown(self) -> None:
+        await self.app.shutdown()
+
+    async def cleanup(self) -> None:
+        try:
+            await super().cleanup()
+        finally:
+            await self.app.cleanup()
+
+
+async def start_app(app: web.Application, *, shutdown_timeout: float = 60.0, **handler_args: Any) -> ProxyRunner:
+    """``app`` started (its ``on_startup`` and cleanup contexts run), set up to be served through a
+    ``JsonServer``: pass the runner to a ``web.TCPSite``. ``handler_args`` go to each connection's
+    ``RequestHandler`` (``access_log=None``, ``max_line_size``, ...), as ``web.AppRunner``'s keywords do; an
+    application's own ``handler_args`` are not read (aiohttp keeps them private)."""
+    made = web.AppRunner(app, **handler_args)
+    await made.setup()  # starts the app and makes aiohttp's server for it: its handler and request factory
+    # ``made`` serves nothing and is never cleaned up: the ProxyRunner shuts the app down, once
+    assert made.server is not None
+    server = JsonServer(
+        made.server.request_handler,
+        request_factory=made.server.request_factory,
+        handler_cancellation=made.server.handler_cancellation,
+        **handler_args,
+    )
+    runner = ProxyRunner(server, app, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    return runner
 
 
 #: Connections the kernel queues before ``accept`` (capped by net.core.somaxconn): as vLLM's, so a burst of
@@ -128,8 +171,7 @@ async def serve_until_stopped(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    runner = ProxyRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
-    await runner.setup()
+    runner = await start_app(app, access_log=None, shutdown_timeout=shutdown_timeout)
     try:
         tune_gc(gc_threshold)  # after the app's start-up, before the first request
         await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port or None).start()
