@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -128,8 +129,10 @@ async def test_an_adapter_the_worker_cannot_use_is_refused_in_vllms_words(lora_f
     engine, url = lora_fake
     real = fixture(name)
     path = Path("/nonexistent/adapter") if case == "missing_path" else adapters[case]
-    theirs = (real.get("request") or {}).get("lora_path", "/work/research/lora/adapters/badmodule")
-    lora_name = (real.get("request") or {}).get("lora_name", "pol-bad")
+    request = real.get("request") or {}
+    loading = re.search(r"While loading (\S+?),", real["body"]["error"]["message"])
+    theirs = request["lora_path"] if "lora_path" in request else loading.group(1) if loading else ""
+    lora_name = request.get("lora_name", "pol-bad")
     status, _, body = await post(url, "/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(path)})
     assert status == real["status"]
     ours, expected = body["error"], real["body"]["error"]
