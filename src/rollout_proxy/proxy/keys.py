@@ -11,6 +11,7 @@ from rollout_proxy.core.responses import ResponsesService
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.engines.fleet import Fleet
+from rollout_proxy.engines.policies import Policies
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
 from rollout_proxy.proxy.known_input import KnownInputs
@@ -31,6 +32,7 @@ KNOWN_INPUTS = web.AppKey("known_inputs", KnownInputs)  # Responses inputs check
 STORE = web.AppKey("store", StateStore)
 FEED = web.AppKey("feed", Feed)
 ENGINES = web.AppKey("engines", Fleet)
+POLICIES = web.AppKey("policies", Policies)  # the fleet's LoRA policies (``engines.policies``)
 SESSIONS = web.AppKey("sessions", SessionService)
 TREE = web.AppKey("tree", ResponseTree)
 CHAT = web.AppKey("chat", ChatService)
