@@ -377,6 +377,8 @@ class Policies:
             for outcome in outcomes:
                 if not outcome.ok:
                     self._drain(outcome.url, name, Drained(outcome.error or "", version.number, outcome.refused))
+                    if not outcome.refused:
+                        self._state(outcome.url).needs_sync = True  # loaded when it is healthy again
             await self._share()
         elapsed = time.perf_counter() - started
         failed = sum(1 for outcome in outcomes if not outcome.ok)
