@@ -36,6 +36,13 @@ server can ``kill()`` itself (refuse: it stops listening and resets every connec
 ``restart()`` on the same port with a restarted engine's state (weights ``"default"``).
 
 With a ``FakeMoE`` it also returns ``routed_experts`` as vLLM does (see ``fake_moe``).
+
+LoRA adapters (``max_lora_rank`` set: vLLM with ``--enable-lora --max-lora-rank R`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``; see ``fake_lora``): ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` with vLLM's answers, ``/v1/models`` listing the adapters, and ``model``
+naming the base or an adapter on every route (vLLM's 404 for any other name). An adapter's files
+decide its outputs and logprobs (``fake_lora.adapter_key``): a test tells which adapter sampled a
+token; an all-zero adapter samples exactly as the base.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from devtools import fake_lora
 from devtools.fake_moe import FakeMoE
 from devtools.fake_stream import FakeStream
 from rollout_proxy.engines.vllm_http import is_routing_probe
@@ -113,9 +121,12 @@ def _invalid(loc: str, kind: str, msg: str, value: Any, ctx: dict[str, Any] | No
     return _error(400, f"1 validation error:\n  {detail}", param=loc, kind="Bad Request")
 
 
-def fake_logprob(position: int, token: int, version: str = "default") -> float:
-    """A deterministic, finite, plausible logprob for a sampled token; other weights, other values."""
+def fake_logprob(position: int, token: int, version: str = "default", adapter: str | None = None) -> float:
+    """A deterministic, finite, plausible logprob for a sampled token; other weights (or another adapter's,
+    ``adapter``: ``fake_lora.adapter_key``), other values."""
     key = f"{position}:{token}" if version == "default" else f"{position}:{token}:{version}"
+    if adapter is not None:
+        key += f":lora:{adapter}"
     digest = hashlib.blake2b(key.encode(), digest_size=4).digest()
     return -round(int.from_bytes(digest, "little") / 2**32 * 4.0 + 0.001, 6)
 
@@ -134,10 +145,11 @@ class FakeModel(Protocol):
     def reload(self, weights_path: str) -> None: ...
 
 
-def default_policy(prompt_ids: list[int]) -> str:
-    """Without a script the fake answers a short sentence chosen by the prompt."""
+def default_policy(prompt_ids: list[int], adapter: str | None = None) -> str:
+    """Without a script the fake answers a short sentence chosen by the prompt (and the adapter, if one)."""
     words = ["blue", "seven", "river", "quiet", "maple", "orbit", "candle", "north"]
-    digest = hashlib.blake2b(bytes(str(prompt_ids), "utf8"), digest_size=2).digest()
+    seed = str(prompt_ids) if adapter is None else f"{prompt_ids}:lora:{adapter}"
+    digest = hashlib.blake2b(bytes(seed, "utf8"), digest_size=2).digest()
     return f"The word is {words[digest[0] % len(words)]} and the number is {digest[1] % 50}."
 
 
@@ -181,6 +193,8 @@ class Generation:
     logprobs: list[float] = field(default_factory=list)
     versions: list[tuple[str, int, int]] = field(default_factory=list)  # (weight version, start, end)
     finish_reason: str | None = None
+    model: str | None = None  # the served name the request named (None: the base's)
+    adapter: str | None = None  # the adapter's key (``fake_lora.adapter_key``) that sampled it; None: the base
     cut: asyncio.Event = field(default_factory=asyncio.Event)  # aborted (or the server killed)
 
     def add(self, token: int, logprob: float, version: str) -> None:
@@ -225,6 +239,11 @@ class FakeEngine:
     developer_role: str = "system"
     model: FakeModel | None = None  # the sampled tokens' logprobs from these weights; None: fake_logprob
     rpcs: list[dict[str, Any]] = field(default_factory=list)  # the /collective_rpc bodies received
+    #: vLLM's --max-lora-rank with run-time LoRA loading on; None: no LoRA (the load routes are not served)
+    max_lora_rank: int | None = None
+    adapters: dict[str, fake_lora.FakeAdapter] = field(default_factory=dict)  # served name -> loaded adapter
+    adapter_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (path, body) of loads, unloads
+    load_delay: float = 0.0  # seconds a load takes (a test kills or hangs the engine meanwhile)
 
     def __post_init__(self) -> None:
         self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
@@ -292,6 +311,7 @@ class FakeEngine:
         """The state of a freshly started engine: initial weights, not paused, nothing in flight."""
         self.drop_all()
         self.weight_version = "default"
+        self.adapters.clear()  # run-time adapters do not survive a restart
         self.paused = False
         self._thawed.set()
         self._resumed.set()
@@ -321,6 +341,9 @@ class FakeEngine:
             app.router.add_post("/update_weight_version", self._update_weight_version)
             app.router.add_get("/weight_info", self._weight_info)
             app.router.add_post("/collective_rpc", self._collective_rpc)
+        if self.max_lora_rank is not None:
+            app.router.add_post("/v1/load_lora_adapter", self._load_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self._unload_adapter)
         return app
 
     @web.middleware
@@ -369,10 +392,48 @@ class FakeEngine:
                 }
             ],
         }
-        return _json_response({"object": "list", "data": [card]})
+        cards = [card] + [
+            {**card, "id": name, "root": adapter.path, "parent": self.model_name, "max_model_len": None}
+            for name, adapter in self.adapters.items()
+        ]
+        return _json_response({"object": "list", "data": cards})
+
+    def served(self, payload: dict[str, Any]) -> tuple[str | None, fake_lora.FakeAdapter | None] | web.Response:
+        """The model a request names: the base (absent, or its name), a loaded adapter, else vLLM's 404."""
+        name = payload.get("model")
+        if name is None or name == self.model_name:
+            return None, None
+        adapter = self.adapters.get(name) if isinstance(name, str) else None
+        if adapter is None:
+            return _error(
+                404,
+                f"The model `{name}` does not exist. Valid aliases: {self.model_name}.",
+                param="model",
+                kind="NotFoundError",
+            )
+        return name, adapter
+
+    async def _load_adapter(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        self.adapter_calls.append((request.path, body))
+        if self.load_delay:
+            await asyncio.sleep(self.load_delay)
+        return fake_lora.load(self, body)
+
+    async def _unload_adapter(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        self.adapter_calls.append((request.path, body))
+        return fake_lora.unload(self, body)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         payload = await request.json()
+        named = self.served(payload)
+        if isinstance(named, web.Response):
+            return named
         if "messages" in payload:
             try:
                 text = self.render(
@@ -396,6 +457,9 @@ class FakeEngine:
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         payload = await request.json()
+        named = self.served(payload)
+        if isinstance(named, web.Response):
+            return named
         return _json_response({"prompt": self.decode(payload["tokens"])})
 
     # -- dev mode -----------------------------------------------------------------------
@@ -478,8 +542,13 @@ class FakeEngine:
 
     # -- completions ----------------------------------------------------------------------
 
-    def _next_reply(self, prompt: list[int]) -> list[int]:
-        reply = self.replies.popleft() if self.replies else self.policy(prompt)
+    def _next_reply(self, prompt: list[int], adapter: str | None = None) -> list[int]:
+        if self.replies:
+            reply = self.replies.popleft()
+        elif adapter is not None and self.policy is default_policy:
+            reply = default_policy(prompt, adapter)
+        else:
+            reply = self.policy(prompt)
         ids = self.encode(reply) if isinstance(reply, str) else list(reply)
         return [*ids, self.eos_id] if not ids or ids[-1] != self.eos_id else ids
 
@@ -541,6 +610,9 @@ class FakeEngine:
         refusal = self._refusal(payload)
         if refusal is not None:
             return refusal
+        named = self.served(payload)
+        if isinstance(named, web.Response):
+            return named
         if payload.get("stream") and payload.get("prompt_logprobs") is not None:
             return _error(
                 400,
@@ -549,11 +621,13 @@ class FakeEngine:
             )
         prompt: list[int] = payload["prompt"]
         max_tokens = min(int(payload.get("max_tokens") or 16), self.max_model_len - len(prompt))
-        generation = Generation("cmpl-" + secrets.token_hex(8), prompt, payload, arrived_paused)
+        served, adapter = named
+        generation = Generation("cmpl-" + secrets.token_hex(8), prompt, payload, arrived_paused, model=served)
+        generation.adapter = adapter.key if adapter is not None else None  # an unload later does not change it
         await _first(self._resumed.wait(), generation.cut.wait())  # a request sent while paused waits
         if self.fault == "hang":
             await _first(self._released.wait(), generation.cut.wait())
-        planned = [self.eos_id] if probe else self._next_reply(prompt)
+        planned = [self.eos_id] if probe else self._next_reply(prompt, generation.adapter)
         truncated = len(planned) > max_tokens
         planned = planned[:max_tokens]
         stream = (
@@ -606,7 +680,7 @@ class FakeEngine:
             version = self.weight_version
             position = len(generation.prompt) + len(generation.tokens)
             if self.model is None:
-                logprob = fake_logprob(position, token, version)
+                logprob = fake_logprob(position, token, version, generation.adapter)
             else:
                 if scored is None or scored[0] != self.reloads:  # the weights sampling this token
                     scored = (self.reloads, self.model.score(generation.prompt, planned))
@@ -632,20 +706,21 @@ class FakeEngine:
         (so a teacher on these weights scores a student's tokens exactly as they were sampled); the
         alternatives are deterministic ids with their own ``fake_logprob``."""
         version = generation.versions[0][0] if generation.versions else self.weight_version
+        adapter = generation.adapter
         entries: list[dict[str, Any] | None] = [None]
         for position in range(1, len(prompt)):
             token = prompt[position]
-            ranked = self._ranked(position, token, k, version)
-            entry = {str(token): self._logprob_entry(position, token, ranked.index(token) + 1, version)}
+            ranked = self._ranked(position, token, k, version, adapter)
+            entry = {str(token): self._logprob_entry(position, token, ranked.index(token) + 1, version, adapter)}
             for rank, other in enumerate(ranked[:k], start=1):
-                entry.setdefault(str(other), self._logprob_entry(position, other, rank, version))
+                entry.setdefault(str(other), self._logprob_entry(position, other, rank, version, adapter))
             entries.append(entry)
         return entries
 
-    def _ranked(self, position: int, token: int, k: int, version: str) -> list[int]:
+    def _ranked(self, position: int, token: int, k: int, version: str, adapter: str | None = None) -> list[int]:
         """``token`` and k deterministic alternatives at ``position``, best first (by ``fake_logprob``)."""
         candidates = {token} | {(token + 7919 * j) % self.vocab_size for j in range(1, k + 1)}
-        return sorted(candidates, key=lambda t: (-fake_logprob(position, t, version), t))
+        return sorted(candidates, key=lambda t: (-fake_logprob(position, t, version, adapter), t))
 
     def _top_logprobs(self, generation: Generation, k: int, as_ids: bool) -> list[dict[str, float]]:
         """vLLM's ``logprobs: k`` per sampled token: the sampled token first, then the top k (its key once)."""
@@ -658,13 +733,19 @@ class FakeEngine:
             version = next(v for v, start, end in generation.versions if start <= index < end)
             position = len(generation.prompt) + index
             row = {key(token): logprob}
-            for other in self._ranked(position, token, k, version)[:k]:
-                row.setdefault(key(other), fake_logprob(position, other, version))
+            for other in self._ranked(position, token, k, version, generation.adapter)[:k]:
+                row.setdefault(key(other), fake_logprob(position, other, version, generation.adapter))
             rows.append(row)
         return rows
 
-    def _logprob_entry(self, position: int, token: int, rank: int, version: str) -> dict[str, Any]:
-        return {"logprob": fake_logprob(position, token, version), "rank": rank, "decoded_token": self.decode([token])}
+    def _logprob_entry(
+        self, position: int, token: int, rank: int, version: str, adapter: str | None = None
+    ) -> dict[str, Any]:
+        return {
+            "logprob": fake_logprob(position, token, version, adapter),
+            "rank": rank,
+            "decoded_token": self.decode([token]),
+        }
 
     def _completion_body(self, payload: dict[str, Any], generation: Generation) -> dict[str, Any]:
         prompt, sampled, logprobs = generation.prompt, generation.tokens, generation.logprobs
@@ -706,7 +787,7 @@ class FakeEngine:
             "id": generation.request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": generation.model or self.model_name,
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": f"vllm-{VERSION}-fake",

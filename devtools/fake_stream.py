@@ -82,7 +82,7 @@ class FakeStream:
             "id": self._generation.request_id,
             "object": "text_completion",
             "created": self._created,
-            "model": self._engine.model_name,
+            "model": self._generation.model or self._engine.model_name,
         }
 
     async def _chunk(self, tokens: list[int], logprobs: list[float], finish: str | None, *, final: bool) -> None:

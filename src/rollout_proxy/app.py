@@ -23,6 +23,7 @@ from rollout_proxy.core.turn_service import TurnService
 from rollout_proxy.core.turns import TurnRunner
 from rollout_proxy.engines.base import Engine
 from rollout_proxy.engines.fleet import Fleet, FleetSettings
+from rollout_proxy.engines.policies import Policies
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy import keys, session_memory
@@ -33,6 +34,7 @@ from rollout_proxy.proxy.handlers import (
     fleet_admin,
     messages,
     meta,
+    policies,
     responses,
     sessions,
     trajectories,
@@ -162,9 +164,11 @@ def create_app(
             # paused, the version and the engines added or removed are shared by every worker on a shared store
             shared=None if isinstance(app[keys.STORE], MemoryStore) else app[keys.STORE],
         )
+        app[keys.POLICIES] = Policies(fleet)  # before the start: it follows the engines' states from there
         await fleet.start()
         app[keys.ENGINES] = fleet
         yield
+        await app[keys.POLICIES].close()
         await fleet.close()
 
     async def teachers_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -249,6 +253,10 @@ def add_routes(app: web.Application) -> None:
     app.router.add_delete("/v1/admin/engines", fleet_admin.remove_engine)
     app.router.add_post("/v1/admin/pause", fleet_admin.pause)
     app.router.add_post("/v1/admin/resume", fleet_admin.resume)
+    app.router.add_get("/v1/admin/policies", policies.list_policies)
+    app.router.add_post("/v1/admin/policies", policies.register_policy)
+    app.router.add_get("/v1/admin/policies/{name}", policies.get_policy)
+    app.router.add_post("/v1/admin/policies/{name}/versions", policies.publish_version)
     app.router.add_get("/v1/models", meta.models)
     app.router.add_post("/v1/sessions", sessions.create_session)
     app.router.add_get("/v1/sessions/{session_id}", sessions.get_session)

@@ -6,10 +6,12 @@
     │   ├── ContextLengthExceeded   400 the prompt leaves no room to generate
     │   ├── MessagesMergeIntoParent 400 the template folds new messages into a fixed turn
     │   ├── TemplateRenderError     400 the chat template cannot render what was sent
-    │   └── BadCursor               400 a feed cursor the feed never gave out
+    │   ├── BadCursor               400 a feed cursor the feed never gave out
+    │   └── AdapterRefused          400 a LoRA adapter the engines cannot load (its files, its rank, ...)
     ├── AuthenticationFailed        401 authentication_error
     ├── NotFound                    404 not_found_error
-    │   └── SessionNotFound         404 a session that is unknown or expired
+    │   ├── SessionNotFound         404 a session that is unknown or expired
+    │   └── UnknownPolicy           404 a policy the proxy does not know
     ├── MethodNotAllowed            405 the route exists, not with this method
     ├── Conflict                    409 conflict (e.g. a session already finished)
     │   ├── SessionFinished         409 a turn or message for a session already finished
@@ -19,7 +21,8 @@
     ├── EngineError                 502 upstream_error (the engine answered badly)
     │   └── StreamInterrupted       502 a streamed answer broke after its first byte (never retried)
     ├── EngineUnavailable           503 service_unavailable (no engine reachable), Retry-After
-    │   └── FleetPaused             503 the engines are paused for a weight update (queue full, or waited too long)
+    │   ├── FleetPaused             503 the engines are paused for a weight update (queue full, or waited too long)
+    │   └── PolicyUnavailable       503 no engine serves the policy now (each one's reason in the message)
     ├── StoreUnavailable            503 service_unavailable (the state store is down), Retry-After
     │   └── StoreBusy               503 every Redis connection stayed busy for the pool's wait
     ├── EngineBusy                  503 every connection to the engine stayed busy for the pool's wait
@@ -89,6 +92,13 @@ class BadCursor(InvalidRequest):
     code = "invalid_cursor"
 
 
+class AdapterRefused(InvalidRequest):
+    """A LoRA adapter that cannot be served: its directory or files, a rank above the engine's
+    ``--max-lora-rank``, a feature vLLM refuses, or an engine that serves no run-time LoRA loading."""
+
+    code = "adapter_refused"
+
+
 class AuthenticationFailed(ProxyError):
     status = 401
     type = "authentication_error"
@@ -103,6 +113,12 @@ class NotFound(ProxyError):
 
 class SessionNotFound(NotFound):
     code = "session_not_found"
+
+
+class UnknownPolicy(NotFound):
+    """A policy name the proxy has not registered (``engines.policies``)."""
+
+    code = "unknown_policy"
 
 
 class MethodNotAllowed(ProxyError):
@@ -159,6 +175,13 @@ class EngineUnavailable(ProxyError):
 
 class FleetPaused(EngineUnavailable):
     code = "engines_paused"
+    retry_after = 5.0
+
+
+class PolicyUnavailable(EngineUnavailable):
+    """The policy is known, but no engine serves it now (each engine drained for it, or down)."""
+
+    code = "policy_unavailable"
     retry_after = 5.0
 
 

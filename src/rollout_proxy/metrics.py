@@ -159,6 +159,25 @@ DECLARED: dict[str, Declared] = {
     "engines_paused": _gauge("1 while the fleet is paused for a weight update.", mode="max"),
     "paused_turns": _gauge("Turns waiting at the pause gate for a resume."),
     "engine_in_flight": _gauge("Calls in flight on each engine (label: the engine's short id).", "engine"),
+    # LoRA policies (engines.policies; at most MAX_POLICIES, and per policy only the served names in use)
+    "policy_publishes_total": _counter(
+        "Adapter versions published, by policy and outcome (published, partial: some engine drained for it, "
+        "refused: no engine took it).",
+        "policy",
+        "outcome",
+    ),
+    "policy_publish_seconds": _histogram(
+        "Seconds a publish took (every engine loaded or failed), by policy.", LATENCY, "policy"
+    ),
+    "policy_current_version": _gauge("Each LoRA policy's current version.", "policy", mode="max"),
+    "policy_in_use": _gauge(
+        "Calls holding a LoRA policy's served name now (over all engines), by policy and served name.",
+        "policy",
+        "served",
+    ),
+    "policy_adapter_reloads_total": _counter(
+        "Adapters loaded again on an engine that lost them (a restart) or joined late, by policy.", "policy"
+    ),
     # HTTP
     "requests_total": _counter("Requests answered, by route and status.", "route", "status"),
     "errors_total": _counter("Error answers (4xx and 5xx), by status.", "status"),
@@ -277,6 +296,18 @@ class Metrics:
         child = self._child(name, labels)
         assert isinstance(child, Gauge), f"{name} is not a gauge"
         child.inc(delta)
+
+    def forget(self, name: str, **labels: str) -> None:
+        """Drop one label set of a metric (a served name unloaded): labels stay bounded over a long run."""
+        child = self._children.pop((name, *labels.items()), None)
+        if child is None:
+            return
+        if isinstance(child, Gauge):
+            child.set(0)  # a worker's value file keeps the last value (multiprocess): zero, not stale
+        declared = DECLARED.get(name)
+        order = declared.labels if declared is not None else tuple(sorted(labels))
+        with contextlib.suppress(KeyError):
+            self._metrics[name].remove(*(str(labels[label]) for label in order))
 
     def observe(self, name: str, value: float, **labels: str) -> None:
         """One observation of a histogram (seconds, tokens)."""

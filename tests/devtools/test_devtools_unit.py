@@ -235,3 +235,18 @@ def test_build_script_refuses_a_call_with_nothing_to_build(tmp_path):
         text=True,
     )
     assert out.returncode == 2 and "is not built yet" in out.stderr
+
+
+def test_lora_is_switched_by_the_server_option_with_vllms_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")  # the caller's shell decides nothing
+    plain = VLLMServer("dense", port=1, run_dir=tmp_path)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain.environment()
+    assert "--enable-lora" not in plain.command(Path("/venv/bin/python"), Path("/models/m"))
+    lora = VLLMServer("dense", port=1, run_dir=tmp_path, lora=True, max_lora_rank=32, max_loras=3)
+    assert lora.environment()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "true"
+    cmd = lora.command(Path("/venv/bin/python"), Path("/models/m"))
+    assert cmd[cmd.index("--enable-lora") :][:5] == ["--enable-lora", "--max-lora-rank", "32", "--max-loras", "3"]
+    with pytest.raises(ValueError, match="one of"):
+        VLLMServer("dense", lora=True, max_lora_rank=24)
+    with pytest.raises(ValueError, match="MoE"):
+        VLLMServer("moe", lora=True)

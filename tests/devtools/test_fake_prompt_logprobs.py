@@ -35,7 +35,7 @@ async def test_prompt_logprobs_have_vllms_shape(tokenizer_dir: Path):
     fake = FakeEngine(tokenizer_dir, max_logprobs=20)
     async with FakeEngineServer(fake) as url:
         for k in (0, 2):
-            status, body = await complete(url, model="m", prompt=PROMPT, max_tokens=1, prompt_logprobs=k)
+            status, body = await complete(url, model=fake.model_name, prompt=PROMPT, max_tokens=1, prompt_logprobs=k)
             assert status == 200
             ours, theirs = body["choices"][0]["prompt_logprobs"], real_answer(k)["choices"][0]["prompt_logprobs"]
             assert len(ours) == len(theirs) == len(PROMPT) and ours[0] is None and theirs[0] is None
@@ -48,5 +48,5 @@ async def test_prompt_logprobs_have_vllms_shape(tokenizer_dir: Path):
                 assert sorted(v["rank"] for t, v in entry.items() if t != token or v["rank"] <= k)[:k] == list(
                     range(1, k + 1)
                 )
-        status, body = await complete(url, model="m", prompt=PROMPT, max_tokens=1, prompt_logprobs=21)
+        status, body = await complete(url, model=fake.model_name, prompt=PROMPT, max_tokens=1, prompt_logprobs=21)
         assert status == 400 and "greater than max allowed: 20" in body["error"]["message"]

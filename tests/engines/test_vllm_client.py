@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import aiohttp
 import numpy as np
@@ -342,3 +343,72 @@ async def test_a_connection_idle_longer_than_vllm_keeps_it_is_not_reused(monkeyp
         await engine.close()
         await runner.cleanup()
     assert transports[0] == transports[1] and transports[2] != transports[1]
+
+
+# -- LoRA adapters ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def lora_client(tokenizer_dir):
+    from devtools.fake_engine import FakeEngine, FakeEngineServer
+
+    fake = FakeEngine(tokenizer_dir, max_lora_rank=16)
+    async with FakeEngineServer(fake) as url:
+        engine = VLLMEngine(url)
+        yield engine, fake
+        await engine.close()
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(tokenizer_dir, tmp_path_factory):
+    from devtools.lora_adapter import build_adapter
+
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "v1": build_adapter(tokenizer_dir, root / "v1", targets=("q_proj",), seed=1),
+        "r32": build_adapter(tokenizer_dir, root / "r32", rank=32, targets=("q_proj",), seed=2),
+    }
+
+
+async def test_adapters_load_list_serve_and_unload(lora_client, lora_dirs):
+    from devtools.fake_lora import adapter_key
+
+    engine, fake = lora_client
+    await engine.load_adapter("pol@v1", str(lora_dirs["v1"]), within=5.0)
+    assert [(c.name, c.path, c.parent) for c in await engine.adapters()] == [
+        ("pol@v1", str(lora_dirs["v1"]), fake.model_name)
+    ]
+    fake.queue([1000, 1001])
+    prompt = np.asarray([1, 2, 3], dtype=np.int32)
+    completion = await engine.complete(prompt, dataclasses.replace(PARAMS, served_model="pol@v1"))
+    assert fake.completions[-1]["model"] == "pol@v1"
+    key = adapter_key(str(lora_dirs["v1"]))
+    assert completion.output_logprobs[0] == pytest.approx(fake_logprob(3, 1000, "default", key), abs=1e-6)
+    assert (await engine.tokenize_text("hi", model="pol@v1")).tolist() == fake.encode("hi")
+    assert await engine.unload_adapter("pol@v1", within=5.0) is True
+    assert await engine.unload_adapter("pol@v1", within=5.0) is False  # already gone: not an error
+    with pytest.raises(vllm_http.ServedModelMissing) as missing:
+        await engine.complete(prompt, dataclasses.replace(PARAMS, served_model="pol@v1"))
+    assert missing.value.engine_status == 404 and "does not exist" in missing.value.message
+
+
+async def test_refused_loads_are_adapter_refusals_in_vllms_words(lora_client, lora_dirs, tmp_path):
+    from rollout_proxy.errors import AdapterRefused
+
+    engine, fake = lora_client
+    with pytest.raises(AdapterRefused, match="LoRA rank 32 is greater than max_lora_rank 16") as rank:
+        await engine.load_adapter("big", str(lora_dirs["r32"]), within=5.0)
+    assert "stack trace" not in rank.value.message and rank.value.status == 400
+    with pytest.raises(AdapterRefused, match="No adapter found"):
+        await engine.load_adapter("gone", str(tmp_path / "gone"), within=5.0)
+    await engine.load_adapter("pol@v1", str(lora_dirs["v1"]), within=5.0)
+    with pytest.raises(vllm_http.AdapterAlreadyLoaded):
+        await engine.load_adapter("pol@v1", str(lora_dirs["v1"]), within=5.0)
+    with pytest.raises(AdapterRefused, match="conflicts with a served base model"):
+        await engine.load_adapter(fake.model_name, str(lora_dirs["v1"]), within=5.0)
+    assert await engine.healthy()
+
+
+async def test_an_engine_without_runtime_lora_says_how_to_start_it(client, lora_dirs):
+    with pytest.raises(vllm_http.AdapterLoadingNotServed, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"):
+        await client.load_adapter("pol@v1", str(lora_dirs["v1"]), within=5.0)

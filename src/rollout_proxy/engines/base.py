@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -46,6 +46,8 @@ class SamplingParams:
     routed_experts_prompt_start: int | None = None  # only for engines that return routing
     cache_salt: str | None = None  # the fleet's per-version salt: no KV computed under other weights is reused
     top_logprobs: int = 0  # k > 0: the top-k at each sampled token too (vLLM ``logprobs: k``); not streamed
+    #: the ``model`` the call names: a LoRA adapter's served name (``engines.policies``); None: the base model
+    served_model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +161,36 @@ class EngineControl(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterCard:
+    """A LoRA adapter an engine serves, as ``GET /v1/models`` lists it (``parent``: the base's served name)."""
+
+    name: str
+    path: str | None
+    parent: str | None
+
+
+@runtime_checkable
+class AdapterControl(Protocol):
+    """Loading and unloading LoRA adapters at run time (vLLM with ``--enable-lora`` and
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``). An engine without it serves the base model only."""
+
+    url: str
+
+    async def load_adapter(self, name: str, path: str, *, within: float) -> None:
+        """Serve the adapter at ``path`` (a directory on the engine's host) as ``name``; raises
+        ``AdapterRefused`` when the engine refuses it (and stays healthy)."""
+        ...
+
+    async def unload_adapter(self, name: str, *, within: float) -> bool:
+        """Stop serving ``name`` (calls in flight on it finish); False: it was not loaded."""
+        ...
+
+    async def adapters(self) -> list[AdapterCard]:
+        """The adapters the engine serves now."""
+        ...
 
 
 class Engine(GenerationEngine, EngineControl, Protocol):

@@ -29,7 +29,7 @@ import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
@@ -51,6 +51,9 @@ from rollout_proxy.engines.member import Member
 from rollout_proxy.errors import EngineError, EngineUnavailable, InvalidRequest, NotFound, ProxyError
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.settings import from_setting
+
+if TYPE_CHECKING:
+    from rollout_proxy.engines.policies import Policies
 
 log = structlog.get_logger(__name__)
 
@@ -113,6 +116,10 @@ class Fleet:
             max_waiting=self.settings.pause_queue, max_wait=self.settings.pause_wait, on_change=self.publish
         )
         self.control_lock = asyncio.Lock()  # one pause, resume or admission at a time
+        #: called as ``listener(member, was, now)`` at each change of an engine's state (``engines.policies``)
+        self.state_listeners: list[Callable[[Member, EngineState, EngineState], None]] = []
+        #: the LoRA policies served on this fleet, once a registry attached itself (``engines.policies``)
+        self.policies: Policies | None = None
         self._rotation = itertools.count()
         self._started = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -357,6 +364,8 @@ class Fleet:
             reason=reason,
         )
         self.metrics.inc("engine_state_changes_total", state=state.value)
+        for listener in self.state_listeners:
+            listener(member, before, state)
         self.publish()
 
     def publish(self) -> None:

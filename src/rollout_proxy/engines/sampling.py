@@ -18,6 +18,11 @@
 - **Versions.** A call's tokens carry the version of its engine when it was sent. A call during
   which that engine's weights changed (a keep-mode pause resumed under it) cannot say where the
   new weights took over (vLLM's completions do not tell), so it is regenerated too.
+- **Policies.** With a registry on the fleet (``engines.policies``), a turn names its ``policy``: each
+  call goes to an engine that serves it, names its served name there (held until the call ends, so
+  an update never unloads it under the call), and its tokens carry that policy's version. An engine
+  that answers it does not have the name (it restarted) is synced again and the call sent again,
+  within the retries.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from rollout_proxy.engines.base import (
 from rollout_proxy.engines.gate import Deadline
 from rollout_proxy.engines.health import counts_against, describe
 from rollout_proxy.engines.member import Member
+from rollout_proxy.engines.policies import BASE
+from rollout_proxy.engines.vllm_http import ServedModelMissing
 from rollout_proxy.errors import EngineTimeout, EngineUnavailable, FleetPaused
 from rollout_proxy.records import PolicySpan, merge_spans
 
@@ -138,10 +145,15 @@ async def sample(
     params: SamplingParams,
     *,
     sink: PieceSink | None = None,
+    policy: str | None = None,
 ) -> Sampled:
     """Sample one turn: ``engine`` first (the session's, if it is routable), failing over as the module says.
-    With a ``sink``, every call streams its pieces there (``core.streaming`` decides what a retry means)."""
+    With a ``sink``, every call streams its pieces there (``core.streaming`` decides what a retry means).
+    ``policy``: the policy that samples (``engines.policies``; None: the base model)."""
     settings = fleet.settings
+    registry = fleet.policies
+    if registry is not None and policy is not None:
+        registry.require(policy)
     deadline = Deadline(fleet.gate, settings.turn_deadline)
     kept = _Kept()
     tried: set[str] = set()
@@ -152,13 +164,31 @@ async def sample(
         gate = fleet.gate  # a wait at a closed gate is timed (queue_wait_seconds)
         with fleet.metrics.timer("queue_wait_seconds", reason="pause") if gate.paused else contextlib.nullcontext():
             await gate.wait(queued=queued)
-        member = await fleet.available(preferred, exclude=tried)
+        unserved = registry.unserved(policy) if registry is not None and policy is not None else frozenset()
         try:
-            attempt = await _attempt(fleet, member, kept.prompt(prompt), params, kept.count, deadline, sink)
+            member = await fleet.available(preferred, exclude=tried | unserved)
+        except EngineUnavailable as exc:
+            if not unserved or registry is None or policy is None:
+                raise
+            if await registry.wait_synced(settings.control_timeout):
+                continue  # an engine that lost its adapters was being loaded again: choose again
+            raise registry.unavailable(policy) from exc
+        try:
+            attempt = await _attempt(fleet, member, kept.prompt(prompt), params, kept.count, deadline, sink, policy)
         except _Requeue:
             continue
         except FleetPaused:
             raise
+        except ServedModelMissing:
+            if registry is None:
+                raise
+            attempts += 1
+            failures += 1
+            registry.lost(member.client)  # it restarted without its adapters: base by name, LoRA after a sync
+            if failures > settings.retries or deadline.expired:
+                raise
+            log.warning("engine_lost_served_model", engine=member.url, policy=policy, failures=failures)
+            continue
         except Exception as exc:
             attempts += 1
             if not isinstance(exc, _WentDown):
@@ -189,18 +219,18 @@ async def sample(
         dense = completion.routed_experts is None and member.client.returns_routing is False
         # top-k rows are not kept across parts either: such a turn is regenerated, as a MoE one is
         joinable = dense and not params.top_logprobs and not attempt.straddled
-        policy = "continue" if settings.abort_policy == "continue" and joinable else "regenerate"
-        if policy == "continue":
+        handling = "continue" if settings.abort_policy == "continue" and joinable else "regenerate"
+        if handling == "continue":
             kept.add(completion, attempt.version)
         else:
             kept = _Kept()
         reason = "weights_changed" if attempt.straddled else "abort"
-        fleet.metrics.inc("abort_resubmissions_total", policy=policy, reason=reason)
+        fleet.metrics.inc("abort_resubmissions_total", policy=handling, reason=reason)
         log.info(
             "turn_resubmitted",
             engine=member.url,
             reason=reason,
-            policy=policy,
+            policy=handling,
             kept_tokens=kept.count,
             sampled=len(completion.output_ids),
             policy_version=attempt.version,
@@ -232,16 +262,28 @@ async def _attempt(
     kept: int,
     deadline: Deadline,
     sink: PieceSink | None = None,
+    policy: str | None = None,
 ) -> _Attempt:
     """One call on ``member``: gated, slotted, watched (its deadline, the engine going down, the pause's bound)."""
     waiting = time.perf_counter()
     async with member.occupied(), member.limit:
         fleet.metrics.observe("queue_wait_seconds", time.perf_counter() - waiting, reason="slot")
+        registry = fleet.policies
         if fleet.gate.paused or not member.routable:
             raise _Requeue()
+        if registry is not None and policy is not None and member.url in registry.unserved(policy):
+            raise _Requeue()  # drained for this policy (or lost it) while this call waited for a slot
         # from here to the send there is no await: a pause that closes the gate after this sees the call
         version = member.version if member.version is not None else fleet.version
-        params = dataclasses.replace(params, max_tokens=params.max_tokens - kept, cache_salt=cache_salt(version))
+        served = registry.hold(policy or BASE, member) if registry is not None else None
+        params = dataclasses.replace(
+            params,
+            max_tokens=params.max_tokens - kept,
+            cache_salt=cache_salt(version),
+            served_model=served.model if served is not None else params.served_model,
+        )
+        if served is not None:
+            version = served.version
         sent = asyncio.Event()
         member.unsent.add(sent)
         epoch, down = member.epoch, member.down
@@ -258,6 +300,8 @@ async def _attempt(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            if served is not None and registry is not None:
+                registry.release(served)
     return _Attempt(completion, version, straddled=member.epoch != epoch)
 
 

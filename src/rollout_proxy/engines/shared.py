@@ -12,7 +12,9 @@ The worker that answers the admin call writes it before it answers; every worker
   ``/weight_info`` is not stale;
 - resumed at v: v is its version and its paused engines', its gate opens (its queue goes), and
   every engine is probed at once;
-- an engine added (probed in the background) or removed (drained).
+- an engine added (probed in the background) or removed (drained);
+- the LoRA policies (``engines.policies``): each policy's version, which engines serve the base
+  through the zero adapter, which are drained for a policy.
 
 The windows, made safe by waiting them out (``settle``: two poll intervals and a margin): a pause
 writes ``paused``, then waits, so every worker's gate is closed before the engines are paused; a
@@ -58,6 +60,8 @@ class SharedState:
     next_version: int | None = None  # a resume to this version is under way
     added: tuple[str, ...] = ()  # engines added by URL (admin API), beyond each worker's own list
     removed: tuple[str, ...] = ()  # engines removed (admin API)
+    #: the LoRA policies (``engines.policies.Policies.shared``): versions, zero adapters, drained engines
+    policies: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "added": list(self.added), "removed": list(self.removed)}
@@ -74,6 +78,7 @@ class SharedState:
                 next_version=next_version,
                 added=tuple(raw.get("added", ())),
                 removed=tuple(raw.get("removed", ())),
+                policies=raw.get("policies"),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"unreadable fleet state: {exc}") from None
@@ -81,6 +86,8 @@ class SharedState:
             raise ValueError("unreadable fleet state: its versions are not integers")
         if not isinstance(state.paused, bool) or not all(isinstance(url, str) for url in state.added + state.removed):
             raise ValueError("unreadable fleet state: wrong types")
+        if state.policies is not None and not isinstance(state.policies, Mapping):
+            raise ValueError("unreadable fleet state: its policies are not a mapping")
         return state
 
 
@@ -150,6 +157,8 @@ async def follow(fleet: Fleet, state: SharedState | None = None) -> None:
         if state is not None:
             _follow_version(fleet, state)
             await _follow_engines(fleet, state)
+            if state.policies is not None and fleet.policies is not None:
+                fleet.policies.follow(state.policies)
 
 
 def _follow_version(fleet: Fleet, state: SharedState) -> None:

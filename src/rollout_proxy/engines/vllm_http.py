@@ -9,6 +9,13 @@ addresses. The URL goes to the log line written here (same request id as the cli
 
 The dev-mode control routes (``/pause``, ``/resume``, ``/is_paused``, ``/weight_info``,
 ``/update_weight_version``) are vLLM 0.32's ``vllm/entrypoints/rl/online/api_router.py``.
+
+LoRA adapters (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``): ``POST /v1/load_lora_adapter``
+and ``/v1/unload_lora_adapter`` answer 200 with plain text, or vLLM's error body: 400 (a name already
+loaded, the base's name), 404 (no adapter at the path, an unknown name), 500 (files it cannot use, a rank
+above ``--max-lora-rank``, modules it does not support: the adapter's fault, the engine stays healthy).
+They become ``AdapterRefused`` (a 400) in words. A call naming a served model the engine does not have
+(an adapter not loaded, or lost in a restart) is vLLM's 404 with ``param: "model"``: ``ServedModelMissing``.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import contextlib
 import functools
 import json
 import math
+import re
 import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import SimpleNamespace
@@ -31,6 +39,7 @@ import structlog
 from rollout_proxy import tracing
 from rollout_proxy.engines.base import (
     LOGPROB_FLOOR,
+    AdapterCard,
     EngineCompletion,
     EngineInfo,
     PauseMode,
@@ -40,6 +49,7 @@ from rollout_proxy.engines.base import (
 )
 from rollout_proxy.engines.streaming import DONE, SSEReader, StreamAssembly
 from rollout_proxy.errors import (
+    AdapterRefused,
     EngineBusy,
     EngineError,
     EngineTimeout,
@@ -68,6 +78,8 @@ STALE_CONNECTION_RETRIES = 2
 ENGINE_KEEPALIVE_S = 3.0
 #: Error statuses that mean "this engine does not serve that route" (vLLM without dev mode).
 NOT_SERVED = frozenset({404})
+#: What vLLM answers a LoRA load or unload it refuses: the adapter's fault (or a name), not the engine's.
+_REFUSALS = frozenset({400, 404, 422, 500})
 
 
 T = TypeVar("T")
@@ -134,6 +146,17 @@ def _error_message(payload: Any, fallback: str) -> str:
     return fallback
 
 
+def _error_param(body: bytes) -> str | None:
+    """The ``param`` of vLLM's error body, if it is one."""
+    try:
+        payload = _loads(body)
+    except ValueError:
+        return None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    param = error.get("param") if isinstance(error, dict) else None
+    return param if isinstance(param, str) else None
+
+
 def _sampled_logprobs(choice: dict[str, Any], n_tokens: int) -> tuple[np.ndarray, int]:
     logprobs = choice.get("logprobs")
     values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
@@ -185,6 +208,31 @@ class EngineRejected(EngineError):
     def __init__(self, message: str, *, engine_status: int) -> None:
         super().__init__(message)
         self.engine_status = engine_status
+
+
+class ServedModelMissing(EngineRejected):
+    """The engine does not serve the model the call named (vLLM's 404 with ``param: "model"``): an adapter
+    that is not loaded there, or no longer (unloaded, or the engine restarted without it)."""
+
+    code = "served_model_missing"
+
+
+class AdapterAlreadyLoaded(AdapterRefused):
+    """``load_adapter`` under a name the engine already serves (vLLM's 400; the path may differ)."""
+
+
+class AdapterLoadingNotServed(AdapterRefused):
+    """The engine has no run-time LoRA routes (vLLM without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``)."""
+
+
+#: vLLM's words around a worker's error in a failed load (``Call to add_lora method failed: ...``)
+_WORKER_ERROR = re.compile(r"Worker failed with error '(?P<words>.*)', please check the stack trace", re.DOTALL)
+
+
+def _adapter_words(message: str) -> str:
+    """vLLM's reason for refusing an adapter, without its wrapping about stack traces."""
+    found = _WORKER_ERROR.search(message)
+    return found.group("words") if found else message
 
 
 class EngineUnreachable(EngineUnavailable):
@@ -363,7 +411,13 @@ class VLLMEngine:
         except ValueError:  # a plain-text error page (a gateway in front of the engine, or the engine's own)
             message = raw
         text = f"the engine answered {path} with {status}: {message}"
-        error = EngineUnavailable(text) if status == 503 else EngineRejected(text, engine_status=status)
+        error: ProxyError
+        if status == 503:
+            error = EngineUnavailable(text)
+        elif status == 404 and _error_param(body) == "model":
+            error = ServedModelMissing(text, engine_status=status)
+        else:
+            error = EngineRejected(text, engine_status=status)
         return error if quiet else self._failed(error, path)
 
     async def _send(
@@ -510,6 +564,58 @@ class VLLMEngine:
         ``cache_salt`` keeps KV computed under the old weights from being reused."""
         await self.collective_rpc("reload_weights", kwargs={"weights_path": weights_path}, within=within)
 
+    async def load_adapter(self, name: str, path: str, *, within: float) -> None:
+        """``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` (never ``load_inplace``: a new version gets a
+        new name, so calls in flight keep their weights). vLLM's refusals become ``AdapterRefused`` in words."""
+        body = {"lora_name": name, "lora_path": path}
+        path_ = "/v1/load_lora_adapter"
+        try:
+            await self._request("POST", path_, body, limits=self._control_limits(within), expected=_REFUSALS, raw=True)
+        except EngineRejected as exc:
+            raise self._adapter_refused(exc, f"load adapter {name!r} from {path}") from None
+
+    async def unload_adapter(self, name: str, *, within: float) -> bool:
+        """``POST /v1/unload_lora_adapter {"lora_name"}``: calls in flight on it finish, new ones get a 404.
+        False: the engine did not serve ``name`` (already unloaded, or restarted since)."""
+        path_ = "/v1/unload_lora_adapter"
+        try:
+            await self._request(
+                "POST", path_, {"lora_name": name}, limits=self._control_limits(within), expected=_REFUSALS, raw=True
+            )
+        except EngineRejected as exc:
+            if exc.engine_status == 404 and "cannot be found" in exc.message:
+                return False
+            raise self._adapter_refused(exc, f"unload adapter {name!r}") from None
+        return True
+
+    async def adapters(self) -> list[AdapterCard]:
+        """The LoRA adapters ``GET /v1/models`` lists now (every card with a ``parent``: the base's name)."""
+        payload = await self._request("GET", "/v1/models", limits=self._quick_timeout)
+        cards = payload.get("data") if isinstance(payload, dict) else None
+        if not isinstance(cards, list):
+            raise self._failed(EngineError("the engine's /v1/models has no data list"), "/v1/models")
+        return [
+            AdapterCard(
+                name=card["id"],
+                path=card.get("root") if isinstance(card.get("root"), str) else None,
+                parent=card["parent"],
+            )
+            for card in cards
+            if isinstance(card, dict) and isinstance(card.get("id"), str) and isinstance(card.get("parent"), str)
+        ]
+
+    def _adapter_refused(self, exc: EngineRejected, what: str) -> AdapterRefused:
+        words = exc.message.split(": ", 1)[1] if ": " in exc.message else exc.message
+        if exc.engine_status == 404 and "No adapter found" not in words:
+            return AdapterLoadingNotServed(
+                f"the engine cannot {what}: it serves no run-time LoRA loading (start vLLM with --enable-lora "
+                "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+                param="path",
+            )
+        if exc.engine_status == 400 and "has already been loaded" in words:
+            return AdapterAlreadyLoaded(f"the engine cannot {what}: {words}", param="name")
+        return AdapterRefused(f"the engine cannot {what}: {_adapter_words(words)}", param="path")
+
     async def is_paused(self) -> bool | None:
         try:
             answer = await self._request("GET", "/is_paused", limits=self._health_timeout, expected=NOT_SERVED)
@@ -529,10 +635,12 @@ class VLLMEngine:
         tools: Sequence[dict[str, Any]] | None,
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any] | None,
+        model: str | None = None,
     ) -> np.ndarray:
+        """``model``: a served adapter's name (vLLM renders and tokenizes as for its base); None: the base."""
         info = await self.info()
         payload: dict[str, Any] = {
-            "model": info.model,
+            "model": model or info.model,
             "messages": list(messages),
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": False,
@@ -554,9 +662,9 @@ class VLLMEngine:
             ) from exc
         return self._tokens(answer)
 
-    async def tokenize_text(self, text: str) -> np.ndarray:
+    async def tokenize_text(self, text: str, *, model: str | None = None) -> np.ndarray:
         info = await self.info()
-        payload = {"model": info.model, "prompt": text, "add_special_tokens": False}
+        payload = {"model": model or info.model, "prompt": text, "add_special_tokens": False}
         return self._tokens(await self._request("POST", "/tokenize", payload, limits=self._quick_timeout, pooled=True))
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -594,7 +702,7 @@ class VLLMEngine:
         info = await self.info()
         echo = PromptEcho(prompt_ids)
         payload: dict[str, Any] = {
-            "model": info.model,
+            "model": params.served_model or info.model,
             "prompt": orjson.Fragment(echo.json),
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -669,12 +777,15 @@ class VLLMEngine:
         if choice.get("routed_experts") is not None or choice.get("finish_reason") != "abort":
             self.returns_routing = choice.get("routed_experts") is not None
 
-    async def prompt_logprobs(self, prompt_ids: np.ndarray, k: int) -> list[dict[str, Any] | None]:
+    async def prompt_logprobs(
+        self, prompt_ids: np.ndarray, k: int, *, model: str | None = None
+    ) -> list[dict[str, Any] | None]:
         """``prompt_logprobs: k`` over a token-id prompt (``max_tokens: 1``): per position the prompt token's
-        logprob (and rank) and the top ``k``; entry 0 is None. The teacher pass of on-policy distillation."""
+        logprob (and rank) and the top ``k``; entry 0 is None. The teacher pass of on-policy distillation.
+        ``model``: a served adapter's name (the teacher is that adapter); None: the base."""
         info = await self.info()
         payload = {
-            "model": info.model,
+            "model": model or info.model,
             "prompt": prompt_ids.tolist(),
             "max_tokens": 1,
             "temperature": 1.0,

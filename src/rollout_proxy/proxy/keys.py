@@ -9,6 +9,7 @@ from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turn_service import TurnService
 from rollout_proxy.engines.fleet import Fleet
+from rollout_proxy.engines.policies import Policies
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
 from rollout_proxy.proxy.resent_history import ResentHistory
@@ -27,6 +28,7 @@ RESENT_HISTORY = web.AppKey("resent_history", ResentHistory)  # resent lists tak
 STORE = web.AppKey("store", StateStore)
 FEED = web.AppKey("feed", Feed)
 ENGINES = web.AppKey("engines", Fleet)
+POLICIES = web.AppKey("policies", Policies)  # the fleet's LoRA policies (``engines.policies``)
 SESSIONS = web.AppKey("sessions", SessionService)
 TREE = web.AppKey("tree", ResponseTree)
 TURNS = web.AppKey("turns", TurnService)  # every API's turns (``core.turn_service``)

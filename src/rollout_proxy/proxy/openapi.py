@@ -26,6 +26,7 @@ from rollout_proxy.proxy.handlers import viewer
 from rollout_proxy.proxy.handlers.distill import CriticViewIn, CriticViewOut, TeacherPassIn, TeacherPassOut
 from rollout_proxy.proxy.handlers.feed import MAX_PAGE
 from rollout_proxy.proxy.handlers.fleet_admin import EngineIn, PauseIn, ResumeIn
+from rollout_proxy.proxy.handlers.policies import PolicyIn, VersionIn
 from rollout_proxy.proxy.schemas import AppendMessages, ChatRequest, FinishRequest, ResponsesRequest, SessionCreate
 from rollout_proxy.wire.trajectory import Trajectory
 
@@ -77,12 +78,18 @@ FEED_QUERY = (
     _parameter("limit", "query", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 100}, "page size"),
 )
 ENGINE_ERRORS = (502, 503, 504)
+POLICY_NAME = _parameter("name", "path", {"type": "string"}, "a policy's name (`base`, or a registered LoRA policy)")
 ENGINE_URL = {
     "name": "url",
     "in": "query",
     "required": True,
     "schema": {"type": "string", "minLength": 1},
     "description": "the engine's base URL, as GET /v1/admin/engines lists it",
+}
+POLICY_EXAMPLES: dict[str, dict[str, Any]] = {
+    "register": {"name": "grpo-lora"},
+    "register_with_version": {"name": "grpo-lora", "path": "/checkpoints/grpo-lora/step-1"},
+    "publish": {"path": "/checkpoints/grpo-lora/step-2"},
 }
 FLEET_EXAMPLES: dict[str, dict[str, Any]] = {
     "add": {"url": "http://127.0.0.1:8001"},
@@ -188,6 +195,17 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("post", "/v1/admin/resume", "Set the new policy version on every paused engine and resume",
               "fleet", Access.ADMIN, answers.FleetControl, body=ResumeIn, errors=(409,),
               examples={"resume": FLEET_EXAMPLES["resume"]}),
+    Operation("get", "/v1/admin/policies", "The policies: the base and each LoRA policy, their versions and served names",
+              "policies", Access.ADMIN, answers.PolicyList),
+    Operation("post", "/v1/admin/policies", "Register a LoRA policy (and publish its first version, given a path)",
+              "policies", Access.ADMIN, answers.PolicyEntry, body=PolicyIn, errors=(404, 503),
+              examples={name: POLICY_EXAMPLES[name] for name in ("register", "register_with_version")}),
+    Operation("get", "/v1/admin/policies/{name}", "A policy: its version, and per engine its served name",
+              "policies", Access.ADMIN, answers.PolicyEntry, errors=(404,), parameters=(POLICY_NAME,)),
+    Operation("post", "/v1/admin/policies/{name}/versions",
+              "Publish an adapter as the policy's next version: no pause; calls in flight finish on the last one",
+              "policies", Access.ADMIN, answers.PolicyPublished, body=VersionIn, errors=(404, 503),
+              parameters=(POLICY_NAME,), examples={"publish": POLICY_EXAMPLES["publish"]}),
     Operation("get", "/healthz", "Liveness",
               "operations", Access.PUBLIC, answers.Health),
     Operation("get", "/readyz", "Readiness: the store answers and an engine is healthy (URLs for the admin key)",

@@ -319,6 +319,52 @@ class FleetControl(TypedDict):
     engines: list[ControlEntry]
 
 
+class PolicyEngine(TypedDict):
+    """A policy on one engine: the name its calls use there, or why it takes none."""
+
+    url: str
+    state: Literal["starting", "healthy", "draining", "paused", "unhealthy", "stale"]
+    #: vLLM's ``model`` for its calls there (``<policy>@v<N>``; the base: its name or ``base@zero``); null: none
+    served_name: str | None
+    #: why this engine takes no call of the policy (it failed to load the adapter)
+    drained: str | None
+    #: calls holding each served name on this engine now
+    in_use: dict[str, int]
+
+
+class PolicyEntry(TypedDict):
+    """A policy: the base model, or a LoRA adapter of it with its current version."""
+
+    name: str
+    kind: Literal["base", "lora"]
+    #: the base's: the fleet's policy version; a LoRA policy's: its adapter version (null: none published)
+    version: int | None
+    path: str | None
+    engines: list[PolicyEngine]
+
+
+class PolicyList(TypedDict):
+    policies: list[PolicyEntry]
+
+
+class PublishEntry(TypedDict):
+    url: str
+    ok: bool
+    error: str | None
+    served_name: str | None
+
+
+class PolicyPublished(TypedDict):
+    """A version published: loaded and switched to on each engine that took it, the others drained for it."""
+
+    policy: str
+    version: int
+    served_name: str
+    path: str
+    failed: int
+    engines: list[PublishEntry]
+
+
 class Health(TypedDict):
     status: Literal["ok"]
 
