@@ -8,12 +8,12 @@ check below says which adapter's weights produced a token, not only which name t
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import openai
 import pytest
 
 from devtools.fake_engine import fake_logprob
@@ -175,7 +175,7 @@ async def test_the_responses_and_messages_apis_sample_with_the_sessions_policy(s
 
 
 async def test_a_policy_no_registry_knows_is_refused_at_creation_in_words(served, adapter_dirs):
-    harness, fakes = served
+    harness, _ = served
     await register(harness, "pol", adapter_dirs["a1"])
     _, listed = await harness.request("GET", "/v1/admin/sessions")
     for policy in ("nope", "Base", ""):
@@ -205,16 +205,16 @@ async def test_a_policy_no_engine_serves_now_is_a_503_in_words(served, adapter_d
     session = await harness.create_session(QUESTION, policy="pol")
     for server in fakes.servers:  # every engine down: the turn is a 503, in words
         await server.kill()
-    with pytest.raises(Exception) as raised:
+    with pytest.raises(openai.APIStatusError) as raised:
         await session.client.chat.completions.create(model="m", messages=QUESTION)
-    assert getattr(raised.value, "status_code", None) == 503
+    assert raised.value.status_code == 503
 
 
 async def test_a_turn_fails_over_to_an_engine_that_serves_its_policy(served, adapter_dirs):
     harness, fakes = served
     await register(harness, "pol", adapter_dirs["a1"])
     session = await harness.create_session(QUESTION, policy="pol")
-    first = await chat_turns(session, 1)
+    await chat_turns(session, 1)
     engine = next(fake for fake in fakes.engines if fake.completions)
     killed = fakes.servers[fakes.engines.index(engine)]
     await killed.kill()
@@ -225,7 +225,6 @@ async def test_a_turn_fails_over_to_an_engine_that_serves_its_policy(served, ada
     assert [c["model"] for c in other.completions[-2:]] == ["pol@v1", "pol@v1"]
     keys: Keys = {("pol", 1): adapter_key(str(adapter_dirs["a1"]))}
     assert misattributed(await harness.trajectory(ids[-1]), keys)[0] == 0
-    assert first
 
 
 async def test_no_token_is_misattributed_across_an_adapter_update_under_load(served, adapter_dirs):
@@ -263,4 +262,3 @@ async def test_no_token_is_misattributed_across_an_adapter_update_under_load(ser
         wrong, total = wrong + bad, total + trained
     assert wrong == 0 and total > 0
     assert seen == {"a": {("a", 1), ("a", 2)}, "b": {("b", 1)}, "base": {("base", 0)}}
-    assert math.isfinite(total)

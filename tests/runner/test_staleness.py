@@ -146,7 +146,7 @@ async def test_max_staleness_holds_per_policy():
     for _ in range(3):
         staleness.step_done(on_feed=True)
     assert staleness.target() == 5
-    with pytest.raises(JobFailed, match="needs policy 'a' version 5.*policy 'a' stayed at 3.*publishing new versions"):
+    with pytest.raises(JobFailed, match=r"needs policy 'a' version 5.*policy 'a' stayed at 3.*publishing new versions"):
         await staleness.before_step(3)
     groups = [Group("a-fresh", 2, policy="a"), Group("a-old", 1, policy="a"), Group("b-old", 7, policy="b")]
     kept = await staleness.sort(3, groups)
