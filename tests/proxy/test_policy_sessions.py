@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from devtools.fake_engine import fake_logprob
+from devtools.fake_engine import FakeEngine, FakeEngineServer, fake_logprob
 from devtools.fake_lora import adapter_key
 from devtools.lora_adapter import build_adapter
 from tests.fakes import FakeFleet, fake_fleet
@@ -262,3 +262,30 @@ async def test_no_token_is_misattributed_across_an_adapter_update_under_load(ser
         wrong, total = wrong + bad, total + trained
     assert wrong == 0 and total > 0
     assert seen == {"a": {("a", 1), ("a", 2)}, "b": {("b", 1)}, "base": {("base", 0)}}
+
+
+async def test_the_teacher_pass_of_a_lora_session_scores_with_the_teachers_model(tokenizer_dir, adapter_dirs):
+    """On-policy distillation of a LoRA session: the teacher is asked by its own model's name (no adapter), and
+    its logprobs are the base weights' while the student's sampling logprobs are the adapter's."""
+    teacher = FakeEngine(tokenizer_dir, model_name="fake-teacher")
+    async with (
+        FakeEngineServer(teacher) as teacher_url,
+        fake_fleet(tokenizer_dir, 1, max_lora_rank=16) as fakes,
+        ProxyHarness.running(engine_urls=fakes.urls, teachers=f"math={teacher_url}") as harness,
+    ):
+        await register(harness, "pol", adapter_dirs["a1"])
+        session = await harness.create_session(QUESTION, policy="pol")
+        [leaf] = await chat_turns(session, 1)
+        status, body = await harness.request(
+            "POST",
+            f"/v1/admin/sessions/{session.session_id}/teacher_pass",
+            json={"response_id": leaf, "teacher": "math"},
+        )
+        assert status == 200, body
+        assert teacher.completions[-1]["model"] == "fake-teacher"
+        trajectory = await harness.trajectory(leaf)
+        keys: Keys = {("pol", 1): adapter_key(str(adapter_dirs["a1"]))}
+        assert misattributed(trajectory, keys)[0] == 0  # sampled by the adapter
+        ids, scored = trajectory["total_token_ids"], body["total_teacher_logprobs"]
+        trained = [i for i, value in enumerate(scored) if value is not None]
+        assert trained and all(sampled_by(i, ids[i], scored[i], None) for i in trained)  # the teacher's own weights
