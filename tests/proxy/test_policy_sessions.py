@@ -151,8 +151,9 @@ async def test_a_session_samples_every_turn_with_its_policy_and_records_it(serve
     status, metrics = await harness.request("GET", "/metrics", token=None)
     assert 'rollout_proxy_policy_turns_total{policy="pol"} 3.0' in metrics
     assert 'rollout_proxy_policy_turns_total{policy="base"} 2.0' in metrics
-    generated = sum(len(fake.generations[-1].tokens) for fake in fakes.engines if fake.generations)
-    assert generated > 0 and 'rollout_proxy_policy_generated_tokens_total{policy="pol"}' in metrics
+    first_conversation = await harness.trajectory(lora_ids[1])  # two turns; the streamed one began another
+    generated = sum(weight > 0 for path in (first_conversation, lora_path) for weight in path["total_loss_weight"])
+    assert f'rollout_proxy_policy_generated_tokens_total{{policy="pol"}} {float(generated)}' in metrics
 
 
 async def test_the_responses_and_messages_apis_sample_with_the_sessions_policy(served, adapter_dirs):
