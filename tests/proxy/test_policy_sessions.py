@@ -19,8 +19,9 @@ import pytest
 from devtools.fake_engine import FakeEngine, FakeEngineServer, fake_logprob
 from devtools.fake_lora import adapter_key
 from devtools.lora_adapter import build_adapter
+from rollout_proxy.runner.admin import AdminClient
 from tests.fakes import FakeFleet, fake_fleet
-from tests.harness import ProxyHarness, Session
+from tests.harness import ADMIN_KEY, ProxyHarness, Session
 
 QUESTION = [{"role": "user", "content": "What is two plus two?"}]
 
@@ -290,3 +291,13 @@ async def test_the_teacher_pass_of_a_lora_session_scores_with_the_teachers_model
         ids, scored = trajectory["total_token_ids"], body["total_teacher_logprobs"]
         trained = [i for i, value in enumerate(scored) if value is not None]
         assert trained and all(sampled_by(i, ids[i], scored[i], None) for i in trained)  # the teacher's own weights
+
+
+async def test_the_runners_admin_client_reads_a_lora_policys_version(served, adapter_dirs):
+    """What ``max_staleness`` reads for a job on a LoRA policy: its adapter's version, not the fleet's."""
+    harness, _ = served
+    await register(harness, "a", adapter_dirs["a1"])
+    async with AdminClient(harness.url, ADMIN_KEY) as admin:
+        assert (await admin.policy_version("a"), await admin.policy_version()) == (1, 0)
+        await publish(harness, "a", adapter_dirs["a2"])
+        assert (await admin.policy_version("a"), await admin.policy_version()) == (2, 0)
