@@ -99,6 +99,7 @@ class ProxyHarness:
         tools: list[dict[str, Any]] | None = None,
         extra: dict[str, Any] | None = None,
         n_sample: int | None = None,
+        policy: str | None = None,
         **generation: Any,
     ) -> Session:
         sample: dict[str, Any] = {"messages": messages, "extra": extra or {}}
@@ -107,6 +108,8 @@ class ProxyHarness:
         body: dict[str, Any] = {"sample": sample, "generation": {"max_new_tokens": 256, **generation}}
         if n_sample is not None:
             body["n_sample"] = n_sample
+        if policy is not None:
+            body["policy"] = policy
         status, body = await self.request("POST", "/v1/sessions", json=body)
         assert status == 201, body
         return Session(client=self.client(body["base_url"], body["api_key"]), **body)

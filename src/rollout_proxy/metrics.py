@@ -78,6 +78,12 @@ DECLARED: dict[str, Declared] = {
     # turns and the response tree
     "turns_total": _counter("Turns answered, by API (chat, responses).", "api"),
     "generated_tokens_total": _counter("Tokens the policy generated, over all turns."),
+    "policy_turns_total": _counter(
+        "Turns answered, by the session's policy (base or a registered LoRA one).", "policy"
+    ),
+    "policy_generated_tokens_total": _counter(
+        "Tokens generated, by the policy that sampled them (base or a registered LoRA one).", "policy"
+    ),
     "streamed_turns_total": _counter(
         "Streamed turns (stream: true), by API and how they ended: completed, disconnected (the client left; "
         "the engine call was aborted, nothing recorded) or failed (an SSE error event, nothing recorded).",

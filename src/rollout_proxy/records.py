@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from rollout_proxy.routing.rows import RoutingRows, RoutingSpan
+from rollout_proxy.wire.generation import BASE_POLICY as BASE_POLICY  # the core's, the engines', the stores'
 
 EMPTY_IDS = np.zeros(0, dtype=np.int32)
 EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
@@ -79,9 +80,11 @@ class SessionRecord:
     #: which of the nodes retrying one input a rollout trains (``core.branches``): "drop" all but those the
     #: conversation went on from, or "keep" them all
     retry: str = "drop"
+    #: the policy every turn samples with (``engines.policies``): the base model or a LoRA policy's name
+    policy: str = BASE_POLICY
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "id": self.id,
             "messages": self.messages,
             "tools": self.tools,
@@ -98,6 +101,9 @@ class SessionRecord:
             "client_sampling": self.client_sampling,
             "retry": self.retry,
         }
+        if self.policy != BASE_POLICY:  # absent: the base (a base session's record is as before policies)
+            data["policy"] = self.policy
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SessionRecord:
@@ -109,7 +115,8 @@ class SessionRecord:
 
 @dataclass(frozen=True, slots=True)
 class PolicySpan:
-    """Tokens ``[start, end)`` sampled by the policy at ``version`` (the trainer's integer step).
+    """Tokens ``[start, end)`` sampled by ``policy`` at ``version`` (the trainer's integer step; a LoRA
+    policy's adapter version, or the fleet's version for the base).
 
     Positions count in a node's ``output_ids``, or in a trajectory's ``total_token_ids``.
     """
@@ -117,19 +124,26 @@ class PolicySpan:
     version: int
     start: int
     end: int
+    policy: str = BASE_POLICY
 
-    def to_dict(self) -> dict[str, int]:
-        return {"version": self.version, "start": self.start, "end": self.end}
+    def to_dict(self) -> dict[str, Any]:
+        """``policy`` only when it is not the base (absent means the base, as in spans from before policies)."""
+        data: dict[str, Any] = {"version": self.version, "start": self.start, "end": self.end}
+        if self.policy != BASE_POLICY:
+            data["policy"] = self.policy
+        return data
 
 
 def merge_spans(spans: Iterable[PolicySpan]) -> list[PolicySpan]:
-    """Spans in order, empty ones dropped, a span that continues the previous one's version merged into it."""
+    """Spans in order, empty ones dropped, a span that continues the previous one's policy and version merged
+    into it."""
     merged: list[PolicySpan] = []
     for span in spans:
         if span.end <= span.start:
             continue
-        if merged and merged[-1].version == span.version and merged[-1].end == span.start:
-            merged[-1] = PolicySpan(span.version, merged[-1].start, span.end)
+        last = merged[-1] if merged else None
+        if last is not None and (last.policy, last.version, last.end) == (span.policy, span.version, span.start):
+            merged[-1] = PolicySpan(span.version, last.start, span.end, span.policy)
         else:
             merged.append(span)
     return merged

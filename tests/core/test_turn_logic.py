@@ -171,7 +171,12 @@ class OneEngine:
     def report_failure(self, engine: object, error: BaseException, *, what: str = "call") -> None:
         raise AssertionError(f"no step fails here: {error}")
 
-    async def sample(self, engine: ScriptedEngine, prompt: np.ndarray, params: SamplingParams, *, sink=None) -> Sampled:
+    def check_policy(self, policy: str) -> None:
+        assert policy == "base"
+
+    async def sample(
+        self, engine: ScriptedEngine, prompt: np.ndarray, params: SamplingParams, *, sink=None, policy=None
+    ) -> Sampled:
         completion = await engine.complete(prompt, params, sink=sink)
         return Sampled(completion, engine, (PolicySpan(7, 0, len(completion.output_ids)),))
 

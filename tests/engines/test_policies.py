@@ -108,7 +108,7 @@ async def test_a_published_version_samples_under_its_own_name_and_base_calls_sta
             assert adapter_key(fake.adapters[ZERO_SERVED].path) is None  # the zero adapter: the base exactly
         lora = await turn(fakes, fleet, "pol")
         assert model_sent(fakes, lora) == "pol@v1" and sampled_by(lora, adapter_key(dirs["v1"]))
-        assert lora.versions == (PolicySpan(1, 0, len(REPLY) + 1),)  # the adapter's version, not the fleet's
+        assert lora.versions == (PolicySpan(1, 0, len(REPLY) + 1, "pol"),)  # the adapter's version, not the fleet's
         base = await turn(fakes, fleet, BASE)
         assert model_sent(fakes, base) == ZERO_SERVED and sampled_by(base, None)
         assert base.versions == (PolicySpan(0, 0, len(REPLY) + 1),)
@@ -132,9 +132,9 @@ async def test_an_update_leaves_the_call_in_flight_on_its_version_and_unloads_it
         await until(lambda: "pol@v1" not in fakes.engines[1].adapters)  # nobody used it there: unloaded at once
         second = await turn(fakes, fleet, "pol", engine=1)
         assert model_sent(fakes, second) == "pol@v2" and sampled_by(second, adapter_key(dirs["v2"]))
-        assert second.versions == (PolicySpan(2, 0, len(REPLY) + 1),)
+        assert second.versions == (PolicySpan(2, 0, len(REPLY) + 1, "pol"),)
         done = await first
-        assert sampled_by(done, adapter_key(dirs["v1"])) and done.versions == (PolicySpan(1, 0, len(REPLY) + 1),)
+        assert sampled_by(done, adapter_key(dirs["v1"])) and done.versions == (PolicySpan(1, 0, len(REPLY) + 1, "pol"),)
         await until(lambda: all("pol@v1" not in fake.adapters for fake in fakes.engines))
         unloads = [body for path, body in fakes.engines[0].adapter_calls if path.endswith("unload_lora_adapter")]
         assert unloads == [{"lora_name": "pol@v1"}]

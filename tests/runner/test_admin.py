@@ -107,3 +107,15 @@ async def test_a_shared_transport_is_left_open(proxy):
         await client.counters()
     assert await transport.aget("/v1/admin/counters") is not None  # still usable
     await transport.aclose()
+
+
+async def test_a_jobs_policy_reaches_its_sessions_and_an_unknown_one_is_the_proxys_400(proxy, admin):
+    """``proxy.policy`` in the job file is sent at session creation (the runner's ``Rollouts``); the base's body
+    names none, and a policy the proxy does not know is refused there in words."""
+    session = await admin.create_session(sample(), policy="base")
+    status, record = await proxy.request("GET", f"/v1/sessions/{session.session_id}")
+    assert status == 200 and "policy" not in record
+    with pytest.raises(ProxyRequestError) as raised:
+        await admin.create_session(sample(), policy="grpo-lora")
+    assert raised.value.status == 400 and "its policies: base" in str(raised.value)
+    assert await admin.policy_version() == await admin.policy_version("base")

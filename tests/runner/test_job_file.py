@@ -115,3 +115,9 @@ def test_cli_run_help_explains():
     )
     for option in ("--engine", "--store", "--feed", "--proxy-url", "--job-id"):
         assert option in result.stdout
+
+
+def test_the_policy_is_a_job_setting(job_path):
+    assert JobConfig.load(job_path).proxy.policy == "base"
+    job = JobConfig.load(edit(job_path, lambda d: d.setdefault("proxy", {}).update(policy="grpo-lora")))
+    assert job.proxy.policy == "grpo-lora"

@@ -19,13 +19,19 @@ from rollout_proxy.sdk.transport import ProxyRequestError, ProxyUnreachable
 
 
 class ScriptedAdmin:
-    """The proxy's ``GET /v1/admin/engines`` version: each read takes the next answer, the last one repeats."""
+    """The proxy's ``GET /v1/admin/engines`` version: each read takes the next answer, the last one repeats;
+    ``policies``: the fixed versions of LoRA policies (``GET /v1/admin/policies/{name}``)."""
 
-    def __init__(self, *answers: int | Exception) -> None:
+    def __init__(self, *answers: int | Exception, policies: dict[str, int] | None = None) -> None:
         self.answers = list(answers)
+        self.policies = policies or {}
         self.reads = 0
+        self.asked: list[str] = []
 
-    async def policy_version(self) -> int:
+    async def policy_version(self, policy: str = "base") -> int:
+        self.asked.append(policy)
+        if policy != "base":
+            return self.policies[policy]
         self.reads += 1
         answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
         if isinstance(answer, Exception):
@@ -38,9 +44,13 @@ class Group:
     group_id: str
     oldest: int | None
     stale: bool = False
+    policy: str = "base"
 
     def policy_versions(self) -> tuple[int | None, int | None]:
         return self.oldest, self.oldest
+
+    def oldest_by_policy(self) -> dict[str, int]:
+        return {} if self.oldest is None else {self.policy: self.oldest}
 
 
 def gate(admin: ScriptedAdmin, **loop: Any) -> StalenessGate:
@@ -122,3 +132,23 @@ async def test_stale_groups_are_dropped_or_kept_marked(policy, published):
     assert [group.group_id for group in kept] == published
     assert [group.group_id for group in kept if group.stale] == (["old"] if policy == "keep" else [])
     assert (staleness.stale.dropped, staleness.stale.kept) == ((1, 0) if policy == "drop" else (0, 1))
+
+
+async def test_max_staleness_holds_per_policy():
+    """A LoRA job's steps wait for its own policy's versions (the base's and another adapter's moving changes
+    nothing), and each group is measured against the current version of the policy that sampled it."""
+    admin = ScriptedAdmin(50, policies={"a": 3, "b": 9})
+    waits: list[int | None] = []
+    staleness = StalenessGate(
+        admin, TrainingLoop(max_staleness=1, poll_interval=0.01, version_wait=0.05), on_wait=waits.append, policy="a"
+    )
+    assert await staleness.start() == 3  # the job's policy's version, not the fleet's 50
+    for _ in range(3):
+        staleness.step_done(on_feed=True)
+    assert staleness.target() == 5
+    with pytest.raises(JobFailed, match=r"needs policy 'a' version 5.*policy 'a' stayed at 3.*publishing new versions"):
+        await staleness.before_step(3)
+    groups = [Group("a-fresh", 2, policy="a"), Group("a-old", 1, policy="a"), Group("b-old", 7, policy="b")]
+    kept = await staleness.sort(3, groups)
+    assert [group.group_id for group in kept] == ["a-fresh"]  # a: 3 - 1 > 1; b: 9 - 7 > 1, against b's own
+    assert "base" not in admin.asked

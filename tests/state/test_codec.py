@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import orjson
 import pytest
 
-from rollout_proxy.records import NodeKind, ResponseNode, TopLogprobs
+from rollout_proxy.records import NodeKind, PolicySpan, ResponseNode, TopLogprobs
 from rollout_proxy.state.codec import (
     COMPRESSED_MAGIC,
     MIN_COMPRESSED_BYTES,
@@ -132,3 +133,35 @@ def test_a_corrupt_compressed_blob_is_an_error_not_a_wrong_node():
 def test_compression_levels_out_of_range_are_refused(level):
     with pytest.raises(ValueError, match="0 \\(none\\) to 19"):
         BlobCompressor(level)
+
+
+def _header(blob: bytes) -> dict:
+    length = int.from_bytes(blob[4:8], "little")
+    return orjson.loads(blob[8 : 8 + length])
+
+
+def test_a_lora_policys_spans_carry_its_name_and_a_base_nodes_are_stored_as_before_policies():
+    """A LoRA span adds the policy's name fourth; base spans stay ``[version, start, end]`` triples, byte for byte
+    the form nodes had before policies, so both kinds read back exactly."""
+    lora = make_node(5, 9, policy_versions=(PolicySpan(1, 0, 4, "pol"), PolicySpan(2, 4, 9, "pol")))
+    base = make_node(5, 9, policy_versions=(PolicySpan(3, 0, 9),))
+    lora_blob, _ = encode_node(lora)
+    base_blob, _ = encode_node(base)
+    assert _header(lora_blob)["versions"] == [[1, 0, 4, "pol"], [2, 4, 9, "pol"]]
+    assert _header(base_blob)["versions"] == [[3, 0, 9]]
+    assert decode_node(lora_blob).policy_versions == lora.policy_versions
+    assert decode_node(base_blob).policy_versions == (PolicySpan(3, 0, 9, "base"),)
+
+
+def test_a_node_stored_before_policies_reads_as_the_base_policys():
+    """A blob written by the codec before policies (its header built by hand as that codec wrote it: triples)."""
+    node = make_node(3, 4)
+    blob, _ = encode_node(node)
+    header = {**_header(blob), "versions": [[7, 0, 2], [8, 2, 4]]}
+    encoded = orjson.dumps(header)
+    length = int.from_bytes(blob[4:8], "little")
+    old = blob[:4] + len(encoded).to_bytes(4, "little") + encoded + blob[8 + length :]
+    back = decode_node(old)
+    assert back.policy_versions == (PolicySpan(7, 0, 2), PolicySpan(8, 2, 4))
+    assert {span.policy for span in back.policy_versions} == {"base"}
+    assert np.array_equal(back.output_ids, node.output_ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import numpy as np
@@ -79,6 +80,20 @@ async def test_sessions_roundtrip(store):
     # only once, and never for an unknown session
     assert await store.finish_session(record.id, {"status": "failure"}) is None
     assert await store.finish_session(new_session_id(), {"status": "success"}) is None
+
+
+async def test_a_sessions_policy_roundtrips_and_a_base_sessions_record_has_none(store):
+    """A LoRA session keeps its policy through a read and a finish; a base session's stored record is as it was
+    before policies (no ``policy`` key), and reads back as the base's."""
+    lora, base = dataclasses.replace(session_record(), policy="grpo-lora"), session_record()
+    await store.create_session(lora)
+    await store.create_session(base)
+    assert (await store.get_session(lora.id)).policy == "grpo-lora"
+    assert (await store.get_session(base.id)).policy == "base" and "policy" not in base.to_dict()
+    lease = await store.lease_session(lora.id, ReadAhead())  # what a turn reads
+    assert lease is not None and lease.session.policy == "grpo-lora"
+    finished = await store.finish_session(lora.id, {"status": "success"})
+    assert finished.policy == "grpo-lora" and (await store.get_session(lora.id)).policy == "grpo-lora"
 
 
 async def test_concurrent_finishes_succeed_once(store):

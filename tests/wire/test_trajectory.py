@@ -9,7 +9,7 @@ import pytest
 from rollout_proxy.core.trajectory import assemble
 from rollout_proxy.ids import new_response_id, new_session_id
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.records import NodeKind, ResponseNode
+from rollout_proxy.records import NodeKind, PolicySpan, ResponseNode
 from rollout_proxy.routing.rows import RoutingRows
 from rollout_proxy.wire import Trajectory
 
@@ -78,3 +78,22 @@ def test_server_json_values_read_back_exactly(moe):
         return
     assert routed.shape == (18, 2, 2) and np.array_equal(routed, expected.routed_experts)
     assert (routed[9:14] == -1).all() and (routed[14:17] != -1).all() and (routed[17] == -1).all()
+
+
+def test_policy_version_spans_name_a_lora_policy_and_leave_the_base_unnamed():
+    """The server's spans and the wire model agree: a LoRA span carries ``policy``, a base span is
+    ``{version, start, end}`` as before policies and reads back as the base's; merged within one policy only."""
+    first = node(None, NodeKind.GENERATED, 4, 5, policy_versions=(PolicySpan(1, 0, 5, "pol"),))
+    last = node(first, NodeKind.GENERATED, 0, 3, policy_versions=(PolicySpan(1, 0, 3, "other"),))
+    base = node(None, NodeKind.GENERATED, 4, 5, policy_versions=(PolicySpan(7, 0, 5),))
+    lora_json = orjson.loads(json_response(assemble(SESSION, [first, last]).to_json()).body)
+    assert lora_json["policy_versions"] == [
+        {"version": 1, "start": 4, "end": 9, "policy": "pol"},
+        {"version": 1, "start": 9, "end": 12, "policy": "other"},  # adjacent, same version: another policy
+    ]
+    base_json = orjson.loads(json_response(assemble(SESSION, [base]).to_json()).body)
+    assert base_json["policy_versions"] == [{"version": 7, "start": 4, "end": 9}]
+    for answer in (lora_json, base_json):
+        parsed = Trajectory.model_validate(answer)
+        assert parsed.model_dump(mode="json")["policy_versions"] == answer["policy_versions"]  # the feed's form
+    assert Trajectory.model_validate(base_json).policy_versions[0].policy == "base"

@@ -21,9 +21,10 @@ from rollout_proxy.errors import (
     SessionFinished,
     SessionNotFound,
     TemplateRenderError,
+    UnknownPolicy,
 )
 from rollout_proxy.ids import new_session_id, session_of_response
-from rollout_proxy.records import GenerationConfig, SessionRecord, SessionStatus
+from rollout_proxy.records import BASE_POLICY, GenerationConfig, SessionRecord, SessionStatus
 from rollout_proxy.state.store import ReadAhead, SessionLease, StateStore
 
 
@@ -82,14 +83,23 @@ class SessionService:
         concurrency: dict[str, Any] | None = None,
         client_sampling: str = "refuse",
         retry: str = "drop",
+        policy: str = BASE_POLICY,
     ) -> SessionRecord:
         """Store a new session, once its engine's template renders the sample (one engine call).
+
+        ``policy``: the policy its turns sample with (``engines.policies``); one no registry knows is a 400
+        that names the policies there are, one no engine serves now a 503 that says why, and neither stores
+        anything.
 
         What the template cannot render is refused here rather than at every turn; when no
         engine answers, the session is made anyway and its first turn says so. The session
         goes to the least-loaded healthy engine (``Fleet.pick``) and stays there while it serves.
         A session without sample messages (a harness owns the prompt) has nothing to render yet.
         """
+        try:
+            self._engines.check_policy(policy)
+        except UnknownPolicy as exc:  # a 404 on the admin routes, a bad field here
+            raise InvalidRequest(exc.message, param="policy", code=exc.code) from exc
         engine = self._engines.pick()
         try:
             if engine is not None and messages:
@@ -122,6 +132,7 @@ class SessionService:
             concurrency=concurrency,
             client_sampling=client_sampling,
             retry=retry,
+            policy=policy,
         )
         await self._store.create_session(session)
         return session

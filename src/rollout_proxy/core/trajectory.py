@@ -8,9 +8,9 @@ Loss weight is 1.0 exactly on tokens the policy sampled and 0.0 elsewhere (promp
 bridge, injected messages); the logprob is the sampling logprob where the weight is
 1 and 0.0 elsewhere. A rollout's sequence (``core.branches``) trains only some of its
 generated nodes: the tokens of the others (trained in another sequence, or dropped) are
-weighted 0 with logprob 0.0 too. ``policy_versions`` says which policy version sampled each
-generated token (trained here or not): half-open spans over ``total_token_ids``, adjacent
-spans of one version merged; prompt, bridge and injected tokens are in none.
+weighted 0 with logprob 0.0 too. ``policy_versions`` says which policy and which version of it
+sampled each generated token (trained here or not): half-open spans over ``total_token_ids``,
+adjacent spans of one policy and version merged; prompt, bridge and injected tokens are in none.
 """
 
 from __future__ import annotations
@@ -111,7 +111,10 @@ def assemble(
     for node in path:
         ids += [node.prompt_ids, node.output_ids]
         position += len(node.prompt_ids)
-        spans += [PolicySpan(span.version, position + span.start, position + span.end) for span in node.policy_versions]
+        spans += [
+            PolicySpan(span.version, position + span.start, position + span.end, span.policy)
+            for span in node.policy_versions
+        ]
         position += len(node.output_ids)
         weights.append(np.zeros(len(node.prompt_ids), dtype=np.float32))
         logprobs.append(np.zeros(len(node.prompt_ids), dtype=np.float32))

@@ -43,7 +43,7 @@ from rollout_proxy.errors import (
 )
 from rollout_proxy.ids import new_response_id
 from rollout_proxy.metrics import Metrics
-from rollout_proxy.records import NodeKind, ResponseNode, SessionRecord
+from rollout_proxy.records import BASE_POLICY, NodeKind, ResponseNode, SessionRecord
 from rollout_proxy.routing import prompt_start
 from rollout_proxy.state.store import REQUEST_LEASE_S, Idempotency, SessionLease, StateStore
 from rollout_proxy.tokenization.messages import extend_path_hash
@@ -74,6 +74,8 @@ class PreparedTurn:
     #: the prompt leaves a reasoning block open (its generation prompt opens ``<think>``): the output starts as
     #: reasoning; decided from the rendered prompt, for the final parse and the streamed one alike
     reasoning_opened: bool = False
+    #: the session's policy (``engines.policies``): its served name is what the call names, on an engine serving it
+    policy: str = BASE_POLICY
 
 
 def path_tokens(path: Sequence[ResponseNode]) -> np.ndarray:
@@ -187,7 +189,13 @@ class TurnRunner:
             top_logprobs=generation.top_logprobs,
         )
         return PreparedTurn(
-            engine=engine, info=info, delta=delta, prompt=prompt, params=params, reasoning_opened=opened
+            engine=engine,
+            info=info,
+            delta=delta,
+            prompt=prompt,
+            params=params,
+            reasoning_opened=opened,
+            policy=session.policy,
         )
 
     async def prompt_tokens(
@@ -217,7 +225,7 @@ class TurnRunner:
         async with self._request_slot(session, lease):
             if session.concurrency:  # the job's request bound: how long this turn waited for a slot
                 self._metrics.observe("queue_wait_seconds", time.perf_counter() - waiting, reason="concurrency")
-            sampled = await self._engines.sample(turn.engine, turn.prompt, turn.params, sink=sink)
+            sampled = await self._engines.sample(turn.engine, turn.prompt, turn.params, sink=sink, policy=turn.policy)
         completion = sampled.completion
         if completion.prompt_ids is None:
             self._metrics.inc("unchecked_prompts_total")
@@ -310,6 +318,8 @@ class TurnRunner:
         self._follow(session, sampled.engine)
         self._metrics.inc("turns_total", api=api)
         self._metrics.inc("generated_tokens_total", len(output_ids))
+        self._metrics.inc("policy_turns_total", policy=turn.policy)  # registered policies only: a bounded set
+        self._metrics.inc("policy_generated_tokens_total", len(output_ids), policy=turn.policy)
         self._metrics.observe("turn_tokens", len(turn.prompt), kind="prompt")
         self._metrics.observe("turn_tokens", len(output_ids), kind="generated")
         return TurnResult(node=node, prompt_ids=turn.prompt, view=view)

@@ -48,8 +48,9 @@ from rollout_proxy.engines.health import (
     parse_version,
 )
 from rollout_proxy.engines.member import Member
-from rollout_proxy.errors import EngineError, EngineUnavailable, InvalidRequest, NotFound, ProxyError
+from rollout_proxy.errors import EngineError, EngineUnavailable, InvalidRequest, NotFound, ProxyError, UnknownPolicy
 from rollout_proxy.metrics import Metrics
+from rollout_proxy.records import BASE_POLICY
 from rollout_proxy.settings import from_setting
 
 if TYPE_CHECKING:
@@ -284,10 +285,27 @@ class Fleet:
         return self.route(sticky, exclude=exclude)
 
     async def sample(
-        self, engine: GenerationEngine, prompt: np.ndarray, params: SamplingParams, *, sink: PieceSink | None = None
+        self,
+        engine: GenerationEngine,
+        prompt: np.ndarray,
+        params: SamplingParams,
+        *,
+        sink: PieceSink | None = None,
+        policy: str | None = None,
     ) -> sampling.Sampled:
-        """One turn's engine call through this fleet (``engines.sampling``: failover, pauses, aborted turns)."""
-        return await sampling.sample(self, engine, prompt, params, sink=sink)
+        """One turn's engine call through this fleet (``engines.sampling``: failover, pauses, aborted turns,
+        the ``policy`` that samples)."""
+        return await sampling.sample(self, engine, prompt, params, sink=sink, policy=policy)
+
+    def check_policy(self, policy: str) -> None:
+        registry = self.policies
+        if registry is None:  # no registry: the base alone
+            if policy != BASE_POLICY:
+                raise UnknownPolicy(f"no policy {policy!r} on this proxy (its policies: {BASE_POLICY})", param="policy")
+            return
+        registry.require(policy)
+        if policy != BASE_POLICY and registry.unserved(policy) >= set(self.members):
+            raise registry.unavailable(policy)
 
     def get(self, sticky: str | None) -> Engine:
         """The session's engine while it serves, else another (``route``)."""

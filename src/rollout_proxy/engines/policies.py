@@ -66,6 +66,7 @@ from rollout_proxy.errors import (
     ProxyError,
     UnknownPolicy,
 )
+from rollout_proxy.records import BASE_POLICY
 
 if TYPE_CHECKING:  # the fleet's sampling reads BASE from here
     from rollout_proxy.engines.fleet import Fleet
@@ -73,7 +74,7 @@ if TYPE_CHECKING:  # the fleet's sampling reads BASE from here
 log = structlog.get_logger(__name__)
 
 #: The base model's policy name (reserved).
-BASE = "base"
+BASE = BASE_POLICY
 #: The served name of the zero adapter that serves the base policy on an engine serving adapters.
 ZERO_SERVED = "base@zero"
 #: LoRA policies one fleet registers at most (bounds the ``/metrics`` labels and the shared state).

@@ -54,7 +54,19 @@ class EngineRouter(Protocol):
         ...
 
     async def sample(
-        self, engine: GenerationEngine, prompt: np.ndarray, params: SamplingParams, *, sink: PieceSink | None = None
+        self,
+        engine: GenerationEngine,
+        prompt: np.ndarray,
+        params: SamplingParams,
+        *,
+        sink: PieceSink | None = None,
+        policy: str | None = None,
     ) -> Sampled:
-        """One turn's engine call, ``engine`` first, failing over (``engines.sampling``)."""
+        """One turn's engine call, ``engine`` first, failing over (``engines.sampling``); ``policy``: the
+        session's (``engines.policies``; None: the base)."""
+        ...
+
+    def check_policy(self, policy: str) -> None:
+        """A new session's policy: ``UnknownPolicy`` when no registry knows it, ``PolicyUnavailable`` when no
+        engine serves it now (both in words)."""
         ...

@@ -90,6 +90,7 @@ class _Attempt:
     completion: EngineCompletion
     version: int
     straddled: bool  # the engine's weights changed during the call
+    policy: str = BASE  # the policy whose served name the call named
 
 
 @dataclass(slots=True)
@@ -103,12 +104,12 @@ class _Kept:
     nonfinite: int = 0
     count: int = 0
 
-    def add(self, completion: EngineCompletion, version: int) -> None:
+    def add(self, completion: EngineCompletion, version: int, policy: str) -> None:
         n = len(completion.output_ids)
         self.ids.append(completion.output_ids)
         self.logprobs.append(completion.output_logprobs)
         self.text.append(completion.text)
-        self.spans.append(PolicySpan(version, self.count, self.count + n))
+        self.spans.append(PolicySpan(version, self.count, self.count + n, policy))
         self.nonfinite += completion.nonfinite_logprobs
         self.count += n
 
@@ -116,10 +117,11 @@ class _Kept:
         return np.concatenate([prompt, *self.ids]).astype(np.int32, copy=False) if self.ids else prompt
 
     def finish(
-        self, last: EngineCompletion, version: int, prompt: np.ndarray
+        self, last: EngineCompletion, version: int, policy: str, prompt: np.ndarray
     ) -> tuple[EngineCompletion, list[PolicySpan]]:
         """The whole turn: kept tokens then ``last``'s; the prompt as the engine reported the original part."""
-        spans = merge_spans([*self.spans, PolicySpan(version, self.count, self.count + len(last.output_ids))])
+        last_span = PolicySpan(version, self.count, self.count + len(last.output_ids), policy)
+        spans = merge_spans([*self.spans, last_span])
         if not self.ids:
             return last, spans
         reported = last.prompt_ids
@@ -207,7 +209,7 @@ async def sample(
         fleet.report_success(member.client)
         completion = attempt.completion
         if not (attempt.straddled or completion.finish_reason == "abort"):
-            final, spans = kept.finish(completion, attempt.version, prompt)
+            final, spans = kept.finish(completion, attempt.version, attempt.policy, prompt)
             return Sampled(final, member.client, tuple(spans), attempts)
         resubmissions += 1
         if resubmissions > MAX_RESUBMISSIONS:
@@ -221,7 +223,7 @@ async def sample(
         joinable = dense and not params.top_logprobs and not attempt.straddled
         handling = "continue" if settings.abort_policy == "continue" and joinable else "regenerate"
         if handling == "continue":
-            kept.add(completion, attempt.version)
+            kept.add(completion, attempt.version, attempt.policy)
         else:
             kept = _Kept()
         reason = "weights_changed" if attempt.straddled else "abort"
@@ -236,7 +238,7 @@ async def sample(
             policy_version=attempt.version,
         )
         if kept.count >= params.max_tokens:  # cut right after its last token: nothing is left to sample
-            final, spans = kept.finish(_nothing(completion), attempt.version, prompt)
+            final, spans = kept.finish(_nothing(completion), attempt.version, attempt.policy, prompt)
             return Sampled(final, member.client, tuple(spans), attempts)
         preferred = member.url
         queued = False  # work in hand: it waits for the resume, but never counts against the queue's bound
@@ -302,7 +304,7 @@ async def _attempt(
                     await task
             if served is not None and registry is not None:
                 registry.release(served)
-    return _Attempt(completion, version, straddled=member.epoch != epoch)
+    return _Attempt(completion, version, straddled=member.epoch != epoch, policy=policy or BASE)
 
 
 class _Heard:

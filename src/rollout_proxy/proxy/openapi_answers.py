@@ -411,7 +411,10 @@ class SessionSummary(TypedDict):
     forks: int
     routing_disagreements: int
     nonfinite_logprobs: int
+    #: the versions that sampled its tokens: the base's as a number (`"3"`), a LoRA policy's as `"pol@v3"`
     policy_versions: list[str]
+    #: the policy its turns sample with (`base`, or a LoRA policy's name)
+    policy: str
 
 
 class SessionListItem(SessionSummary):

@@ -14,7 +14,7 @@ from rollout_proxy.proxy.input_models import Input
 from rollout_proxy.proxy.limits import MAX_MESSAGES, MAX_NAME_CHARS
 from rollout_proxy.proxy.message_models import Messages, SampleMessages, Tools
 from rollout_proxy.proxy.validation import field_error
-from rollout_proxy.records import GenerationConfig
+from rollout_proxy.records import BASE_POLICY, GenerationConfig
 
 #: ``chat_template_kwargs`` that would override how the proxy renders: what it renders, how
 #: it ends the prompt, the template itself, tokenizer options, the special tokens and the
@@ -127,6 +127,9 @@ class SessionCreate(BaseModel):
     #: of the nodes that retried one input, train only those the conversation went on from ("drop"), or all
     #: ("keep"): ``core.branches``
     retry: Literal["keep", "drop"] = "drop"
+    #: the policy every turn samples with: "base" (the engines' model) or a registered LoRA policy's name
+    #: (``engines.policies``; one no registry knows is a 400, one no engine serves now a 503)
+    policy: str = Field(BASE_POLICY, min_length=1, max_length=64)
 
 
 class ChatRequest(BaseModel):

@@ -9,10 +9,12 @@ library's own exception.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 from rollout_proxy.sdk.proxy import RolloutInferenceProxy, session_body
 from rollout_proxy.sdk.transport import ProxyClient
 from rollout_proxy.sdk.types import ChatCompletionSample, Trajectory
+from rollout_proxy.wire.generation import BASE_POLICY
 
 #: seconds an admin request may take (finishing a long session assembles its trajectories)
 ADMIN_TIMEOUT = 300.0
@@ -68,9 +70,15 @@ class AdminClient:
         fleet = await self._transport.aget("/v1/admin/engines", what="reading the fleet's policy version")
         return dict(fleet)
 
-    async def policy_version(self) -> int:
-        """The fleet's policy version (the last ``resume`` set it; at start, the engines')."""
-        return int((await self.fleet())["policy_version"])
+    async def policy_version(self, policy: str = BASE_POLICY) -> int:
+        """A policy's current version: the base's is the fleet's (the last ``resume`` set it; at start, the
+        engines'), a LoRA policy's its adapter's last published version (0 before the first)."""
+        if policy == BASE_POLICY:
+            return int((await self.fleet())["policy_version"])
+        view = await self._transport.aget(
+            f"/v1/admin/policies/{quote(policy, safe='')}", what=f"reading policy {policy!r}'s version"
+        )
+        return int(view.get("version") or 0)
 
     async def aclose(self) -> None:
         """Close the transport if this client opened it."""

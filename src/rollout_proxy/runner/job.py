@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rollout_proxy.sdk.types import ChatCompletionSample, PluginContext
+from rollout_proxy.wire.generation import BASE_POLICY
 
 
 class JobError(ValueError):
@@ -177,6 +178,9 @@ class ProxySection(Strict):
     #: of the requests a harness retried (the same input again), train only the answer the conversation went
     #: on from ("drop") or every one ("keep")
     retry: Literal["keep", "drop"] = "drop"
+    #: the policy every session of the job samples with: "base" (the engines' model) or a LoRA policy registered
+    #: on the proxy (docs/policies.md); its versions are what ``training_loop.max_staleness`` counts
+    policy: str = Field(BASE_POLICY, min_length=1, max_length=64)
 
 
 class RaySection(Strict):

@@ -10,7 +10,7 @@ publishes nothing twice.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from rollout_proxy.runner.retries import JobFailed
 from rollout_proxy.sdk.types import Trajectory
 from rollout_proxy.state.feed import Feed
 from rollout_proxy.wire.feed import FeedGroup
+from rollout_proxy.wire.trajectory import PolicyVersionSpan
 
 
 @dataclass(slots=True)
@@ -39,6 +40,13 @@ class GradedGroup:
     def policy_versions(self) -> tuple[int | None, int | None]:
         """The oldest and newest policy version of any generated token (None: no spans)."""
         return version_range(self.trajectories)
+
+    def oldest_by_policy(self) -> dict[str, int]:
+        """The oldest version of each policy that sampled tokens of the group (a job's sessions name one)."""
+        oldest: dict[str, int] = {}
+        for span in _spans(self.trajectories):
+            oldest[span.policy] = min(span.version, oldest.get(span.policy, span.version))
+        return oldest
 
     def advantages(self) -> tuple[str, list[Any]]:
         """(kind, advantages): the custom ones, else GRPO over the rewards."""
@@ -68,13 +76,14 @@ class GradedGroup:
 
 def version_range(trajectories: Sequence[Trajectory]) -> tuple[int | None, int | None]:
     """(oldest, newest) policy version over the trajectories' spans; (None, None) without any."""
-    versions = [
-        span.version
-        for trajectory in trajectories
-        for sequence in trajectory.sequences()
-        for span in sequence.policy_versions
-    ]
+    versions = [span.version for span in _spans(trajectories)]
     return (min(versions), max(versions)) if versions else (None, None)
+
+
+def _spans(trajectories: Sequence[Trajectory]) -> Iterator[PolicyVersionSpan]:
+    for trajectory in trajectories:
+        for sequence in trajectory.sequences():
+            yield from sequence.policy_versions
 
 
 def check_batch(step: int, groups: Sequence[GradedGroup]) -> None:

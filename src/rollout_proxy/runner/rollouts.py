@@ -21,6 +21,7 @@ from rollout_proxy.runner.retries import gather_first_error, with_retries
 from rollout_proxy.sdk.decorators import Plugin, PluginKind
 from rollout_proxy.sdk.execution import Attempt
 from rollout_proxy.sdk.types import ChatCompletionSample, PluginContext, PluginStatus, Trajectory
+from rollout_proxy.wire.generation import BASE_POLICY
 
 
 def _no_op() -> None:
@@ -42,13 +43,16 @@ class Rollouts:
         student_topk: int = 0,
         client_sampling: str = "refuse",
         retry: str = "drop",
+        policy: str = BASE_POLICY,
     ) -> None:
         """``topk``: the teacher's top-k recorded per trained token by a teacher pass (``runner.distill``);
         ``student_topk``: the policy's own top-k recorded at sampling (OPD ``topk_type: student``);
-        ``client_sampling``: the sessions' setting for the generation parameters a harness sends."""
+        ``client_sampling``: the sessions' setting for the generation parameters a harness sends; ``policy``: the
+        policy the sessions sample with (the base, or a LoRA policy registered on the proxy)."""
         runtime = plugin.spec.runtime
         self._client_sampling = client_sampling
         self._retry = retry
+        self._policy = policy
         self._topk = topk
         self._student_topk = student_topk
         self.plugin = plugin
@@ -93,6 +97,7 @@ class Rollouts:
             concurrency=self._concurrency,
             client_sampling=self._client_sampling,
             retry=self._retry,
+            **({"policy": self._policy} if self._policy != BASE_POLICY else {}),  # a base session's body as before
             **(
                 {"generation": {**sample.generation(), "top_logprobs": self._student_topk}}
                 if self._student_topk

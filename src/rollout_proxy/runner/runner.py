@@ -119,12 +119,13 @@ class JobRunner:
                 student_topk=self.job.opd.student_topk if self.job.opd is not None else 0,
                 client_sampling=self.job.proxy.client_sampling,
                 retry=self.job.proxy.retry,
+                policy=self.job.proxy.policy,
             ),
             graders=Graders(self.graders, on_failed_attempt=progress.attempt_failed, executor=self.executor),
             publisher=StepPublisher(self._feed, self.job_id, on_published=progress.published),
             progress=progress,
             staleness=(
-                StalenessGate(admin, self.job.training_loop, on_wait=progress.waiting)
+                StalenessGate(admin, self.job.training_loop, on_wait=progress.waiting, policy=self.job.proxy.policy)
                 if self.job.training_loop.max_staleness is not None
                 else None
             ),

@@ -7,7 +7,9 @@ the tokens it adds and nothing else; decoding is a few ``np.frombuffer`` views.
 MoE routing rows (narrowest unsigned dtype, one mask bit per row) are a second blob,
 stored apart: the header keeps only their span. The policy versions that sampled the
 output are a few ``[version, start, end]`` triples in the header (one per version change,
-usually one), absent when there are none. A session that records the policy's top-k
+usually one), absent when there are none; a LoRA policy's spans add its name fourth
+(``[version, start, end, policy]``), so a base node is stored as before policies and an old
+node reads as the base's. A session that records the policy's top-k
 (``GenerationConfig.top_logprobs``) adds ``"topk": k`` to the header and two arrays after the
 others: the ids (int32) and the logprobs (float32), k per output token.
 
@@ -26,7 +28,7 @@ import numpy as np
 import orjson
 import zstandard
 
-from rollout_proxy.records import NodeKind, PolicySpan, ResponseNode, TeacherScores, TopLogprobs
+from rollout_proxy.records import BASE_POLICY, NodeKind, PolicySpan, ResponseNode, TeacherScores, TopLogprobs
 from rollout_proxy.routing.rows import RoutingRows, RoutingSpan
 
 MAGIC = b"RPN1"
@@ -122,13 +124,22 @@ def encode_node(node: ResponseNode) -> tuple[bytes, bytes | None]:
     if node.routing_span is not None:
         header["routing"] = node.routing_span.to_dict()
     if node.policy_versions:
-        header["versions"] = [[span.version, span.start, span.end] for span in node.policy_versions]
+        header["versions"] = [_span_entry(span) for span in node.policy_versions]
     if node.output_topk is not None:
         header["topk"] = node.output_topk.k
         chunks += _topk_chunks(node.output_topk)
     encoded = orjson.dumps(header)
     routing = None if node.routing is None else node.routing.to_bytes()
     return b"".join([MAGIC, _LENGTH.pack(len(encoded)), encoded, *chunks]), routing
+
+
+def _span_entry(span: PolicySpan) -> list[int | str]:
+    """``[version, start, end]`` for the base policy (as nodes stored before policies), else the policy's name
+    fourth."""
+    entry: list[int | str] = [span.version, span.start, span.end]
+    if span.policy != BASE_POLICY:
+        entry.append(span.policy)
+    return entry
 
 
 def decode_node(blob: bytes, routing: bytes | None = None, *, compressor: BlobCompressor | None = None) -> ResponseNode:
@@ -144,7 +155,7 @@ def decode_node(blob: bytes, routing: bytes | None = None, *, compressor: BlobCo
     span = None if span_data is None else RoutingSpan.from_dict(span_data)
     rows = None if span is None or routing is None else RoutingRows.from_bytes(span, routing)
     kind = NodeKind(header.pop("kind"))
-    versions = tuple(PolicySpan(*triple) for triple in header.pop("versions", ()))
+    versions = tuple(PolicySpan(*entry) for entry in header.pop("versions", ()))  # 3 long: the base's
     k = header.pop("topk", 0)
     topk = _read_topk(blob, offset, len(arrays["output_ids"]), k) if k else None
     return ResponseNode(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_proxy.errors import BadCursor
-from rollout_proxy.records import NodeKind, ResponseNode, SessionRecord, SessionStatus
+from rollout_proxy.records import BASE_POLICY, NodeKind, ResponseNode, SessionRecord, SessionStatus
 
 #: The most summaries one listing call looks at, whatever its filter.
 SCAN_LIMIT = 2000
@@ -50,7 +50,10 @@ class SessionSummary:
     forks: int = 0
     routing_disagreements: int = 0
     nonfinite_logprobs: int = 0
+    #: the versions that sampled its tokens: ``"3"`` for the base's, ``"pol@v3"`` for LoRA policy pol's
     policy_versions: list[str] = field(default_factory=list)
+    #: the policy its turns sample with (``SessionRecord.policy``)
+    policy: str = BASE_POLICY
 
     @property
     def key(self) -> tuple[float, str]:
@@ -112,12 +115,14 @@ def _context_int(value: Any) -> int | None:
 
 def node_policy_versions(node: ResponseNode) -> set[str]:
     """The policy versions that sampled a node's tokens: its ``policy_versions`` spans
-    (``{version, start, end}``, as objects or dicts), else a ``policy_version`` in its meta."""
+    (``{version, start, end, policy?}``, as objects or dicts), else a ``policy_version`` in its meta. The base's
+    as the number alone (``"3"``), a LoRA policy's as its served name (``"pol@v3"``)."""
     found: set[str] = set()
     for span in getattr(node, "policy_versions", None) or node.meta.get("policy_versions") or ():
         version = span.get("version") if isinstance(span, dict) else getattr(span, "version", None)
+        policy = span.get("policy") if isinstance(span, dict) else getattr(span, "policy", None)
         if version is not None:
-            found.add(str(version))
+            found.add(str(version) if policy in (None, BASE_POLICY) else f"{policy}@v{version}")
     single = node.meta.get("policy_version")
     if single is not None:
         found.add(str(single))
@@ -136,6 +141,7 @@ def opened(session: SessionRecord) -> SessionSummary:
         job_id=job if isinstance(job, str) and job else None,
         step=_context_int(context.get("current_training_step")),
         n_sample=session.n_sample,
+        policy=session.policy,
     )
 
 

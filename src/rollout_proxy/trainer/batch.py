@@ -11,7 +11,9 @@ refused, not trained short), and they bring the retries the export dropped, whic
 
 A sequence's arrays are aligned with its tokens: ``loss_weight`` is > 0 where the policy sampled
 the token (what is trained), ``sampling_logprobs`` the engine's logprob of it (the old policy),
-``versions`` the policy version that sampled it (-1: none recorded).
+``versions`` the policy version that sampled it (-1: none recorded), and ``policies`` which policies
+sampled it (``base``, or LoRA policies: ``docs/policies.md``). A trainer of one policy passes it to
+``rollouts_of``: a sequence with tokens another policy sampled is refused, never trained as its own.
 
 Layout: **padded**, not packed. Each micro-batch holds whole sequences, right-padded to its
 longest one with ``attention_mask`` 0 on the padding, sorted by length so little is padded, at
@@ -52,6 +54,8 @@ class TrainSequence:
     #: where it comes from, for reports: its leaf response id and where it leaves the tree (``branch.kind``)
     response_id: str | None = None
     branch: str | None = None
+    #: the policies whose spans cover its tokens, sorted (one for a session's sequence: its policy)
+    policies: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -81,8 +85,9 @@ class Rollout:
         return np.full(len(sequence), 0.0 if self.advantage is None else self.advantage, dtype=np.float32)
 
 
-def sequence_of(trajectory: Trajectory, *, where: str) -> TrainSequence:
-    """A trajectory's tokens as one training sequence (checked: aligned arrays, versions on trained tokens)."""
+def sequence_of(trajectory: Trajectory, *, where: str, policy: str | None = None) -> TrainSequence:
+    """A trajectory's tokens as one training sequence (checked: aligned arrays, versions on trained tokens;
+    with ``policy``, every span that policy's)."""
     ids = trajectory.token_ids().astype(np.int64)
     weight = trajectory.loss_weight()
     logprobs = trajectory.token_logprobs()
@@ -97,6 +102,10 @@ def sequence_of(trajectory: Trajectory, *, where: str) -> TrainSequence:
         if not 0 <= span.start <= span.end <= len(ids):
             raise BatchError(f"{where}: policy version span [{span.start}, {span.end}) outside its {len(ids)} tokens")
         versions[span.start : span.end] = span.version
+    policies = tuple(sorted({span.policy for span in trajectory.policy_versions}))
+    if policy is not None and policies not in ((), (policy,)):
+        others = ", ".join(repr(name) for name in policies if name != policy)
+        raise BatchError(f"{where}: tokens sampled by policy {others}, not by {policy!r} that this trainer trains")
     kind = (trajectory.branch or {}).get("kind")
     return TrainSequence(
         ids,
@@ -105,6 +114,7 @@ def sequence_of(trajectory: Trajectory, *, where: str) -> TrainSequence:
         versions,
         response_id=trajectory.response_id,
         branch=kind if isinstance(kind, str) else None,
+        policies=policies,
     )
 
 
@@ -114,9 +124,10 @@ def _named(where: str, index: int, trajectory: Trajectory) -> str:
     return f"{where}, sequence {index}" + (f" ({', '.join(map(str, known))})" if known else "")
 
 
-def rollouts_of(group: FeedGroup) -> list[Rollout]:
+def rollouts_of(group: FeedGroup, *, policy: str | None = None) -> list[Rollout]:
     """A feed group's rollouts, each with all its sequences (``Trajectory.sequences()``) and its advantage
-    (per rollout, or per token of each sequence); ``BatchError`` names the group, rollout and sequence."""
+    (per rollout, or per token of each sequence); ``BatchError`` names the group, rollout and sequence.
+    ``policy``: the one the trainer trains (a sequence another policy sampled is refused); None: any."""
     count = len(group.trajectories)
     if len(group.rewards) != count or len(group.advantages) != count:
         raise BatchError(
@@ -129,7 +140,9 @@ def rollouts_of(group: FeedGroup) -> list[Rollout]:
     ):
         where = f"group {group.group_id}, rollout {index}"
         members = trajectory.sequences()
-        sequences = [sequence_of(member, where=_named(where, k, member)) for k, member in enumerate(members)]
+        sequences = [
+            sequence_of(member, where=_named(where, k, member), policy=policy) for k, member in enumerate(members)
+        ]
         per_rollout: float | None = None
         if isinstance(advantage, list):  # "tok": one per token of each sequence
             try:

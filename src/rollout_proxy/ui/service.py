@@ -40,7 +40,8 @@ class SessionFilter:
     finish_reason: str | None = None  # one of its branches ended so
     forks: bool | None = None  # it has a fork (or has none)
     drift: bool | None = None  # routing disagreements or non-finite logprobs were recorded
-    policy_version: str | None = None  # one of its tokens was sampled by this version
+    policy_version: str | None = None  # one of its tokens was sampled by this version ("3", "pol@v3")
+    policy: str | None = None  # its turns sample with this policy ("base", or a LoRA policy's name)
     graded: bool | None = None  # the trainer feed has a reward for one of its trajectories
     min_reward: float | None = None  # one of its graded trajectories has a reward in the range
     max_reward: float | None = None
@@ -57,6 +58,7 @@ class SessionFilter:
             self.forks is None or (summary.forks > 0) == self.forks,
             self.drift is None or (summary.drift > 0) == self.drift,
             self.policy_version is None or self.policy_version in summary.policy_versions,
+            self.policy is None or summary.policy == self.policy,
             self.graded is None or bool(grades) == self.graded,
         )
         if not all(checks):

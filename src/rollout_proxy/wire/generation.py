@@ -6,6 +6,10 @@ settings that would change the distribution the trainer assumes it sampled from.
 
 from __future__ import annotations
 
+#: The base model's policy name: a session's policy unless it names a LoRA policy (docs/policies.md), and the
+#: policy of a version span that names none (spans recorded before policies, and the base's own).
+BASE_POLICY = "base"
+
 PINNED_GENERATION_PARAMETERS: tuple[str, ...] = (
     "n",
     "max_tokens",

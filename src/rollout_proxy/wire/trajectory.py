@@ -11,18 +11,29 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from rollout_proxy.wire.arrays import decode_array
+from rollout_proxy.wire.generation import BASE_POLICY
 from rollout_proxy.wire.routed_experts import decode_routed_experts
 
 
 class PolicyVersionSpan(BaseModel):
-    """Tokens ``[start, end)`` of ``total_token_ids`` sampled by the policy at ``version`` (the trainer's step)."""
+    """Tokens ``[start, end)`` of ``total_token_ids`` sampled by ``policy`` at ``version`` (the trainer's step: a
+    LoRA policy's adapter version, the fleet's for the base). ``policy`` is absent for the base on the wire, as
+    in spans from before policies, and reads as ``"base"``."""
 
     version: int
     start: int
     end: int
+    policy: str = BASE_POLICY
+
+    @model_serializer(mode="wrap")
+    def _base_unnamed(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("policy") == BASE_POLICY:
+            del data["policy"]
+        return data
 
 
 class RolloutCounts(BaseModel):

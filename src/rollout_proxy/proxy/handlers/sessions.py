@@ -33,6 +33,7 @@ async def create_session(request: web.Request) -> web.Response:
         concurrency=body.concurrency.model_dump() if body.concurrency else None,
         client_sampling=body.client_sampling,
         retry=body.retry,
+        policy=body.policy,
     )
     structlog.contextvars.bind_contextvars(session_id=session.id)
     request.app[keys.METRICS].sessions.opened(session.id, session.expires_at)

@@ -24,7 +24,7 @@ _INTEGER = re.compile(r"^[0-9]{1,6}$")
 _NUMBER = re.compile(r"^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?$")
 _BOOLEANS = {"true": True, "false": False}
 STATUSES = ("open", "finished")
-TEXT_PARAMS = ("cursor", "job", "finish_reason", "policy_version")
+TEXT_PARAMS = ("cursor", "job", "finish_reason", "policy_version", "policy")
 FLAG_PARAMS = ("forks", "drift", "graded")
 NUMBER_PARAMS = ("min_reward", "max_reward")
 LIST_PARAMS = frozenset({"limit", "status", *TEXT_PARAMS, *FLAG_PARAMS, *NUMBER_PARAMS})
@@ -82,6 +82,7 @@ def parse_list_query(request: web.Request) -> tuple[SessionFilter, str | None, i
         forks=_flag(query, "forks"),
         drift=_flag(query, "drift"),
         policy_version=_text(query, "policy_version"),
+        policy=_text(query, "policy"),
         graded=_flag(query, "graded"),
         min_reward=_number(query, "min_reward"),
         max_reward=_number(query, "max_reward"),

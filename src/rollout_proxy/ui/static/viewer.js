@@ -7,7 +7,7 @@
 
 const KEY_STORE = "rollout-proxy-admin-key";
 const SCANS_PER_CLICK = 5; // listing requests per page shown, at most
-const FILTERS = ["status", "job", "finish_reason", "forks", "drift", "policy_version", "graded", "min_reward", "max_reward", "limit"];
+const FILTERS = ["status", "job", "finish_reason", "forks", "drift", "policy", "policy_version", "graded", "min_reward", "max_reward", "limit"];
 
 // Token colours. weight: the loss weight (0 or 1); logprob: exp(logprob) from red (0) to green (1),
 // for tokens the policy sampled; advantage: red below 0, green above, by |a| / max |a|.
@@ -108,7 +108,8 @@ function filterForm(params) {
     field("finish reason", text("finish_reason", "stop, length, …")),
     field("forks", choice("forks", yesNo)),
     field("drift", choice("drift", yesNo)),
-    field("policy version", text("policy_version", "version")),
+    field("policy", text("policy", "base, a LoRA policy")),
+    field("policy version", text("policy_version", "3, pol@v3")),
     field("graded", choice("graded", yesNo)),
     field("reward ≥", text("min_reward", "min")),
     field("reward ≤", text("max_reward", "max")),
@@ -137,6 +138,7 @@ function sessionRow(item) {
     el("td", {}, item.finish_reasons.map((reason) => el("span", { class: "badge reason", text: reason }))),
     el("td", { text: item.forks || "" }),
     el("td", { text: item.routing_disagreements + item.nonfinite_logprobs || "" }),
+    el("td", { text: item.policy || "base" }),
     el("td", { text: item.policy_versions.join(", ") }),
     el("td", { text: reward.length ? reward.map((value) => number(value, 3)).join(", ") : "" }));
 }
@@ -145,7 +147,7 @@ async function showSessions(params) {
   crumbs(el("span", { text: "sessions" }));
   const table = el("table", { class: "sessions" },
     el("thead", {}, el("tr", {}, ["created", "session", "job", "step", "status", "turns", "generated / tokens",
-      "finish", "forks", "drift", "versions", "reward"].map((name) => el("th", { text: name })))),
+      "finish", "forks", "drift", "policy", "versions", "reward"].map((name) => el("th", { text: name })))),
     el("tbody"));
   const jobs = el("div", { class: "chips" });
   const seenJobs = new Map();
@@ -267,6 +269,7 @@ async function showSession(sessionId) {
         el("dt", { text: "tree" }), el("dd", { text: `${summary.nodes} nodes: ${summary.turns} generated, ${summary.injected} injected; ${summary.generated_tokens} of ${summary.tokens} tokens sampled` }),
         el("dt", { text: "finish reasons" }), el("dd", { text: summary.finish_reasons.join(", ") || "—" }),
         el("dt", { text: "forks / drift" }), el("dd", { text: `${summary.forks} / ${summary.routing_disagreements} routing disagreements, ${summary.nonfinite_logprobs} non-finite logprobs` }),
+        el("dt", { text: "policy" }), el("dd", { text: summary.policy || "base" }),
         el("dt", { text: "policy versions" }), el("dd", { text: summary.policy_versions.join(", ") || "—" }),
         el("dt", { text: "result" }), el("dd", { text: result ? `${result.status}${result.error ? `: ${result.error}` : ""}` : "— (open)" })),
       ...notes(body),
@@ -293,10 +296,9 @@ function decodeRouting(field) {
     Array.from({ length: topK }, (_, k) => data.getInt16(((i * layers + l) * topK + k) * 2, true))) };
 }
 
-function versionAt(spans, index) {
+function spanAt(spans, index) {
   if (!spans) return null;
-  const span = spans.find((s) => s.start <= index && index < s.end);
-  return span ? span.version : null;
+  return spans.find((s) => s.start <= index && index < s.end) || null;
 }
 
 function tokenColour(mode, t, i) {
@@ -322,12 +324,13 @@ function legend(mode) {
 function tokenDetails(t, i) {
   const piece = t.pieces[i];
   const segment = t.segments.find((s) => s.start <= i && i < s.end);
-  const version = versionAt(t.policy_versions, i);
+  const span = spanAt(t.policy_versions, i);
   const facts = [
     ["index", i], ["token id", t.total_token_ids[i]], ["text", piece === null ? `— (${t.pieces_error || "not decoded"})` : JSON.stringify(piece)],
     ["logprob", t.total_loss_weight[i] > 0 ? t.total_token_logprobs[i] : `${t.total_token_logprobs[i]} (not sampled)`],
     ["loss weight", t.total_loss_weight[i]],
-    ["policy version", version === null ? "—" : version],
+    ["policy", span === null ? "—" : span.policy || "base"],
+    ["policy version", span === null ? "—" : span.version],
     ["node", segment ? `${segment.node_id} (${segment.kind}, ${segment.part})` : "—"],
   ];
   if (t.advantages) facts.push(["advantage", number(t.advantages[i], 4)]);
