@@ -26,7 +26,7 @@ from rollout_proxy.trainer.mismatch import mismatch_report  # noqa: E402
 from tests.trainer.test_grpo import assert_same_state, rollout  # noqa: E402
 from tests.trainer.tiny import score  # noqa: E402
 
-LORA = LoRAConfig(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj", "up_proj", "down_proj"))
+LORA = LoRAConfig(rank=8, alpha=16, target_modules=("q_proj", "v_proj", "up_proj", "down_proj"))
 FIRST = [rollout(0, [1, 10, 11, 12, 300, 301, 2], 4, 1.0), rollout(1, [1, 10, 11, 12, 400, 401, 2], 4, -1.0)]
 SECOND = [rollout(0, [1, 20, 21, 500, 2], 3, -1.0), rollout(1, [1, 20, 21, 600, 2], 3, 1.0)]
 
@@ -79,7 +79,7 @@ def test_a_checkpoint_is_the_adapter_vllm_loads_with_adamw_beside_it(tiny_checkp
     assert {p.name for p in saved.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt"}
     assert not (saved / "config.json").exists() and not (saved / "model.safetensors").exists()  # no base weights
     config = json.loads((saved / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], config["lora_dropout"], config["bias"]) == (8, 16.0, 0.0, "none")
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"], config["bias"]) == (8, 16, 0.0, "none")
     assert not config.get("use_dora") and not config.get("modules_to_save")
     files = read_adapter(str(saved))  # the proxy's own check before it asks any engine to load it
     assert files.rank == 8 and sorted(files.target_modules) == sorted(LORA.target_modules)
@@ -110,7 +110,7 @@ def test_a_learner_loaded_from_its_adapter_goes_on_exactly(tiny_checkpoint, tmp_
 def test_an_adapter_of_other_settings_is_refused_in_words(tiny_checkpoint, tmp_path):
     learner = GRPOLearner(tiny_checkpoint, lora_config())
     learner.save(tmp_path / "v1")
-    other = GRPOConfig(lora=LoRAConfig(rank=16, alpha=16.0, target_modules=LORA.target_modules))
+    other = GRPOConfig(lora=LoRAConfig(rank=16, alpha=16, target_modules=LORA.target_modules))
     with pytest.raises(OptimizerStateMismatch, match=r"rank 8, alpha 16 on .* not rank 16"):
         GRPOLearner(tiny_checkpoint, other, adapter_dir=tmp_path / "v1")
     with pytest.raises(ValueError, match="LoRA learner"):

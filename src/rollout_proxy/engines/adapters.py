@@ -248,10 +248,10 @@ VLLM_LORA_MODULES = (
 #: what a trained adapter targets by default: every linear layer of the blocks (not the embeddings)
 DEFAULT_LORA_MODULES = VLLM_LORA_MODULES[:7]
 #: the largest ``lora_alpha`` taken (alpha / rank scales the adapter's update)
-MAX_LORA_ALPHA = 4096.0
+MAX_LORA_ALPHA = 4096
 
 
-def lora_problems(rank: int, alpha: float, modules: tuple[str, ...]) -> list[str]:
+def lora_problems(rank: int, alpha: int, modules: tuple[str, ...]) -> list[str]:
     """What vLLM 0.32 could not serve in an adapter of these settings, in words (none: it can)."""
     problems = []
     if rank not in VLLM_LORA_RANKS:
@@ -260,7 +260,7 @@ def lora_problems(rank: int, alpha: float, modules: tuple[str, ...]) -> list[str
             f"LoRA rank {rank} is not one vLLM serves: use one of {ranks} (at most the engines' --max-lora-rank)"
         )
     if not 0 < alpha <= MAX_LORA_ALPHA:
-        problems.append(f"LoRA alpha must be above 0 and at most {MAX_LORA_ALPHA:g}, not {alpha:g}")
+        problems.append(f"LoRA alpha must be above 0 and at most {MAX_LORA_ALPHA}, not {alpha}")
     unknown = [module for module in modules if module not in VLLM_LORA_MODULES]
     if unknown or not modules:
         problems.append(

@@ -74,7 +74,7 @@ class LoRAConfig:
     """The adapter a LoRA learner trains (``engines.adapters.lora_problems`` says what vLLM serves)."""
 
     rank: int
-    alpha: float
+    alpha: int
     target_modules: tuple[str, ...]
 
     def peft(self) -> Any:
@@ -190,13 +190,13 @@ def _with_adapter(model: Any, lora: LoRAConfig, adapter_dir: Path | None) -> Any
     if adapter_dir is None:
         return get_peft_model(model, lora.peft())
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
-    saved = peft_model.peft_config["default"]
-    found = (saved.r, float(saved.lora_alpha), tuple(sorted(saved.target_modules or ())))
-    wanted = (lora.rank, float(lora.alpha), tuple(sorted(lora.target_modules)))
+    saved: Any = peft_model.peft_config["default"]  # a LoraConfig
+    found = (saved.r, saved.lora_alpha, tuple(sorted(saved.target_modules or ())))
+    wanted = (lora.rank, lora.alpha, tuple(sorted(lora.target_modules)))
     if found != wanted:
         raise OptimizerStateMismatch(
-            f"{adapter_dir} is an adapter of rank {found[0]}, alpha {found[1]:g} on {', '.join(found[2])}, not rank "
-            f"{wanted[0]}, alpha {wanted[1]:g} on {', '.join(wanted[2])}: train on with its settings "
+            f"{adapter_dir} is an adapter of rank {found[0]}, alpha {found[1]} on {', '.join(found[2])}, not rank "
+            f"{wanted[0]}, alpha {wanted[1]} on {', '.join(wanted[2])}: train on with its settings "
             "(--lora-rank, --lora-alpha, --target-modules), or start a new policy"
         )
     return peft_model

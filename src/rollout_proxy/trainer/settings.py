@@ -90,7 +90,7 @@ class TrainerSettings(DeclaredSettings):
         "the ranks vLLM serves; at most the engines' --max-lora-rank), published as --policy's next version",
         section="lora",
     )
-    lora_alpha: float | None = setting(
+    lora_alpha: int | None = setting(
         None,
         "the adapter's scale numerator (its update is alpha / rank times B A; default: twice the rank)",
         section="lora",
@@ -161,8 +161,8 @@ class TrainerSettings(DeclaredSettings):
         return self
 
     @property
-    def alpha(self) -> float:
+    def alpha(self) -> int:
         """``lora_alpha``, or twice the rank."""
         if self.lora_alpha is not None:
             return self.lora_alpha
-        return 2.0 * (self.lora_rank or 0)
+        return 2 * (self.lora_rank or 0)
