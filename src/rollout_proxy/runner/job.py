@@ -251,6 +251,13 @@ class OPDSection(Strict):
 TRAINED_TYPES = ("GRPO", "GRPOLoRA")
 
 
+def untrained_type(kind: object) -> str:
+    return (
+        f"customization_type: {kind!r} is not trained here; the supported types are GRPO (the full weights, "
+        "python -m rollout_proxy.trainer) and GRPOLoRA (a LoRA adapter, with a 'lora' section: docs/policies.md)"
+    )
+
+
 class LoRASection(Strict):
     """The adapter a ``GRPOLoRA`` job trains (ours, not the seed's): the proxy's LoRA policy its sessions sample
     with and the trainer publishes (``python -m rollout_proxy.trainer --job``), and the adapter's shape."""
@@ -302,11 +309,7 @@ class JobConfig(Strict):
         """GRPO or GRPOLoRA (with its ``lora`` section, its sessions on that policy); anything else refused."""
         kind = self.customization_type
         if kind not in TRAINED_TYPES:
-            raise ValueError(
-                f"customization_type: {kind!r} is not trained here; the supported types are GRPO (the full "
-                "weights, python -m rollout_proxy.trainer) and GRPOLoRA (a LoRA adapter, with a 'lora' section: "
-                "docs/policies.md)"
-            )
+            raise ValueError(untrained_type(kind))
         if kind == "GRPOLoRA":
             if self.lora is None:
                 raise ValueError(
@@ -400,3 +403,37 @@ class JobConfig(Strict):
         if missing:
             raise JobError(f"{source}: data.training_set.local_files: no such file: {', '.join(missing)}")
         return job
+
+
+def job_adapter(path: str | Path) -> LoRASection | None:
+    """What a job file says its trainer trains: a GRPOLoRA job's adapter, None for GRPO (the full weights);
+    JobError for any other type or a lora section that cannot be served. Only these fields are read (the
+    trainer need not see the job's datasets or plugins)."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise JobError(f"cannot read job file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise JobError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise JobError(f"{path}: a job file is a mapping of fields, got {type(raw).__name__}")
+    kind = raw.get("customization_type", "GRPO")
+    if kind not in TRAINED_TYPES:
+        raise JobError(f"{path}: {untrained_type(kind)}")
+    section = raw.get("lora")
+    if kind == "GRPO":
+        if section is not None:
+            raise JobError(f"{path}: lora: a 'lora' section is for customization_type: GRPOLoRA")
+        return None
+    if not isinstance(section, dict):
+        raise JobError(f"{path}: customization_type: GRPOLoRA trains a LoRA adapter: add a 'lora' section")
+    try:
+        return LoRASection.model_validate(section)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"lora.{'.'.join(map(str, error['loc'])) or ''}: {error['msg'].removeprefix('Value error, ')}".replace(
+                "lora.: ", "lora: "
+            )
+            for error in exc.errors()
+        )
+        raise JobError(f"{path}: {problems}") from None

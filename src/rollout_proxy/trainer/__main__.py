@@ -41,6 +41,7 @@ from rollout_proxy.trainer.loop import (
     ResumeConflict,
     ResumePoint,
     has_checkpoint,
+    publish_untrained,
     say,
     weights_dir,
 )
@@ -117,11 +118,10 @@ async def train(settings: TrainerSettings) -> int:
             say(str(exc))
             return 2
         if isinstance(fleet, PolicyPublisher) and version == 0:
-            first = weights_dir(out, 1)
-            await asyncio.to_thread(learner.save, first)
-            update = await fleet.update(first)
-            version = update.version
-            say(f"registered policy {fleet.policy} with the untrained adapter ({first}) as version {version}")
+            version = await publish_untrained(learner, fleet, out)
+            say(
+                f"registered policy {fleet.policy} with the untrained adapter ({weights_dir(out, 1)}) as version {version}"
+            )
         if learner.optimizer_steps:
             say(f"AdamW goes on from its state in {model}: {learner.optimizer_steps} update(s) in")
         say(

@@ -214,6 +214,15 @@ def resume_weights(state: TrainerState | None, fleet_version: int, out_dir: Path
     return own if has_checkpoint(own) else None
 
 
+async def publish_untrained(learner: Learner, publisher: PolicyPublisher, out_dir: Path) -> int:
+    """A LoRA policy's first version: the learner's adapter before any step (B = 0: it samples as the base),
+    saved as ``OUT/weights/v000001`` and registered with the proxy; the policy's version. A trainer killed in
+    between saves it again at its restart (the policy still has no version) or trains on from it (it has)."""
+    first = weights_dir(out_dir, 1)
+    await asyncio.to_thread(learner.save, first)
+    return (await publisher.update(first)).version
+
+
 def say(message: str) -> None:
     print(f"[trainer] {message}", file=sys.stderr, flush=True)
 

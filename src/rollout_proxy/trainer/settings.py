@@ -6,13 +6,14 @@ for ``serve`` and ``run``.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rollout_proxy.engines.adapters import DEFAULT_LORA_MODULES, lora_problems
 from rollout_proxy.engines.policies import POLICY_NAME
+from rollout_proxy.runner.job import job_adapter
 from rollout_proxy.settings import ENV_PREFIX, DeclaredSettings, setting
 from rollout_proxy.state.connection import is_redis_url
 from rollout_proxy.trainer.mismatch import DEFAULT_THRESHOLD
@@ -51,6 +52,13 @@ class TrainerSettings(DeclaredSettings):
         section="where",
     )
     out: str = setting(..., "output directory: step log, metrics, weights, state", section="where")
+    job: str | None = setting(
+        None,
+        "the job file the trainer trains for: customization_type GRPO trains the full weights, GRPOLoRA the "
+        "adapter its lora section names (--policy, --lora-rank, --lora-alpha, --target-modules from it; a flag "
+        "given too must agree); any other type is refused",
+        section="where",
+    )
     steps: int | None = setting(
         None,
         "stop after this many steps recorded (a step a restart finishes counts; default: run until stopped)",
@@ -142,6 +150,40 @@ class TrainerSettings(DeclaredSettings):
         if isinstance(value, list | tuple):
             return tuple(module.strip() for item in value for module in str(item).split(",") if module.strip())
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _the_jobs_adapter(cls, values: Any) -> Any:
+        """``job``'s adapter settings filled in (a GRPOLoRA job), those given too checked against them."""
+        if not isinstance(values, dict) or not values.get("job"):
+            return values
+        adapter = job_adapter(values["job"])
+        given = {name: values[name] for name in ("policy", "lora_rank", "lora_alpha") if values.get(name) is not None}
+        if values.get("target_modules"):
+            given["target_modules"] = cls._modules_joined_by_commas(values["target_modules"])
+        if adapter is None:
+            if given:
+                raise ValueError(
+                    f"{values['job']} is a GRPO job (the full weights): it takes no {', '.join(sorted(given))}"
+                )
+            return values
+        wanted: dict[str, Any] = {
+            "policy": adapter.policy,
+            "lora_rank": adapter.rank,
+            "lora_alpha": adapter.lora_alpha,
+            "target_modules": tuple(adapter.target_modules),
+        }
+        differ = [  # a flag's value is still its text here
+            f"{name} {given[name]} (the job's: {wanted[name]})"
+            for name in given
+            if (given[name] if name == "target_modules" else str(given[name]))
+            != (wanted[name] if name == "target_modules" else str(wanted[name]))
+        ]
+        if differ:
+            raise ValueError(
+                f"{values['job']}'s lora section trains another adapter than the flags: {'; '.join(differ)}"
+            )
+        return {**values, **wanted}
 
     @model_validator(mode="after")
     def _lora_servable(self) -> TrainerSettings:
