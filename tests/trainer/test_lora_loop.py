@@ -15,7 +15,7 @@ import pytest
 from rollout_proxy.proxy.schemas import SessionCreate
 from rollout_proxy.runner.job import LoRASection
 from rollout_proxy.runner.runner import JobRunner
-from rollout_proxy.sdk.transport import ProxyClient
+from rollout_proxy.sdk.transport import ProxyClient, ProxyRequestError
 from rollout_proxy.state.feed import open_feed
 from rollout_proxy.trainer.consumer import TrajectoryConsumer
 from rollout_proxy.trainer.fleet import PolicyPublisher
@@ -257,3 +257,33 @@ async def test_a_grpolora_job_runs_end_to_end_and_its_sessions_sample_each_new_v
         assert mismatch["other_version"]["tokens"] == 0 and mismatch["current"]["tokens"] > 0
         assert mismatch["current"]["max_abs"] == 0.0  # scored alone, as the engine scores: bit for bit
     assert every_loaded_adapter_has_its_files(tiny_lora_fleet)
+
+
+async def test_an_engine_that_hangs_keeps_every_adapter_directory(tiny_lora_fleet, tiny_checkpoint, tmp_path):
+    """While an engine does not answer which adapters it has, no version's files go (it may still read any)."""
+    learner = GRPOLearner(tiny_checkpoint, CONFIG)
+    async with ProxyClient(tiny_lora_fleet.proxy.url, ADMIN_KEY) as admin:
+        publisher = PolicyPublisher(admin, POLICY, engine_timeout=0.5)
+        await publish_untrained(learner, publisher, tmp_path)
+        assert await publisher.in_use() == {1}
+        tiny_lora_fleet.engine.fault = "hang_all"
+        try:
+            assert await publisher.in_use() is None
+        finally:
+            tiny_lora_fleet.engine.fault = None
+
+
+async def test_a_rank_the_engines_refuse_stops_the_trainer_in_words_and_changes_nothing(
+    tiny_lora_fleet, tiny_checkpoint, tmp_path
+):
+    """The engine serves ranks up to 16: a rank-32 adapter is refused by the proxy in vLLM's words, the policy
+    is not registered, and the trainer (which publishes its untrained adapter first) stops before any step."""
+    wide = GRPOConfig(lora=LoRAConfig(rank=32, alpha=64, target_modules=("q_proj",)))
+    learner = GRPOLearner(tiny_checkpoint, wide)
+    async with ProxyClient(tiny_lora_fleet.proxy.url, ADMIN_KEY) as admin:
+        publisher = PolicyPublisher(admin, POLICY)
+        with pytest.raises(ProxyRequestError, match="LoRA rank 32 is greater than max_lora_rank 16") as refused:
+            await publish_untrained(learner, publisher, tmp_path)
+        assert refused.value.status == 400
+        assert await publisher.version() == 0 and await publisher.view() is None
+    assert not any(name.startswith(POLICY) for name in loaded(tiny_lora_fleet))
