@@ -167,6 +167,14 @@ def test_a_job_file_gives_the_adapter_and_refuses_what_the_trainer_does_not_trai
     with pytest.raises(SystemExit):
         main([*WHERE, "--job", full, "--lora-rank", "8", "--policy", "p"])
     assert "is a GRPO job (the full weights): it takes no lora_rank, policy" in capsys.readouterr().err
+    for fields, expected in [
+        ({"lora": {"policy": "pol", "rank": 4}}, "lora: LoRA rank 4 is not one vLLM serves"),
+        ({"lora": {"policy": "pol", "dropout": 0.1}}, "lora.dropout: Extra inputs are not permitted"),
+        ({}, "GRPOLoRA trains a LoRA adapter: add a 'lora' section"),
+    ]:
+        with pytest.raises(SystemExit):
+            main([*WHERE, "--job", job_file(tmp_path, customization_type="GRPOLoRA", **fields)])
+        assert expected in capsys.readouterr().err
     for kind in ("DPOLoRA", "FinetuneLoRA", "Other"):
         with pytest.raises(SystemExit):
             main([*WHERE, "--job", job_file(tmp_path, customization_type=kind)])

@@ -373,15 +373,7 @@ class JobConfig(Strict):
     @classmethod
     def load(cls, path: str | Path) -> JobConfig:
         path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise JobError(f"cannot read job file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise JobError(f"{path}: not valid YAML: {exc}") from None
-        if not isinstance(raw, dict):
-            raise JobError(f"{path}: a job file is a mapping of fields, got {type(raw).__name__}")
-        return cls.parse(raw, base_dir=path.resolve().parent, source=str(path))
+        return cls.parse(read_job_file(path), base_dir=path.resolve().parent, source=str(path))
 
     @classmethod
     def parse(cls, raw: dict[str, Any], *, base_dir: Path = Path("."), source: str = "job") -> JobConfig:
@@ -405,10 +397,8 @@ class JobConfig(Strict):
         return job
 
 
-def job_adapter(path: str | Path) -> LoRASection | None:
-    """What a job file says its trainer trains: a GRPOLoRA job's adapter, None for GRPO (the full weights);
-    JobError for any other type or a lora section that cannot be served. Only these fields are read (the
-    trainer need not see the job's datasets or plugins)."""
+def read_job_file(path: str | Path) -> dict[str, Any]:
+    """A job file's fields, unchecked; JobError when it cannot be read or is no YAML mapping."""
     try:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
@@ -417,6 +407,14 @@ def job_adapter(path: str | Path) -> LoRASection | None:
         raise JobError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise JobError(f"{path}: a job file is a mapping of fields, got {type(raw).__name__}")
+    return raw
+
+
+def job_adapter(path: str | Path) -> LoRASection | None:
+    """What a job file says its trainer trains: a GRPOLoRA job's adapter, None for GRPO (the full weights);
+    JobError for any other type or a lora section that cannot be served. Only these fields are read (the
+    trainer need not see the job's datasets or plugins)."""
+    raw = read_job_file(path)
     kind = raw.get("customization_type", "GRPO")
     if kind not in TRAINED_TYPES:
         raise JobError(f"{path}: {untrained_type(kind)}")
@@ -431,9 +429,7 @@ def job_adapter(path: str | Path) -> LoRASection | None:
         return LoRASection.model_validate(section)
     except ValidationError as exc:
         problems = "; ".join(
-            f"lora.{'.'.join(map(str, error['loc'])) or ''}: {error['msg'].removeprefix('Value error, ')}".replace(
-                "lora.: ", "lora: "
-            )
+            f"{'.'.join(['lora', *map(str, error['loc'])])}: {error['msg'].removeprefix('Value error, ')}"
             for error in exc.errors()
         )
         raise JobError(f"{path}: {problems}") from None

@@ -18,7 +18,7 @@ Writes OUT/steps.jsonl (a JSON line per step: rewards, loss, the mismatch report
 OUT/metrics.prom (Prometheus text), OUT/steps.png (reward and mismatch per step),
 OUT/weights/v<version>/ (the newest --keep-weights checkpoints, each with its optimizer state) and
 OUT/state.json (what a restarted trainer resumes from: killed anywhere, it trains each group once
-and goes on with AdamW where it was). Needs ``pip install 'rollout-proxy[train]'`` (torch, transformers).
+and goes on with AdamW where it was). Needs ``pip install 'rollout-proxy[train]'`` (torch, transformers, peft).
 """
 
 from __future__ import annotations
@@ -183,10 +183,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import torch
         import transformers
+
+        if settings.lora_rank is not None:
+            import peft  # noqa: F401
     except ImportError as exc:
         say(
-            f"the trainer needs torch and transformers ({exc}): pip install 'rollout-proxy[train]' (a CPU build: "
-            "docs/training.md says how to pick CPU or CUDA)"
+            f"the trainer needs torch and transformers, and peft for LoRA ({exc}): pip install 'rollout-proxy[train]' "
+            "(a CPU build: docs/training.md says how to pick CPU or CUDA)"
         )
         return 2
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars at every load and save
