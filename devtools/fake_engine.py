@@ -139,7 +139,8 @@ class FakeModel(Protocol):
     ``reload_weights`` calls ``reload(weights_path)``. The top and prompt logprobs stay ``fake_logprob``'s."""
 
     def score(self, prompt: Sequence[int], tokens: Sequence[int]) -> Sequence[float]:
-        """The logprob of each of ``tokens``, given ``prompt`` and the tokens before it."""
+        """The logprob of each of ``tokens``, given ``prompt`` and the tokens before it. A call that names a
+        (non-zero) LoRA adapter passes its directory as ``adapter=``: a model that takes it scores with it."""
         ...
 
     def reload(self, weights_path: str) -> None: ...
@@ -195,6 +196,7 @@ class Generation:
     finish_reason: str | None = None
     model: str | None = None  # the served name the request named (None: the base's)
     adapter: str | None = None  # the adapter's key (``fake_lora.adapter_key``) that sampled it; None: the base
+    adapter_path: str | None = None  # that adapter's directory (a ``FakeModel`` scores with it)
     cut: asyncio.Event = field(default_factory=asyncio.Event)  # aborted (or the server killed)
 
     def add(self, token: int, logprob: float, version: str) -> None:
@@ -624,6 +626,7 @@ class FakeEngine:
         served, adapter = named
         generation = Generation("cmpl-" + secrets.token_hex(8), prompt, payload, arrived_paused, model=served)
         generation.adapter = adapter.key if adapter is not None else None  # an unload later does not change it
+        generation.adapter_path = adapter.path if adapter is not None and adapter.key is not None else None
         await _first(self._resumed.wait(), generation.cut.wait())  # a request sent while paused waits
         if self.fault == "hang":
             await _first(self._released.wait(), generation.cut.wait())
@@ -683,7 +686,8 @@ class FakeEngine:
                 logprob = fake_logprob(position, token, version, generation.adapter)
             else:
                 if scored is None or scored[0] != self.reloads:  # the weights sampling this token
-                    scored = (self.reloads, self.model.score(generation.prompt, planned))
+                    with_adapter = {"adapter": generation.adapter_path} if generation.adapter_path else {}
+                    scored = (self.reloads, self.model.score(generation.prompt, planned, **with_adapter))
                 logprob = float(scored[1][len(generation.tokens)])
             generation.add(token, logprob, version)
             if on_token is not None:

@@ -94,6 +94,8 @@ def sample_value(model: type[DeclaredSettings], name: str) -> tuple[str, object]
     """A value other than the default, as a variable spells it, and as the setting holds it."""
     spec = model.model_fields[name]
     choices = model.choices_of(name)
+    if name == "lora_rank" and model is TrainerSettings:  # one of the ranks vLLM serves
+        return "8", 8
     if choices:
         other = next(choice for choice in choices if choice != spec.default)
         return other, other
@@ -111,11 +113,18 @@ def sample_value(model: type[DeclaredSettings], name: str) -> tuple[str, object]
 
 
 @pytest.mark.parametrize(("model", "name"), FIELDS, ids=field_id)
-def test_every_setting_reads_its_variable_and_a_flag_wins(settings_environ, model, name):
+def test_every_setting_reads_its_variable_and_a_flag_wins(settings_environ, model, name, tmp_path):
     raw, expected = sample_value(model, name)
     if name == "port":
         raw, expected = "8099", 8099
     required = {key: value for key, value in REQUIRED.get(model, {}).items() if key != name}
+    if model is TrainerSettings and name in ("lora_rank", "policy"):  # a LoRA trainer names both
+        required.update({"lora_rank": "16", "policy": "pol"})
+        required.pop(name)
+    if model is TrainerSettings and name == "job":  # a job file the trainer can read
+        (tmp_path / "x-value").write_text("customization_type: GRPO\n")
+        (tmp_path / "flag-value").write_text("customization_type: GRPO\n")
+        settings_environ.chdir(tmp_path)
     settings_environ.setenv(model.env_name(name), raw)
     if model is Settings and name == "workers":  # more than one worker needs what it needs
         settings_environ.setenv(Settings.env_name("store"), "redis://r:1/0")
@@ -130,6 +139,8 @@ def flag_value(model: type[DeclaredSettings], name: str) -> tuple[object, object
     """A flag's value other than ``sample_value``'s, as argparse gives it, and as the setting holds it."""
     spec = model.model_fields[name]
     value = REQUIRED.get(model, {}).get(name, spec.default)
+    if name == "lora_rank" and model is TrainerSettings:
+        return "32", 32
     if value is None:
         return ("3", 3) if spec.annotation == int | None else ("flag-value", "flag-value")
     return (list(value) if isinstance(value, tuple) else value), value

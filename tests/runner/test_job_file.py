@@ -121,3 +121,66 @@ def test_the_policy_is_a_job_setting(job_path):
     assert JobConfig.load(job_path).proxy.policy == "base"
     job = JobConfig.load(edit(job_path, lambda d: d.setdefault("proxy", {}).update(policy="grpo-lora")))
     assert job.proxy.policy == "grpo-lora"
+
+
+def test_grpo_lora_takes_its_adapter_and_its_sessions_sample_that_policy(job_path):
+    edit(
+        job_path,
+        lambda d: d.update(
+            customization_type="GRPOLoRA", lora={"policy": "grpo-lora", "rank": 8, "target_modules": ["q_proj"]}
+        ),
+    )
+    job = JobConfig.load(job_path)
+    assert job.lora is not None and (job.lora.policy, job.lora.rank, job.lora.lora_alpha) == ("grpo-lora", 8, 16)
+    assert job.lora.target_modules == ["q_proj"] and job.proxy.policy == "grpo-lora"
+    full = JobConfig.load(edit(job_path, lambda d: (d.update(customization_type="GRPO"), d.pop("lora"))))
+    assert full.lora is None and full.proxy.policy == "base"  # the full-weight path, as before
+    lora = JobConfig.load(edit(job_path, lambda d: d.update(customization_type="GRPOLoRA", lora={"policy": "p"})))
+    assert lora.lora is not None and lora.lora.rank == 16 and len(lora.lora.target_modules) == 7  # the defaults
+
+
+@pytest.mark.parametrize("kind", ["FinetuneLoRA", "DPOLoRA", "FinetuneSft", "DPO", "PPO", "grpo", "GRPO-LoRA", ""])
+def test_a_type_the_project_does_not_train_is_refused_naming_the_supported_ones(job_path, kind):
+    edit(job_path, lambda d: d.update(customization_type=kind))
+    with pytest.raises(JobError) as raised:
+        JobConfig.load(job_path)
+    message = str(raised.value)
+    assert f"customization_type: {kind!r} is not trained here" in message
+    assert "the supported types are GRPO" in message and "GRPOLoRA" in message
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({"customization_type": "GRPOLoRA"}, "customization_type: GRPOLoRA trains a LoRA adapter: add a 'lora'"),
+        ({"lora": {"policy": "p"}}, "lora: a 'lora' section is for customization_type: GRPOLoRA"),
+        ({"customization_type": "GRPOLoRA", "lora": {"policy": "p", "rank": 4}}, "LoRA rank 4 is not one vLLM"),
+        ({"customization_type": "GRPOLoRA", "lora": {"policy": "p", "rank": 1024}}, "use one of 1, 8, 16"),
+        ({"customization_type": "GRPOLoRA", "lora": {"policy": "p", "alpha": 0}}, "LoRA alpha must be above 0"),
+        (
+            {"customization_type": "GRPOLoRA", "lora": {"policy": "p", "target_modules": ["mlp"]}},
+            "target modules must be some of q_proj",
+        ),
+        ({"customization_type": "GRPOLoRA", "lora": {"policy": "p", "target_modules": []}}, "not none"),
+        ({"customization_type": "GRPOLoRA", "lora": {"policy": "base"}}, "not 'base'"),
+        ({"customization_type": "GRPOLoRA", "lora": {"policy": "a b"}}, "a LoRA policy's name is"),
+        ({"customization_type": "GRPOLoRA", "lora": {"policy": "p", "dropout": 0.1}}, "lora.dropout: unknown field"),
+        (
+            {"customization_type": "GRPOLoRA", "lora": {"policy": "p"}, "proxy": {"policy": "other"}},
+            "proxy.policy: a GRPOLoRA job's sessions sample with its adapter, lora.policy 'p', not 'other'",
+        ),
+    ],
+)
+def test_a_lora_job_that_cannot_train_is_refused_with_its_path(job_path, fields, expected):
+    edit(job_path, lambda d: d.update(fields))
+    with pytest.raises(JobError, match="problem") as raised:
+        JobConfig.load(job_path)
+    assert expected in str(raised.value)
+
+
+def test_cli_refuses_an_untrained_type_before_anything_starts(job_path):
+    edit(job_path, lambda d: d.update(customization_type="DPOLoRA"))
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout_proxy", "run", str(job_path)], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "customization_type: 'DPOLoRA' is not trained here" in result.stderr

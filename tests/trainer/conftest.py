@@ -77,6 +77,22 @@ async def tiny_fleet(tokenizer_dir: Path, tiny_checkpoint: Path) -> AsyncIterato
         yield TinyFleet(proxy, engine, weights, answers)
 
 
+@pytest.fixture
+async def tiny_lora_fleet(tokenizer_dir: Path, tiny_checkpoint: Path) -> AsyncIterator[TinyFleet]:
+    """``tiny_fleet`` with run-time LoRA on the engine (``--max-lora-rank 16``): a call naming an adapter samples
+    with the tiny checkpoint and that adapter (peft)."""
+    from tests.trainer.tiny import EngineWeights
+
+    weights = EngineWeights(tiny_checkpoint)
+    engine = FakeEngine(
+        tokenizer_dir, chat_template=TEMPLATES["qwen3_style"], delay=0.01, model=weights, max_lora_rank=16
+    )
+    answers = dataset_answers(short_answer_job(samples=1, generations=1, steps=1, training_loop={}))
+    engine.policy = answer_policy(engine, answers)
+    async with FakeEngineServer(engine) as url, ProxyHarness.running(engine_urls=[url]) as proxy:
+        yield TinyFleet(proxy, engine, weights, answers)
+
+
 async def run_loop(
     proxy: ProxyHarness,
     redis_url: str,

@@ -55,14 +55,23 @@ class EngineWeights:
         self.model = load_policy(checkpoint)
         self.loaded = [str(checkpoint)]
         self.frozen = False
+        self._adapters: dict[str, object] = {}  # directory -> the weights with that adapter (peft)
 
-    def score(self, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
-        return score(self.model, prompt, tokens)
+    def score(self, prompt: Sequence[int], tokens: Sequence[int], adapter: str | None = None) -> list[float]:
+        """With ``adapter`` (a LoRA adapter's directory, as a call naming it on vLLM): the weights with it."""
+        if adapter is None:
+            return score(self.model, prompt, tokens)
+        if adapter not in self._adapters:
+            from peft import PeftModel
+
+            self._adapters[adapter] = PeftModel.from_pretrained(load_policy(self.loaded[-1]), adapter).eval()
+        return score(self._adapters[adapter], prompt, tokens)
 
     def reload(self, weights_path: str) -> None:
         if not self.frozen:
             self.model = load_policy(weights_path)
             self.loaded.append(weights_path)
+            self._adapters.clear()
 
 
 def score(model: object, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:

@@ -228,3 +228,45 @@ def write_zero_adapter(source: AdapterFiles, root: Path | None = None) -> str:
                 leftover.unlink()
             staging.rmdir()
     return str(target)
+
+
+#: the ranks vLLM 0.32's ``--max-lora-rank`` takes; an adapter the trainer makes has one of them, and an engine
+#: serves it when its ``--max-lora-rank`` is at least that
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: the modules vLLM 0.32 takes LoRA weights for in a Llama-style model (its own refusal lists this set)
+VLLM_LORA_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "embed_tokens",
+    "lm_head",
+)
+#: what a trained adapter targets by default: every linear layer of the blocks (not the embeddings)
+DEFAULT_LORA_MODULES = VLLM_LORA_MODULES[:7]
+#: the largest ``lora_alpha`` taken (alpha / rank scales the adapter's update)
+MAX_LORA_ALPHA = 4096
+
+
+def lora_problems(rank: int, alpha: int, modules: tuple[str, ...]) -> list[str]:
+    """What vLLM 0.32 could not serve in an adapter of these settings, in words (none: it can)."""
+    problems = []
+    if rank not in VLLM_LORA_RANKS:
+        ranks = ", ".join(map(str, VLLM_LORA_RANKS))
+        problems.append(
+            f"LoRA rank {rank} is not one vLLM serves: use one of {ranks} (at most the engines' --max-lora-rank)"
+        )
+    if not 0 < alpha <= MAX_LORA_ALPHA:
+        problems.append(f"LoRA alpha must be above 0 and at most {MAX_LORA_ALPHA}, not {alpha}")
+    unknown = [module for module in modules if module not in VLLM_LORA_MODULES]
+    if unknown or not modules:
+        problems.append(
+            f"target modules must be some of {', '.join(VLLM_LORA_MODULES)} (vLLM serves LoRA on these), not "
+            f"{', '.join(unknown) if unknown else 'none'}"
+        )
+    elif len(set(modules)) != len(modules):
+        problems.append(f"target modules are named twice: {', '.join(modules)}")
+    return problems

@@ -61,6 +61,12 @@ async def run_job(
             "no trainer can reach a proxy started in-process: run the job against one with --proxy-url and "
             "--admin-key (docs/training-loop.md)"
         )
+    if proxy_url is None and job.lora is not None:
+        raise JobError(
+            "customization_type: GRPOLoRA samples with the adapter its trainer publishes on the proxy, and no "
+            "trainer can reach a proxy started in-process: run the job against one with --proxy-url and "
+            "--admin-key, engines started with LoRA (docs/policies.md)"
+        )
     feed_url = feed or job.proxy.feed or default_feed(job, output_dir)
     runner_feed = await open_feed(feed_url, stream=job.proxy.feed_stream)
     embedded = None

@@ -8,11 +8,14 @@ library's own exception.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 from urllib.parse import quote
 
+from rollout_proxy.runner.retries import JobFailed
 from rollout_proxy.sdk.proxy import RolloutInferenceProxy, session_body
-from rollout_proxy.sdk.transport import ProxyClient
+from rollout_proxy.sdk.transport import ProxyClient, ProxyRequestError
 from rollout_proxy.sdk.types import ChatCompletionSample, Trajectory
 from rollout_proxy.wire.generation import BASE_POLICY
 
@@ -79,6 +82,30 @@ class AdminClient:
             f"/v1/admin/policies/{quote(policy, safe='')}", what=f"reading policy {policy!r}'s version"
         )
         return int(view.get("version") or 0)
+
+    async def lora_version(self, name: str) -> int:
+        """A LoRA policy's version (``GET /v1/admin/policies/{name}``; 0: not registered, or none published)."""
+        try:
+            view = await self._transport.aget(f"/v1/admin/policies/{name}", what=f"reading LoRA policy {name}")
+        except ProxyRequestError as exc:
+            if exc.status == 404:
+                return 0
+            raise
+        return int(view.get("version") or 0)
+
+    async def until_lora_published(self, name: str, *, within: float, poll: float) -> int:
+        """Wait (at most ``within`` seconds) until the LoRA policy ``name`` has a version, which its trainer
+        publishes (the first: its untrained adapter); that version, or JobFailed in words."""
+        deadline = time.monotonic() + within
+        while (version := await self.lora_version(name)) == 0:
+            if time.monotonic() >= deadline:
+                raise JobFailed(
+                    f"the job's sessions sample with LoRA policy {name!r}, which had no version after {within:g}s "
+                    f"(training_loop.version_wait): start its trainer (python -m rollout_proxy.trainer --job JOB, or "
+                    f"--lora-rank R --policy {name}), which registers it with the untrained adapter as version 1"
+                )
+            await asyncio.sleep(min(poll, max(deadline - time.monotonic(), 0.0)))
+        return version
 
     async def aclose(self) -> None:
         """Close the transport if this client opened it."""

@@ -1,8 +1,10 @@
 """The job file, in the shape of the seed's ``job.yaml``.
 
-Only what the runner uses is interpreted (``custom_rl_pipeline``, ``data``,
-``hyperparameters``, and our ``proxy``, ``ray`` and ``training_loop`` sections); the rest of
-the seed's fields are accepted and recorded. Anything unknown or invalid is reported with its path before
+Only what the runner uses is interpreted (``customization_type``, ``custom_rl_pipeline``, ``data``,
+``hyperparameters``, and our ``proxy``, ``ray``, ``training_loop`` and ``lora`` sections); the rest of
+the seed's fields are accepted and recorded. Of the seed's customization types the project trains ``GRPO``
+(the full weights) and ``GRPOLoRA`` (a LoRA adapter: the ``lora`` section, its sessions on that LoRA policy);
+any other is refused. Anything unknown or invalid is reported with its path before
 anything runs. A rollout is a plugin (``custom_rl_pipeline.rollout.plugin``) or a harness the runner starts
 per rollout (``custom_rl_pipeline.rollout.harness``, ours: ``runner.harness``).
 """
@@ -16,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rollout_proxy.engines.adapters import DEFAULT_LORA_MODULES, lora_problems
+from rollout_proxy.engines.policies import POLICY_NAME
 from rollout_proxy.sdk.types import ChatCompletionSample, PluginContext
 from rollout_proxy.wire.generation import BASE_POLICY
 
@@ -244,8 +248,45 @@ class OPDSection(Strict):
         return self.topk if self.topk_type == "student" else 0
 
 
+#: the seed's customization types this project trains: the full weights, or a LoRA adapter
+TRAINED_TYPES = ("GRPO", "GRPOLoRA")
+
+
+def untrained_type(kind: object) -> str:
+    return (
+        f"customization_type: {kind!r} is not trained here; the supported types are GRPO (the full weights, "
+        "python -m rollout_proxy.trainer) and GRPOLoRA (a LoRA adapter, with a 'lora' section: docs/policies.md)"
+    )
+
+
+class LoRASection(Strict):
+    """The adapter a ``GRPOLoRA`` job trains (ours, not the seed's): the proxy's LoRA policy its sessions sample
+    with and the trainer publishes (``python -m rollout_proxy.trainer --job``), and the adapter's shape."""
+
+    policy: str = Field(min_length=1, max_length=64, description="the LoRA policy's name on the proxy")
+    rank: int = Field(16, description="1, 8, 16, 32, 64, 128, 256, 320 or 512; at most the engines' --max-lora-rank")
+    alpha: int | None = Field(None, description="the update is alpha / rank times B A; default: twice the rank")
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_MODULES))
+
+    @model_validator(mode="after")
+    def _servable(self) -> LoRASection:
+        if not POLICY_NAME.match(self.policy) or self.policy == "base":
+            raise ValueError(
+                f"policy: a LoRA policy's name is 1-64 letters, digits, '.', '_' or '-', not 'base': {self.policy!r}"
+            )
+        problems = lora_problems(self.rank, self.lora_alpha, tuple(self.target_modules))
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def lora_alpha(self) -> int:
+        return self.alpha if self.alpha is not None else 2 * self.rank
+
+
 class JobConfig(Strict):
     name: str = "rollout-job"
+    #: the seed's training type: GRPO (the full weights) or GRPOLoRA (the ``lora`` section's adapter)
     customization_type: str = "GRPO"
     model_reference: dict[str, Any] | None = None
     custom_rl_pipeline: Pipeline
@@ -255,6 +296,7 @@ class JobConfig(Strict):
     ray: RaySection | None = None  # plugin calls as Ray tasks; None: in the runner's process
     training_loop: TrainingLoop = Field(default_factory=TrainingLoop)  # max_staleness, stale groups
     opd: OPDSection | None = None  # on-policy distillation: teacher passes and OPD advantages
+    lora: LoRASection | None = None  # the adapter of a GRPOLoRA job
     # accepted as in the seed, not used by the local runner
     project: str | None = None
     save_model_limit: int | None = None
@@ -262,6 +304,28 @@ class JobConfig(Strict):
     debug_config: dict[str, Any] | None = None
 
     base_dir: Path = Field(default=Path("."), exclude=True)
+
+    @model_validator(mode="after")
+    def _a_type_it_trains(self) -> JobConfig:
+        """GRPO or GRPOLoRA (with its ``lora`` section, its sessions on that policy); anything else refused."""
+        kind = self.customization_type
+        if kind not in TRAINED_TYPES:
+            raise ValueError(untrained_type(kind))
+        if kind == "GRPOLoRA":
+            if self.lora is None:
+                raise ValueError(
+                    "customization_type: GRPOLoRA trains a LoRA adapter: add a 'lora' section naming its policy "
+                    "(lora: {policy: NAME, rank: 16})"
+                )
+            if self.proxy.policy not in ("base", self.lora.policy):
+                raise ValueError(
+                    f"proxy.policy: a GRPOLoRA job's sessions sample with its adapter, lora.policy "
+                    f"{self.lora.policy!r}, not {self.proxy.policy!r}"
+                )
+            self.proxy.policy = self.lora.policy
+        elif self.lora is not None:
+            raise ValueError("lora: a 'lora' section is for customization_type: GRPOLoRA; GRPO trains the full weights")
+        return self
 
     @model_validator(mode="after")
     def _harness_fits(self) -> JobConfig:
@@ -310,15 +374,7 @@ class JobConfig(Strict):
     @classmethod
     def load(cls, path: str | Path) -> JobConfig:
         path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise JobError(f"cannot read job file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise JobError(f"{path}: not valid YAML: {exc}") from None
-        if not isinstance(raw, dict):
-            raise JobError(f"{path}: a job file is a mapping of fields, got {type(raw).__name__}")
-        return cls.parse(raw, base_dir=path.resolve().parent, source=str(path))
+        return cls.parse(read_job_file(path), base_dir=path.resolve().parent, source=str(path))
 
     @classmethod
     def parse(cls, raw: dict[str, Any], *, base_dir: Path = Path("."), source: str = "job") -> JobConfig:
@@ -340,3 +396,41 @@ class JobConfig(Strict):
         if missing:
             raise JobError(f"{source}: data.training_set.local_files: no such file: {', '.join(missing)}")
         return job
+
+
+def read_job_file(path: str | Path) -> dict[str, Any]:
+    """A job file's fields, unchecked; JobError when it cannot be read or is no YAML mapping."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise JobError(f"cannot read job file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise JobError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise JobError(f"{path}: a job file is a mapping of fields, got {type(raw).__name__}")
+    return raw
+
+
+def job_adapter(path: str | Path) -> LoRASection | None:
+    """What a job file says its trainer trains: a GRPOLoRA job's adapter, None for GRPO (the full weights);
+    JobError for any other type or a lora section that cannot be served. Only these fields are read (the
+    trainer need not see the job's datasets or plugins)."""
+    raw = read_job_file(path)
+    kind = raw.get("customization_type", "GRPO")
+    if kind not in TRAINED_TYPES:
+        raise JobError(f"{path}: {untrained_type(kind)}")
+    section = raw.get("lora")
+    if kind == "GRPO":
+        if section is not None:
+            raise JobError(f"{path}: lora: a 'lora' section is for customization_type: GRPOLoRA")
+        return None
+    if not isinstance(section, dict):
+        raise JobError(f"{path}: customization_type: GRPOLoRA trains a LoRA adapter: add a 'lora' section")
+    try:
+        return LoRASection.model_validate(section)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(['lora', *map(str, error['loc'])])}: {error['msg'].removeprefix('Value error, ')}"
+            for error in exc.errors()
+        )
+        raise JobError(f"{path}: {problems}") from None

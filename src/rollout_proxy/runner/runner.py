@@ -189,6 +189,13 @@ class JobRunner:
         async with AdminClient(self._proxy_url, self._admin_key) as admin:
             parts = self._parts(admin, progress)
             try:
+                if self.job.lora is not None:  # its sessions need the policy's first version (the trainer's)
+                    loop = self.job.training_loop
+                    progress.waiting(1)
+                    await admin.until_lora_published(
+                        self.job.lora.policy, within=loop.version_wait, poll=loop.poll_interval
+                    )
+                    progress.waiting(None)
                 if parts.staleness is not None:
                     await parts.staleness.start()
                 for step, batch in enumerate(batches):

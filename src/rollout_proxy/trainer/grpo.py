@@ -23,6 +23,12 @@ A checkpoint it saves is an HF directory with the optimizer's state beside the w
 (``optimizer.pt``: AdamW's moments and step count, the name vLLM's loader and transformers skip);
 a learner loaded from it goes on where that one was, with its own learning rate and weight decay.
 
+With ``lora`` (``LoRAConfig``) it trains a LoRA adapter of the model with peft instead: the base weights
+are frozen, the optimizer holds the adapter's parameters only, and a checkpoint is the adapter as vLLM
+loads it (``adapter_config.json``, ``adapter_model.safetensors``; the base embedding is never copied in)
+with ``optimizer.pt`` beside it. The KL reference is then the base itself (the adapter switched off), and
+a tied embedding needs no freezing: vLLM applies an adapter of it exactly.
+
 Logprobs are computed over padded micro-batches (``batch.micro_batches``) and only at the
 columns with a trained token (``logits_to_keep``): the vocabulary projection of prompt
 positions is never made. Needs ``rollout-proxy[train]`` (torch, transformers).
@@ -49,6 +55,9 @@ from rollout_proxy.trainer.mismatch import ScoredSequence
 #: the optimizer's state in a checkpoint's directory (HF Trainer's name: engines loading the weights skip it)
 OPTIMIZER = "optimizer.pt"
 
+#: the adapter's config in a LoRA checkpoint (what tells one from a full-weight checkpoint)
+ADAPTER_CONFIG = "adapter_config.json"
+
 #: files of the source checkpoint copied next to the new weights, so each one is a whole HF checkpoint
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -58,6 +67,28 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """The adapter a LoRA learner trains (``engines.adapters.lora_problems`` says what vLLM serves)."""
+
+    rank: int
+    alpha: int
+    target_modules: tuple[str, ...]
+
+    def peft(self) -> Any:
+        from peft import LoraConfig
+
+        # no dropout (its logprobs must be the engine's), no bias, DoRA or modules_to_save: vLLM serves none
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            target_modules=list(self.target_modules),
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +105,7 @@ class GRPOConfig:
     #: keep a tied input/output embedding as it is: vLLM 0.32's in-place reload does not update a tied lm_head
     freeze_tied_embeddings: bool = True
     seed: int = 0
+    lora: LoRAConfig | None = None  # train this adapter of the model, the base frozen; None: the full weights
 
     def __post_init__(self) -> None:
         if self.learning_rate < 0 or self.micro_batch_tokens < 1 or self.temperature <= 0:
@@ -146,25 +178,65 @@ class OptimizerStateMismatch(ValueError):
     """A checkpoint's optimizer state is of other trained parameters than this learner's."""
 
 
+def is_adapter(directory: str | Path) -> bool:
+    """Whether ``directory`` is a LoRA checkpoint (an adapter) rather than a whole model."""
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def _with_adapter(model: Any, lora: LoRAConfig, adapter_dir: Path | None) -> Any:
+    """``model`` (frozen) with ``lora`` trainable on it: a new adapter, or ``adapter_dir``'s (of the same settings)."""
+    from peft import PeftModel, get_peft_model
+
+    if adapter_dir is None:
+        return get_peft_model(model, lora.peft())
+    peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    saved: Any = peft_model.peft_config["default"]  # a LoraConfig
+    found = (saved.r, saved.lora_alpha, tuple(sorted(saved.target_modules or ())))
+    wanted = (lora.rank, lora.alpha, tuple(sorted(lora.target_modules)))
+    if found != wanted:
+        raise OptimizerStateMismatch(
+            f"{adapter_dir} is an adapter of rank {found[0]}, alpha {found[1]} on {', '.join(found[2])}, not rank "
+            f"{wanted[0]}, alpha {wanted[1]} on {', '.join(wanted[2])}: train on with its settings "
+            "(--lora-rank, --lora-alpha, --target-modules), or start a new policy"
+        )
+    return peft_model
+
+
 class GRPOLearner:
     """The policy, its optimizer and (with ``kl_coef``) a frozen reference; ``train_step`` is blocking."""
 
     def __init__(
-        self, model_dir: str | Path, config: GRPOConfig | None = None, *, reference_dir: str | Path | None = None
+        self,
+        model_dir: str | Path,
+        config: GRPOConfig | None = None,
+        *,
+        reference_dir: str | Path | None = None,
+        adapter_dir: str | Path | None = None,
     ) -> None:
         """Loads ``model_dir`` and, where it has one (a checkpoint this learner saved), its optimizer state.
         ``reference_dir``: the KL reference's weights (default ``model_dir``; a restarted trainer keeps the
-        weights it started from)."""
+        weights it started from). With ``config.lora``: ``model_dir`` is the base, and ``adapter_dir`` the
+        adapter to train on from (with its optimizer state, where it has one); None: a new adapter (its B
+        zero: it starts as the base)."""
         self.config = config or GRPOConfig()
         torch.manual_seed(self.config.seed)
-        self.source = Path(model_dir)
+        lora = self.config.lora
+        if lora is None and adapter_dir is not None:
+            raise ValueError("an adapter is trained by a LoRA learner (GRPOConfig.lora)")
+        self.source = Path(adapter_dir if adapter_dir is not None else model_dir)
         self.model = load_policy(model_dir)
-        self.reference = load_policy(reference_dir or model_dir) if self.config.kl_coef > 0 else None
+        if lora is not None:
+            self.model = _with_adapter(self.model, lora, Path(adapter_dir) if adapter_dir is not None else None)
+            self.model.eval()
+        has_reference = self.config.kl_coef > 0 and lora is None  # with LoRA: the base, the adapter switched off
+        self.reference = load_policy(reference_dir or model_dir) if has_reference else None
         if self.reference is not None:
             self.reference.requires_grad_(False)
         #: the tied embedding is not trained: the engine would keep serving its old copy as its lm_head
-        self.frozen_embeddings = bool(getattr(self.model.config, "tie_word_embeddings", False)) and (
-            self.config.freeze_tied_embeddings
+        self.frozen_embeddings = (
+            lora is None
+            and bool(getattr(self.model.config, "tie_word_embeddings", False))
+            and self.config.freeze_tied_embeddings
         )
         if self.frozen_embeddings:
             self.model.get_input_embeddings().weight.requires_grad_(False)
@@ -218,10 +290,7 @@ class GRPOLearner:
             lo, hi = batch.trained_span
             logprobs, entropy = token_logprobs(self.model, batch, temperature=self.config.temperature)
             weights = torch.from_numpy(batch.loss_weight[:, lo:hi])
-            reference = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    reference, _ = token_logprobs(self.reference, batch, temperature=self.config.temperature)
+            reference = self._reference_logprobs(batch)
             loss, batch_sums = policy_loss(
                 logprobs,
                 torch.from_numpy(batch.sampling_logprobs[:, lo:hi]),
@@ -255,20 +324,34 @@ class GRPOLearner:
             "padded_tokens": float(sum(batch.input_ids.size for batch in batches)),
             "train_s": time.monotonic() - started,
         }
-        if self.reference is not None:
+        if self.config.kl_coef > 0:
             metrics["kl_ref"] = sums["kl_ref"] / per_token
         return LearnerStep(scored=scored, metrics=metrics)
 
+    def _reference_logprobs(self, batch: PaddedBatch) -> torch.Tensor | None:
+        """The KL reference's logprobs (None without ``kl_coef``): the starting weights, or the base under LoRA."""
+        if self.config.kl_coef <= 0:
+            return None
+        with torch.no_grad():
+            if self.reference is not None:
+                return token_logprobs(self.reference, batch, temperature=self.config.temperature)[0]
+            with self.model.disable_adapter():
+                return token_logprobs(self.model, batch, temperature=self.config.temperature)[0]
+
     def save(self, directory: Path) -> None:
-        """The current weights as an HF checkpoint (safetensors, the source's config and tokenizer) and the
-        optimizer's state (``optimizer.pt``), written beside ``directory`` and renamed into place: a reader
-        never sees half of one, nor weights without their optimizer state."""
+        """The current weights as an HF checkpoint (safetensors, the source's config and tokenizer), or under
+        LoRA the adapter as vLLM loads it, and the optimizer's state (``optimizer.pt``), written beside
+        ``directory`` and renamed into place: a reader never sees half of one, nor weights without their
+        optimizer state."""
         directory.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         try:
-            self.model.save_pretrained(staging)
+            if self.config.lora is not None:  # the base embedding is never copied in (vLLM skips it anyway)
+                self.model.save_pretrained(staging, save_embedding_layers=False)
+            else:
+                self.model.save_pretrained(staging)
             torch.save(self.optimizer.state_dict(), staging / OPTIMIZER)
-            for name in TOKENIZER_FILES:
+            for name in TOKENIZER_FILES if self.config.lora is None else ():
                 if (self.source / name).is_file() and not (staging / name).exists():
                     shutil.copy2(self.source / name, staging / name)
             staging.chmod(0o755)

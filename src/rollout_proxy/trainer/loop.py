@@ -13,6 +13,11 @@ Per job step it:
 4. records the step (``OUT/steps.jsonl``, ``OUT/metrics.prom``, ``OUT/steps.png``, then
    ``OUT/state.json`` without the intent), then acknowledges the groups.
 
+A LoRA trainer does the same with its adapter (``OUT/weights/v<version>/``: the adapter vLLM loads and its
+optimizer state) and its policy's version: step 3 publishes the adapter as the policy's next version
+(``PolicyPublisher``) instead of the pause and reload, and the intent, the restart and the record are the
+same with the policy's version for the fleet's.
+
 Exactly once, wherever the trainer is killed (``ResumePoint`` reads what a restart starts from,
 ``ReferenceTrainer.run`` finishes an intended step first): before its intent is on disk the step
 left nothing behind (its groups stay pending in the feed's consumer group and are trained again
@@ -42,7 +47,7 @@ import numpy as np
 
 from rollout_proxy.trainer.batch import BatchError, Rollout, dropped_counts, rollouts_of, trained_tokens
 from rollout_proxy.trainer.consumer import TrajectoryConsumer
-from rollout_proxy.trainer.fleet import FleetDriver, FleetUpdate
+from rollout_proxy.trainer.fleet import PolicyPublisher
 from rollout_proxy.trainer.mismatch import (
     DEFAULT_THRESHOLD,
     MetricsFile,
@@ -75,6 +80,34 @@ class Learner(Protocol):
     def save(self, directory: Path) -> None:
         """The current weights as a checkpoint the engines can load, with what training resumes from
         (the optimizer's state), all or nothing (blocking)."""
+        ...
+
+
+class Update(Protocol):
+    """What putting a step's weights on the fleet did (``FleetUpdate``, ``AdapterPublish``)."""
+
+    @property
+    def previous(self) -> int: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def reloaded(self) -> list[str]: ...
+    @property
+    def paused_s(self) -> float: ...
+    def timing(self) -> dict[str, float]: ...
+    def problems(self) -> list[str]: ...
+
+
+class Publisher(Protocol):
+    """How a step's weights reach the engines: a full-weight update of the base (``FleetDriver``) or an
+    adapter version of a LoRA policy (``PolicyPublisher``)."""
+
+    @property
+    def policy(self) -> str: ...
+    async def version(self) -> int: ...
+    async def update(self, weights: Path | None) -> Update: ...
+    async def in_use(self) -> set[int] | None:
+        """Versions whose files an engine may still read (None: unknown now)."""
         ...
 
 
@@ -128,7 +161,8 @@ def weights_dir(out_dir: Path, version: int) -> Path:
 
 
 def has_checkpoint(directory: Path | str) -> bool:
-    return (Path(directory) / "config.json").is_file()
+    """A whole model's checkpoint or an adapter's (a LoRA trainer's)."""
+    return (Path(directory) / "config.json").is_file() or (Path(directory) / "adapter_config.json").is_file()
 
 
 @dataclass(frozen=True)
@@ -141,7 +175,7 @@ class ResumePoint:
     weights: Path | None
 
     @classmethod
-    async def read(cls, fleet: FleetDriver, out_dir: Path) -> ResumePoint:
+    async def read(cls, fleet: Publisher, out_dir: Path) -> ResumePoint:
         version = await fleet.version()
         state = await asyncio.to_thread(TrainerState.load, out_dir / STATE)
         return cls(version, state, resume_weights(state, version, out_dir))
@@ -180,6 +214,15 @@ def resume_weights(state: TrainerState | None, fleet_version: int, out_dir: Path
     return own if has_checkpoint(own) else None
 
 
+async def publish_untrained(learner: Learner, publisher: PolicyPublisher, out_dir: Path) -> int:
+    """A LoRA policy's first version: the learner's adapter before any step (B = 0: it samples as the base),
+    saved as ``OUT/weights/v000001`` and registered with the proxy; the policy's version. A trainer killed in
+    between saves it again at its restart (the policy still has no version) or trains on from it (it has)."""
+    first = weights_dir(out_dir, 1)
+    await asyncio.to_thread(learner.save, first)
+    return (await publisher.update(first)).version
+
+
 def say(message: str) -> None:
     print(f"[trainer] {message}", file=sys.stderr, flush=True)
 
@@ -189,7 +232,7 @@ class ReferenceTrainer:
         self,
         learner: Learner,
         feed: TrajectoryConsumer,
-        fleet: FleetDriver,
+        fleet: Publisher,
         out_dir: Path,
         *,
         version: int,
@@ -307,6 +350,7 @@ class ReferenceTrainer:
             "reward": _spread(rewards),
             "mismatch": report.as_dict(),
             "metrics": result.metrics,
+            "policy": self.fleet.policy,
             "weights": str(target),
             "engines_reloaded": [],
             "timing": {"wait_s": waited, "train_s": trained_at - started, "save_s": saved_at - trained_at},
@@ -336,7 +380,7 @@ class ReferenceTrainer:
     async def _record(
         self,
         intent: StepIntent,
-        update: FleetUpdate | None,
+        update: Update | None,
         started: float,
         report: MismatchReport | None = None,
         *,
@@ -352,13 +396,13 @@ class ReferenceTrainer:
                 self.log(
                     f"the fleet was at version {update.previous}, not {intent.trained_version}: someone else moved it"
                 )
-            if update.paused_failed:
-                self.log(f"{len(update.paused_failed)} engine(s) did not pause (left out until re-admitted)")
+            for problem in update.problems():
+                self.log(problem)
             record["version"], record["engines_reloaded"] = update.version, update.reloaded
-            timing.update(pause_s=update.pause_s, reload_s=update.reload_s, resume_s=update.resume_s)
+            timing.update(update.timing())
         else:
             record["engines_reloaded"] = None
-            timing.update(pause_s=None, reload_s=None, resume_s=None)
+            timing.update(dict.fromkeys(_update_timings(self.fleet), None))
         timing["step_s"] = time.monotonic() - started if update is not None else None
         if restarted:
             record["finished_after_restart"] = True
@@ -372,7 +416,7 @@ class ReferenceTrainer:
             await self.feed.ack(entry_id)
         self._done = set(intent.group_ids)
         self.records.append(record)
-        await asyncio.to_thread(self._prune)
+        await self._prune()
         self._since = time.monotonic()
         return record
 
@@ -397,9 +441,17 @@ class ReferenceTrainer:
         except Exception as exc:  # a plot that cannot be drawn never stops training
             self.log(f"could not draw {PLOT_NAME}: {exc!r}")
 
-    def _prune(self) -> None:
+    async def _prune(self) -> None:
         """Keep the newest ``keep_weights`` checkpoints (each with its optimizer state), never the one the fleet
-        serves; remove what a save killed half-way left (its staging directory)."""
+        serves nor, for a LoRA policy, one an engine still has loaded or a call still uses (none at all while
+        that is unknown); remove what a save killed half-way left (its staging directory)."""
+        in_use = await self.fleet.in_use()
+        if in_use is None:
+            self.log("which adapter versions the engines still use is unknown now: none deleted this step")
+            return
+        await asyncio.to_thread(self._prune_files, in_use)
+
+    def _prune_files(self, in_use: set[int]) -> None:
         root = self.out_dir / WEIGHTS
         if not root.is_dir():
             return
@@ -408,8 +460,18 @@ class ReferenceTrainer:
         kept = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("v")), reverse=True)
         served = Path(self.state.weights) if self.state.weights else None  # the last step recorded made it
         for old in kept[self.keep_weights :]:
-            if served is None or old.resolve() != served.resolve():
-                shutil.rmtree(old, ignore_errors=True)
+            if served is not None and old.resolve() == served.resolve():
+                continue
+            if old.name[1:].isdigit() and int(old.name[1:]) in in_use:
+                continue
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _update_timings(fleet: Publisher) -> tuple[str, ...]:
+    """The timing fields of a step's update (null in a step a restart found made)."""
+    if isinstance(fleet, PolicyPublisher):
+        return ("pause_s", "publish_s", "resume_s")
+    return ("pause_s", "reload_s", "resume_s")
 
 
 def _logged(log_path: Path, record: dict[str, Any]) -> bool:

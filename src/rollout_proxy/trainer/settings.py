@@ -6,11 +6,14 @@ for ``serve`` and ``run``.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from rollout_proxy.engines.adapters import DEFAULT_LORA_MODULES, lora_problems
+from rollout_proxy.engines.policies import POLICY_NAME
+from rollout_proxy.runner.job import job_adapter
 from rollout_proxy.settings import ENV_PREFIX, DeclaredSettings, setting
 from rollout_proxy.state.connection import is_redis_url
 from rollout_proxy.trainer.mismatch import DEFAULT_THRESHOLD
@@ -23,6 +26,7 @@ class TrainerSettings(DeclaredSettings):
     sections: ClassVar[dict[str, str]] = {
         "where": "Where",
         "learn": "The step",
+        "lora": "LoRA (docs/policies.md)",
         "check": "The mismatch report and the fleet",
     }
 
@@ -48,6 +52,13 @@ class TrainerSettings(DeclaredSettings):
         section="where",
     )
     out: str = setting(..., "output directory: step log, metrics, weights, state", section="where")
+    job: str | None = setting(
+        None,
+        "the job file the trainer trains for: customization_type GRPO trains the full weights, GRPOLoRA the "
+        "adapter its lora section names (--policy, --lora-rank, --lora-alpha, --target-modules from it; a flag "
+        "given too must agree); any other type is refused",
+        section="where",
+    )
     steps: int | None = setting(
         None,
         "stop after this many steps recorded (a step a restart finishes counts; default: run until stopped)",
@@ -80,6 +91,33 @@ class TrainerSettings(DeclaredSettings):
     seed: int = setting(0, "torch's random seed", section="learn")
     threads: int | None = setting(None, "torch's CPU threads (default: torch's choice)", section="learn", ge=0)
 
+    # -- LoRA -------------------------------------------------------------------------------------------
+    lora_rank: int | None = setting(
+        None,
+        "train a LoRA adapter of this rank instead of the full weights (1, 8, 16, 32, 64, 128, 256, 320 or 512: "
+        "the ranks vLLM serves; at most the engines' --max-lora-rank), published as --policy's next version",
+        section="lora",
+    )
+    lora_alpha: int | None = setting(
+        None,
+        "the adapter's scale numerator (its update is alpha / rank times B A; default: twice the rank)",
+        section="lora",
+    )
+    target_modules: tuple[str, ...] = setting(
+        DEFAULT_LORA_MODULES,
+        "the modules the adapter trains (some of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
+        "embed_tokens, lm_head); repeat or join with commas",
+        section="lora",
+        separator=",",
+        metavar="MODULE",
+    )
+    policy: str | None = setting(
+        None,
+        "the proxy's LoRA policy the adapter is (registered with its untrained adapter as version 1 when it has "
+        "none); needed with --lora-rank",
+        section="lora",
+    )
+
     # -- the mismatch report and the fleet ----------------------------------------------------------------
     mismatch_threshold: float = setting(
         DEFAULT_THRESHOLD,
@@ -93,7 +131,8 @@ class TrainerSettings(DeclaredSettings):
     reload_timeout: float = setting(600.0, "seconds each engine may take to reload", section="check", gt=0)
     keep_weights: int = setting(
         2,
-        "checkpoints kept in OUT/weights, each with its optimizer state (the fleet's is always kept)",
+        "checkpoints kept in OUT/weights, each with its optimizer state (the fleet's is always kept; with LoRA, "
+        "so is every version an engine still has loaded or a call still uses)",
         section="check",
         ge=0,
     )
@@ -104,3 +143,68 @@ class TrainerSettings(DeclaredSettings):
         if not is_redis_url(value):
             raise ValueError("the trainer reads a Redis feed (redis://HOST:PORT/DB), as the job publishes")
         return value
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _modules_joined_by_commas(cls, value: object) -> object:
+        if isinstance(value, list | tuple):
+            return tuple(module.strip() for item in value for module in str(item).split(",") if module.strip())
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _the_jobs_adapter(cls, values: Any) -> Any:
+        """``job``'s adapter settings filled in (a GRPOLoRA job), those given too checked against them."""
+        if not isinstance(values, dict) or not values.get("job"):
+            return values
+        adapter = job_adapter(values["job"])
+        given = {name: values[name] for name in ("policy", "lora_rank", "lora_alpha") if values.get(name) is not None}
+        if values.get("target_modules"):
+            given["target_modules"] = cls._modules_joined_by_commas(values["target_modules"])
+        if adapter is None:
+            if given:
+                raise ValueError(
+                    f"{values['job']} is a GRPO job (the full weights): it takes no {', '.join(sorted(given))}"
+                )
+            return values
+        wanted: dict[str, Any] = {
+            "policy": adapter.policy,
+            "lora_rank": adapter.rank,
+            "lora_alpha": adapter.lora_alpha,
+            "target_modules": tuple(adapter.target_modules),
+        }
+        differ = [  # a flag's value is still its text here
+            f"{name} {given[name]} (the job's: {wanted[name]})"
+            for name in given
+            if (given[name] if name == "target_modules" else str(given[name]))
+            != (wanted[name] if name == "target_modules" else str(wanted[name]))
+        ]
+        if differ:
+            raise ValueError(
+                f"{values['job']}'s lora section trains another adapter than the flags: {'; '.join(differ)}"
+            )
+        return {**values, **wanted}
+
+    @model_validator(mode="after")
+    def _lora_servable(self) -> TrainerSettings:
+        if self.lora_rank is None:
+            if self.policy is not None:
+                raise ValueError("--policy names the LoRA policy the trainer publishes: give --lora-rank too")
+            return self
+        if self.policy is None:
+            raise ValueError("--lora-rank trains a LoRA policy of the proxy: name it with --policy")
+        if not POLICY_NAME.match(self.policy) or self.policy == "base":
+            raise ValueError(
+                f"--policy: a LoRA policy's name is 1-64 letters, digits, '.', '_' or '-', not 'base': {self.policy!r}"
+            )
+        problems = lora_problems(self.lora_rank, self.alpha, self.target_modules)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def alpha(self) -> int:
+        """``lora_alpha``, or twice the rank."""
+        if self.lora_alpha is not None:
+            return self.lora_alpha
+        return 2 * (self.lora_rank or 0)
