@@ -1,6 +1,6 @@
 """Memory soak: is a proxy's memory flat under a constant load, and given back once its sessions expire?
 
-    python -m bench.memory_soak [--duration 600] [--sessions 32] [--turns 10] [--ttl 120] [--out DIR]
+    python -m bench.memory_soak [--duration 600] [--sessions 32] [--turns 10] [--ttl 120] [--rate 55] [--out DIR]
 
 One run starts, side by side, a proxy on the memory store and a proxy on Redis (each its own
 process, started as ``rollout-proxy serve`` starts one: settings, app, event loop, collector; so
@@ -10,25 +10,31 @@ serves one rollout (what a proxy loads once, its tokenizer and template, is not 
 then is the warm baseline. Then ``--sessions`` rollouts run at once on each: a rollout does
 ``--turns`` chat turns resending its history, appends a tool result (with an ``Idempotency-Key``)
 and finishes, except every ``--leave-open``-th, left to expire; a new one starts in its place, until
-``--duration`` seconds have passed. Then nothing is sent for ``--drain`` seconds (default: the TTL
-and 15 s, so every session has expired and the proxy has had the time to give memory back), and each
-proxy is asked, by a route only this benchmark adds (``/_soak/stats``), what it holds.
+``--duration`` seconds have passed. ``--rate`` paces each proxy's turns (at most that many a second): the
+sessions a proxy holds, and so its plateau, grow with its throughput, which on shared cores moves with
+everyone's load; paced, the load is the same from the first minute to the last. Then nothing is sent for
+``--drain`` seconds (default: the TTL and 15 s, so every session has expired and the proxy has had the
+time to give memory back), and each proxy is asked, by a route only this benchmark adds
+(``/_soak/stats``), what it holds.
 
 The table says, per store: turns answered (errors), RSS warm, at the end of the warm-up
 (``--warmup``, default twice the TTL: from one TTL on, sessions expire as fast as they start), at the
-end of the load and its growth since the warm-up, the slope of a least-squares line through the
-samples after the warm-up, the sessions alive at the end, RSS once every session has expired, glibc's
-bytes in use (``mallinfo2``) warm, at the end and after expiry, and the entries the proxy's
-per-session structures still hold after expiry (the store's sessions and request bounds, remembered
-conversations, message and path-hash memos, verified tokens, the open-session gauge, held paths:
-0 is the goal). ``--out`` writes the whole run as JSON (``memory_soak.json``: the RSS samples, each
-structure's count, threads and malloc arenas, RSS after one more ``malloc_trim(0)``).
+end of the load and its growth since the warm-up, the slope after the warm-up with its noise (the
+least-squares line through the per-minute medians of the RSS, sampled each second, and its 95%
+confidence interval: "flat" is 0 inside it), the same slope of glibc's bytes in use (sampled each 10 s),
+the sessions alive at the end, RSS once every session has expired, glibc's bytes in use (``mallinfo2``)
+warm, at the end and after expiry, and the entries the proxy's per-session structures still hold after
+expiry (the store's sessions and request bounds, remembered conversations, message and path-hash memos,
+verified tokens, the open-session gauge, held paths: 0 is the goal). ``--out`` writes the whole run as
+JSON (``memory_soak.json``: the RSS samples; every 10 s of the load, each structure's count, threads and
+malloc arenas, CPython's small-object arenas; RSS after one more ``malloc_trim(0)``).
 
-``--tracemalloc`` traces the proxies' Python allocations (much slower: choose a TTL that outlasts a
-rollout) and adds, per store, the source lines whose allocations grew most from the warm-up to the
-end, and those still held after expiry beyond the warm proxy's.
+``--tracemalloc`` traces the proxies' Python allocations from the warm proxy on (much slower: choose a TTL
+that outlasts a rollout) and adds, per store, the allocation sites (``--tracemalloc-frames`` callers each)
+whose live bytes grew most from the warm-up to the end and over the second half of the load, and those
+still held after expiry beyond the warm proxy's. Its snapshots go to files, so they are no RSS of the proxy.
 
-A benchmark, not a test (tests/test_memory_soak_smoke.py runs it tiny): its numbers are in
+A benchmark, not a test (tests/bench/test_memory_soak_smoke.py runs it tiny): its numbers are in
 docs/operations/memory.md.
 """
 
@@ -300,6 +306,18 @@ class Proxy:
     errors: int = 0
     sessions: int = 0
     first_error: str | None = None
+    rate: float = 0.0  # turns a second at most (0: as fast as it answers)
+    next_turn: float = 0.0  # when the next turn may start (monotonic), paced at ``rate``
+
+    async def paced(self) -> None:
+        """Wait for the next turn's slot: turns start ``1 / rate`` apart, so a proxy's load, and with it the
+        sessions it holds, does not move with the throughput the shared cores allow."""
+        if self.rate <= 0:
+            return
+        now = time.monotonic()
+        self.next_turn = max(self.next_turn, now) + 1 / self.rate
+        if self.next_turn - 1 / self.rate > now:
+            await asyncio.sleep(self.next_turn - 1 / self.rate - now)
 
     def rss_at(self, t: float) -> float:
         return min(self.samples, key=lambda sample: abs(sample[0] - t))[1]
@@ -372,6 +390,7 @@ async def rollout(http: aiohttp.ClientSession, proxy: Proxy, index: int, args: a
         plugin = {"Authorization": f"Bearer {session['api_key']}"}
         last_id = None
         for turn in range(args.turns):
+            await proxy.paced()
             async with http.post(
                 f"{session['base_url']}/chat/completions", json={"model": "m", "messages": messages}, headers=plugin
             ) as answer:
@@ -450,7 +469,7 @@ async def soak(proxies: list[Proxy], args: argparse.Namespace) -> dict[str, dict
                 for proxy in proxies:
                     for query in [{"mark": name} for name in due] or [{}]:
                         report = await stats(http, proxy, **query)
-                    proxy.stats.append({"t": elapsed, **report})
+                    proxy.stats.append({"t": elapsed, "turns": proxy.turns, **report})
                 next_stats += STATS_EVERY if elapsed >= next_stats else 0
             await asyncio.sleep(0.05)
         loaded = time.monotonic() - started
@@ -510,7 +529,9 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {r['at_end']['sessions']} | {r['drained']['rss']:.1f} MiB | {in_use} MiB | {left} |"
         )
     settings = (
-        f"{args.sessions} sessions at once per store, {args.turns} turns each, {args.duration:g} s of load, "
+        f"{args.sessions} sessions at once per store, {args.turns} turns each"
+        + (f", at most {args.rate:g} turns/s per store" if args.rate else "")
+        + f", {args.duration:g} s of load, "
         f"warm-up {args.warmup:g} s, then {args.drain:g} s without traffic"
     )
     return "\n".join([settings, "", *lines])
@@ -548,6 +569,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10, help="chat turns per rollout (default 10)")
     parser.add_argument("--ttl", type=float, default=120.0, help="session TTL in seconds (default 120)")
     parser.add_argument("--redis-ttl", type=float, help="the Redis proxy's session TTL (default: --ttl)")
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="turns a second per proxy at most (default 0: as fast as answered)"
+    )
     parser.add_argument("--leave-open", type=int, default=2, help="every Nth rollout is not finished (default 2)")
     parser.add_argument("--warmup", type=float, help="seconds before growth is measured (default 2x the TTL)")
     parser.add_argument("--drain", type=float, help="seconds without traffic after the load (default TTL + 15)")
@@ -577,7 +601,7 @@ def main() -> None:
             argv += ["--ttl", str(ttl), *(["--tracemalloc"] if args.tracemalloc else [])]
             argv += ["--tracemalloc-frames", str(args.tracemalloc_frames)]
             process = services.start(f"proxy-{name}", argv)
-            proxies.append(Proxy(name, f"http://127.0.0.1:{port}", process.pid, ttl))
+            proxies.append(Proxy(name, f"http://127.0.0.1:{port}", process.pid, ttl, rate=args.rate))
         for proxy in proxies:  # started together, waited for in turn
             services.wait_http(f"proxy-{proxy.name}", f"{proxy.url}/readyz")
         results = asyncio.run(soak(proxies, args))
