@@ -1,6 +1,6 @@
 """Memory soak: is a proxy's memory flat under a constant load, and given back once its sessions expire?
 
-    python -m bench.memory_soak [--duration 600] [--sessions 32] [--turns 10] [--ttl 120] [--out DIR]
+    python -m bench.memory_soak [--duration 600] [--sessions 32] [--turns 10] [--ttl 120] [--rate 55] [--out DIR]
 
 One run starts, side by side, a proxy on the memory store and a proxy on Redis (each its own
 process, started as ``rollout-proxy serve`` starts one: settings, app, event loop, collector; so
@@ -10,25 +10,31 @@ serves one rollout (what a proxy loads once, its tokenizer and template, is not 
 then is the warm baseline. Then ``--sessions`` rollouts run at once on each: a rollout does
 ``--turns`` chat turns resending its history, appends a tool result (with an ``Idempotency-Key``)
 and finishes, except every ``--leave-open``-th, left to expire; a new one starts in its place, until
-``--duration`` seconds have passed. Then nothing is sent for ``--drain`` seconds (default: the TTL
-and 15 s, so every session has expired and the proxy has had the time to give memory back), and each
-proxy is asked, by a route only this benchmark adds (``/_soak/stats``), what it holds.
+``--duration`` seconds have passed. ``--rate`` paces each proxy's turns (at most that many a second): the
+sessions a proxy holds, and so its plateau, grow with its throughput, which on shared cores moves with
+everyone's load; paced, the load is the same from the first minute to the last. Then nothing is sent for
+``--drain`` seconds (default: the TTL and 15 s, so every session has expired and the proxy has had the
+time to give memory back), and each proxy is asked, by a route only this benchmark adds
+(``/_soak/stats``), what it holds.
 
 The table says, per store: turns answered (errors), RSS warm, at the end of the warm-up
 (``--warmup``, default twice the TTL: from one TTL on, sessions expire as fast as they start), at the
-end of the load and its growth since the warm-up, the slope of a least-squares line through the
-samples after the warm-up, the sessions alive at the end, RSS once every session has expired, glibc's
-bytes in use (``mallinfo2``) warm, at the end and after expiry, and the entries the proxy's
-per-session structures still hold after expiry (the store's sessions and request bounds, remembered
-conversations, message and path-hash memos, verified tokens, the open-session gauge, held paths:
-0 is the goal). ``--out`` writes the whole run as JSON (``memory_soak.json``: the RSS samples, each
-structure's count, threads and malloc arenas, RSS after one more ``malloc_trim(0)``).
+end of the load and its growth since the warm-up, the slope after the warm-up with its noise (the
+least-squares line through the per-minute medians of the RSS, sampled each second, and its 95%
+confidence interval: "flat" is 0 inside it), the same slope of glibc's bytes in use (sampled each 10 s),
+the sessions alive at the end, RSS once every session has expired, glibc's bytes in use (``mallinfo2``)
+warm, at the end and after expiry, and the entries the proxy's per-session structures still hold after
+expiry (the store's sessions and request bounds, remembered conversations, message and path-hash memos,
+verified tokens, the open-session gauge, held paths: 0 is the goal). ``--out`` writes the whole run as
+JSON (``memory_soak.json``: the RSS samples; every 10 s of the load, each structure's count, threads and
+malloc arenas, CPython's small-object arenas; RSS after one more ``malloc_trim(0)``).
 
-``--tracemalloc`` traces the proxies' Python allocations (much slower: choose a TTL that outlasts a
-rollout) and adds, per store, the source lines whose allocations grew most from the warm-up to the
-end, and those still held after expiry beyond the warm proxy's.
+``--tracemalloc`` traces the proxies' Python allocations from the warm proxy on (much slower: choose a TTL
+that outlasts a rollout) and adds, per store, the allocation sites (``--tracemalloc-frames`` callers each)
+whose live bytes grew most from the warm-up to the end and over the second half of the load, and those
+still held after expiry beyond the warm proxy's. Its snapshots go to files, so they are no RSS of the proxy.
 
-A benchmark, not a test (tests/test_memory_soak_smoke.py runs it tiny): its numbers are in
+A benchmark, not a test (tests/bench/test_memory_soak_smoke.py runs it tiny): its numbers are in
 docs/operations/memory.md.
 """
 
@@ -40,7 +46,10 @@ import ctypes
 import ctypes.util
 import gc
 import json
+import math
 import os
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -59,6 +68,7 @@ ADMIN_KEY = "soak-admin-key"
 STATS = "/_soak/stats"
 SAMPLE = 50  # sessions measured for bytes per session
 TOP_LINES = 12  # --tracemalloc: source lines reported
+STATS_EVERY = 10.0  # seconds between two of a proxy's own reports (glibc's bytes in use, structures)
 
 
 def rss_mib(pid: int) -> float:
@@ -94,6 +104,31 @@ def malloc_info(libc: Any) -> dict[str, float]:
         "heaps": info.arena / mib,
         "mmapped": info.hblkhd / mib,
     }
+
+
+def pymalloc_info() -> dict[str, float]:
+    """CPython's small-object allocator (``sys._debugmallocstats``): its arenas, mapped apart from glibc's
+    heaps (so ``mallinfo2`` does not count them), and the bytes its blocks hand out, in MiB."""
+    with tempfile.TemporaryFile() as captured:
+        saved = os.dup(2)
+        try:
+            os.dup2(captured.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        lines = captured.read().decode(errors="replace").splitlines()
+    found: dict[str, float] = {}
+    for line in lines:
+        name, _, value = line.partition("=")
+        if name.startswith("# arenas allocated current"):
+            found["arenas"] = int(value.replace(",", ""))
+        elif "bytes/arena" in name:
+            found["arenas_mib"] = int(value.replace(",", "")) / 2**20
+        elif name.startswith("# bytes in allocated blocks"):
+            found["in_blocks"] = int(value.replace(",", "")) / 2**20
+    return found
 
 
 def deep_size(value: Any, seen: set[int] | None = None) -> int:
@@ -184,10 +219,6 @@ def serve_proxy(args: argparse.Namespace) -> None:
     from rollout_proxy.proxy.server import serve_until_stopped
     from rollout_proxy.settings import Settings
 
-    if args.tracemalloc:
-        import tracemalloc
-
-        tracemalloc.start(1)
     libc = _libc()
     settings = Settings.from_env(
         engines=(args.engine,),
@@ -200,11 +231,14 @@ def serve_proxy(args: argparse.Namespace) -> None:
     )
     configure_logging(settings.log_format, settings.log_level)
     app = create_app(settings)
-    marks: dict[str, Any] = {}
+    # snapshots written to files, not held: a held one (25 MiB after a few minutes) would be RSS growth
+    marks: dict[str, Path] = {}
+    snapshots = Path(tempfile.mkdtemp(prefix="rp-soak-snapshots-"))
 
     async def stats(request: web.Request) -> web.Response:
         """What the proxy holds now; ``?trim=1``: after a full collection and ``malloc_trim(0)``;
-        ``?mark=NAME``: a tracemalloc snapshot kept under NAME; ``?since=NAME``: the lines grown since."""
+        ``?mark=NAME``: a tracemalloc snapshot kept under NAME (tracing from the first: what the proxy loaded
+        before, its tokenizer's imports, untraced); ``?since=NAME``: the lines grown since."""
         query = request.query
         trimmed_in = None
         if query.get("trim"):
@@ -218,6 +252,7 @@ def serve_proxy(args: argparse.Namespace) -> None:
             "malloc": malloc_info(libc),
             "structures": structures(app),
             "python_blocks": sys.getallocatedblocks(),
+            "pymalloc": pymalloc_info(),
             **threads_and_arenas(libc),
         }
         if query.get("stored"):
@@ -225,20 +260,32 @@ def serve_proxy(args: argparse.Namespace) -> None:
         if args.tracemalloc:
             import tracemalloc
 
+            if not tracemalloc.is_tracing():
+                tracemalloc.start(args.tracemalloc_frames)
             answer["traced_mib"] = tracemalloc.get_traced_memory()[0] / 2**20
             if "mark" in query:
-                marks[query["mark"]] = tracemalloc.take_snapshot()
+                marks[query["mark"]] = snapshots / f"{len(marks)}.tracemalloc"
+                tracemalloc.take_snapshot().dump(str(marks[query["mark"]]))
             if "since" in query and query["since"] in marks:
-                grown = tracemalloc.take_snapshot().compare_to(marks[query["since"]], "lineno")
+                group = "traceback" if args.tracemalloc_frames > 1 else "lineno"
+                since = tracemalloc.Snapshot.load(str(marks[query["since"]]))
+                grown = tracemalloc.take_snapshot().compare_to(since, group)
+                del since
                 answer["grown"] = [
                     f"{stat.size_diff / 2**20:+.2f} MiB {stat.count_diff:+d} blocks "
-                    f"{stat.traceback[0].filename.split('site-packages/')[-1].split('src/')[-1]}"
-                    f":{stat.traceback[0].lineno}"
+                    + " < ".join(
+                        f"{frame.filename.split('site-packages/')[-1].split('src/')[-1]}:{frame.lineno}"
+                        for frame in reversed(stat.traceback)
+                    )
                     for stat in grown[:TOP_LINES]
                 ]
         return web.json_response(answer)
 
+    async def remove_snapshots(_: web.Application) -> None:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
     app.router.add_get(STATS, stats)
+    app.on_cleanup.append(remove_snapshots)
     _run_loop(
         serve_until_stopped(app, settings.host, settings.port, gc_threshold=settings.gc_threshold), settings.event_loop
     )
@@ -254,23 +301,82 @@ class Proxy:
     pid: int
     ttl: float
     samples: list[tuple[float, float]] = field(default_factory=list)  # (seconds into the load, RSS MiB)
+    stats: list[dict[str, Any]] = field(default_factory=list)  # ``STATS`` each ``STATS_EVERY`` s, ``t`` added
     turns: int = 0
     errors: int = 0
     sessions: int = 0
     first_error: str | None = None
+    rate: float = 0.0  # turns a second at most (0: as fast as it answers)
+    next_turn: float = 0.0  # when the next turn may start (monotonic), paced at ``rate``
+
+    async def paced(self) -> None:
+        """Wait for the next turn's slot: turns start ``1 / rate`` apart, so a proxy's load, and with it the
+        sessions it holds, does not move with the throughput the shared cores allow."""
+        if self.rate <= 0:
+            return
+        now = time.monotonic()
+        self.next_turn = max(self.next_turn, now) + 1 / self.rate
+        if self.next_turn - 1 / self.rate > now:
+            await asyncio.sleep(self.next_turn - 1 / self.rate - now)
 
     def rss_at(self, t: float) -> float:
         return min(self.samples, key=lambda sample: abs(sample[0] - t))[1]
 
-    def slope_after(self, t: float) -> float:
-        """MiB per minute: the least-squares line through the samples after ``t``."""
-        points = [(x, y) for x, y in self.samples if x >= t]
-        if len(points) < 2:
-            return 0.0
-        mean_x = sum(x for x, _ in points) / len(points)
-        mean_y = sum(y for _, y in points) / len(points)
-        spread = sum((x - mean_x) ** 2 for x, _ in points)
-        return 60 * sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+    def slope_after(self, t: float) -> Slope:
+        """MiB per minute after ``t``: the least-squares line through the per-minute medians of the samples."""
+        return slope_of_minutes([(x, y) for x, y in self.samples if x >= t])
+
+
+@dataclass(frozen=True)
+class Slope:
+    """A least-squares slope (per minute) with its 95% confidence interval (``slope ± margin``)."""
+
+    slope: float
+    margin: float
+    points: int
+
+    @property
+    def flat(self) -> bool:
+        """0 lies within the interval: no growth that the noise of the points can tell."""
+        return abs(self.slope) <= self.margin
+
+    def __str__(self) -> str:
+        return f"{self.slope:+.2f} ± {self.margin:.2f}"
+
+
+def t_975(dof: int) -> float:
+    """Student's t 97.5% quantile: the normal's, corrected for ``dof`` degrees of freedom (the Cornish-Fisher
+    expansion, to its third term: within 1% from 3 degrees of freedom on, exact in the limit)."""
+    z = 1.959964
+    return (
+        z
+        + (z**3 + z) / (4 * dof)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * dof**3)
+    )
+
+
+def slope_of_minutes(samples: list[tuple[float, float]], every: float = 1.0) -> Slope:
+    """The least-squares slope (per minute) of the median of each whole minute of ``samples`` (seconds, value),
+    minutes counted from the first sample (one taken each ``every`` seconds; a minute with less than half its
+    samples, the last one's rest, is left out), and its 95% confidence interval. Medians, not the samples: a
+    second's RSS is much like the last one's, so a line through every sample would claim far more certainty
+    than the run has; a minute's median also shrugs off a short spike."""
+    if not samples:
+        return Slope(0.0, math.inf, 0)
+    start = samples[0][0]
+    minutes: dict[int, list[float]] = {}
+    for x, y in samples:
+        minutes.setdefault(int((x - start) // 60), []).append(y)
+    whole = [(minute, statistics.median(ys)) for minute, ys in sorted(minutes.items()) if len(ys) >= 30 / every]
+    if len(whole) < 3:
+        return Slope(0.0, math.inf, len(whole))
+    fit = statistics.linear_regression([float(m) for m, _ in whole], [y for _, y in whole])
+    mean_x = statistics.fmean(m for m, _ in whole)
+    spread = sum((m - mean_x) ** 2 for m, _ in whole)
+    residual = sum((y - fit.intercept - fit.slope * m) ** 2 for m, y in whole)
+    error = math.sqrt(residual / (len(whole) - 2) / spread)
+    return Slope(fit.slope, t_975(len(whole) - 2) * error, len(whole))
 
 
 async def rollout(http: aiohttp.ClientSession, proxy: Proxy, index: int, args: argparse.Namespace) -> None:
@@ -284,6 +390,7 @@ async def rollout(http: aiohttp.ClientSession, proxy: Proxy, index: int, args: a
         plugin = {"Authorization": f"Bearer {session['api_key']}"}
         last_id = None
         for turn in range(args.turns):
+            await proxy.paced()
             async with http.post(
                 f"{session['base_url']}/chat/completions", json={"model": "m", "messages": messages}, headers=plugin
             ) as answer:
@@ -322,8 +429,14 @@ async def soak(proxies: list[Proxy], args: argparse.Namespace) -> dict[str, dict
     results: dict[str, dict[str, Any]] = {proxy.name: {} for proxy in proxies}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as http:
-        # one rollout each first: what a proxy loads once (its tokenizer, the template) is not growth
-        await asyncio.gather(*(rollout(http, proxy, -1, args) for proxy in proxies))
+        # one rollout each first: what a proxy loads once (its tokenizer, the template) is not growth; under
+        # --tracemalloc loading the tokenizer takes minutes, so no timeout, and the run stops if it failed
+        warm = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(timeout=warm) as first:
+            await asyncio.gather(*(rollout(first, proxy, -1, args) for proxy in proxies))
+        for proxy in proxies:
+            if proxy.errors:
+                raise SystemExit(f"{proxy.name}: the warm-up rollout failed: {proxy.first_error}")
         await asyncio.sleep(2)
         for proxy in proxies:
             results[proxy.name]["at_idle"] = idle = await stats(http, proxy, mark="idle")
@@ -337,7 +450,9 @@ async def soak(proxies: list[Proxy], args: argparse.Namespace) -> dict[str, dict
                 await rollout(http, proxy, next(counter), args)
 
         workers = [asyncio.create_task(worker(proxy)) for proxy in proxies for _ in range(args.sessions)]
-        next_sample, marked = 0.0, False
+        # tracemalloc snapshots: at the end of the warm-up and halfway from there to the end
+        marks = {"warmup": args.warmup, "midway": (args.warmup + args.duration) / 2}
+        next_sample, next_stats = 0.0, 0.0
         while not all(task.done() for task in workers):
             elapsed = time.monotonic() - started
             if elapsed >= next_sample:
@@ -347,21 +462,36 @@ async def soak(proxies: list[Proxy], args: argparse.Namespace) -> dict[str, dict
                     line = "  ".join(f"{p.name} {p.samples[-1][1]:6.1f} MiB {p.turns:7d} turns" for p in proxies)
                     print(f"{elapsed:5.0f}s {line}", flush=True)
                 next_sample += 1.0
-            if not marked and elapsed >= args.warmup:
-                marked = True
+            due = [name for name, at in marks.items() if elapsed >= at]
+            if elapsed >= next_stats or due:
+                for name in due:
+                    del marks[name]
                 for proxy in proxies:
-                    await stats(http, proxy, mark="warmup")
+                    for query in [{"mark": name} for name in due] or [{}]:
+                        report = await stats(http, proxy, **query)
+                    proxy.stats.append({"t": elapsed, "turns": proxy.turns, **report})
+                next_stats += STATS_EVERY if elapsed >= next_stats else 0
             await asyncio.sleep(0.05)
         loaded = time.monotonic() - started
         for proxy in proxies:
             result = results[proxy.name]
             at_end = await stats(http, proxy, stored="1", since="warmup")
+            if args.tracemalloc:
+                at_end["grown_since_midway"] = (await stats(http, proxy, since="midway")).get("grown", [])
+            slope = proxy.slope_after(args.warmup)
+            in_use = slope_of_minutes(
+                [(r["t"], r["malloc"]["in_use"]) for r in proxy.stats if r["t"] >= args.warmup], STATS_EVERY
+            )
             result |= {
                 "ttl": proxy.ttl,
                 "warmup_rss": proxy.rss_at(args.warmup),
                 "end": at_end["rss"],
                 "peak_after_warmup": max(rss for t, rss in proxy.samples if t >= args.warmup),
-                "slope": proxy.slope_after(args.warmup),
+                "slope": slope.slope,
+                "slope_margin": slope.margin,
+                "slope_minutes": slope.points,
+                "malloc_in_use_slope": in_use.slope,
+                "malloc_in_use_slope_margin": in_use.margin,
                 "at_end": at_end,
                 "turns": proxy.turns,
                 "turns_per_s": proxy.turns / loaded,
@@ -369,6 +499,7 @@ async def soak(proxies: list[Proxy], args: argparse.Namespace) -> dict[str, dict
                 "errors": proxy.errors,
                 "first_error": proxy.first_error,
                 "samples": proxy.samples,
+                "stats": proxy.stats,
             }
         print(f"draining {args.drain:.0f}s (no traffic: every session expires)...", flush=True)
         await asyncio.sleep(args.drain)
@@ -382,8 +513,8 @@ async def soak(proxies: list[Proxy], args: argparse.Namespace) -> dict[str, dict
 def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     head = (
         "| store | TTL | turns (errors) | turns/s | RSS warm | RSS at warm-up | RSS at end | growth warm-up→end "
-        "| slope after warm-up | sessions alive at end | RSS after expiry | malloc in use: warm / end / after expiry "
-        "| entries left |"
+        "| RSS slope after warm-up (95% CI) | malloc in use: slope after warm-up | sessions alive at end "
+        "| RSS after expiry | malloc in use: warm / end / after expiry | entries left |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for name, r in results.items():
@@ -392,11 +523,15 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         in_use = " / ".join(f"{r[moment]['malloc']['in_use']:.1f}" for moment in ("at_idle", "at_end", "drained"))
         lines.append(
             f"| {name} | {r['ttl']:g} s | {r['turns']} ({r['errors']}) | {r['turns_per_s']:.0f} | {r['idle']:.1f} MiB "
-            f"| {r['warmup_rss']:.1f} MiB | {r['end']:.1f} MiB | {growth:+.1f}% | {r['slope']:+.2f} MiB/min "
+            f"| {r['warmup_rss']:.1f} MiB | {r['end']:.1f} MiB | {growth:+.1f}% "
+            f"| {r['slope']:+.2f} ± {r['slope_margin']:.2f} MiB/min "
+            f"| {r['malloc_in_use_slope']:+.2f} ± {r['malloc_in_use_slope_margin']:.2f} MiB/min "
             f"| {r['at_end']['sessions']} | {r['drained']['rss']:.1f} MiB | {in_use} MiB | {left} |"
         )
     settings = (
-        f"{args.sessions} sessions at once per store, {args.turns} turns each, {args.duration:g} s of load, "
+        f"{args.sessions} sessions at once per store, {args.turns} turns each"
+        + (f", at most {args.rate:g} turns/s per store" if args.rate else "")
+        + f", {args.duration:g} s of load, "
         f"warm-up {args.warmup:g} s, then {args.drain:g} s without traffic"
     )
     return "\n".join([settings, "", *lines])
@@ -420,6 +555,8 @@ def detail(results: dict[str, dict[str, Any]]) -> str:
             out.append(f"{name:6} first error: {r['first_error']}")
         for line in r["at_end"].get("grown", []):
             out.append(f"{name:6} grown since warm-up: {line}")
+        for line in r["at_end"].get("grown_since_midway", []):
+            out.append(f"{name:6} grown in the second half: {line}")
         for line in r["drained"].get("grown", []):
             out.append(f"{name:6} held after expiry, beyond the idle proxy's: {line}")
     return "\n".join(out)
@@ -432,11 +569,17 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10, help="chat turns per rollout (default 10)")
     parser.add_argument("--ttl", type=float, default=120.0, help="session TTL in seconds (default 120)")
     parser.add_argument("--redis-ttl", type=float, help="the Redis proxy's session TTL (default: --ttl)")
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="turns a second per proxy at most (default 0: as fast as answered)"
+    )
     parser.add_argument("--leave-open", type=int, default=2, help="every Nth rollout is not finished (default 2)")
     parser.add_argument("--warmup", type=float, help="seconds before growth is measured (default 2x the TTL)")
     parser.add_argument("--drain", type=float, help="seconds without traffic after the load (default TTL + 15)")
     parser.add_argument("--redis-url", help="an empty Redis to use (default: a private redis-server)")
     parser.add_argument("--tracemalloc", action="store_true", help="trace the proxies' Python allocations")
+    parser.add_argument(
+        "--tracemalloc-frames", type=int, default=1, help="frames kept per allocation (more: grouped by traceback)"
+    )
     parser.add_argument("--out", type=Path, help="write memory_soak.json there")
     args = parser.parse_args()
     longest = max(args.ttl, args.redis_ttl or 0)
@@ -456,8 +599,9 @@ def main() -> None:
             argv = [sys.executable, "-m", "bench.memory_soak", "proxy", "--store", store, "--engine", engine_url]
             argv += ["--port", str(port)]
             argv += ["--ttl", str(ttl), *(["--tracemalloc"] if args.tracemalloc else [])]
+            argv += ["--tracemalloc-frames", str(args.tracemalloc_frames)]
             process = services.start(f"proxy-{name}", argv)
-            proxies.append(Proxy(name, f"http://127.0.0.1:{port}", process.pid, ttl))
+            proxies.append(Proxy(name, f"http://127.0.0.1:{port}", process.pid, ttl, rate=args.rate))
         for proxy in proxies:  # started together, waited for in turn
             services.wait_http(f"proxy-{proxy.name}", f"{proxy.url}/readyz")
         results = asyncio.run(soak(proxies, args))
@@ -479,6 +623,7 @@ def proxy_main(argv: list[str]) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ttl", type=float, required=True)
     parser.add_argument("--tracemalloc", action="store_true")
+    parser.add_argument("--tracemalloc-frames", type=int, default=1)
     serve_proxy(parser.parse_args(argv))
 
 
