@@ -22,6 +22,12 @@ first and last five turns, and the least-squares line through the CPU of every t
 and at the last). Where Linux has it, CPU is read from the scheduler's nanosecond count per thread
 (``/proc/PID/task/*/schedstat``), not psutil's 10 ms ticks.
 
+``--baseline CHECKOUT`` (a git worktree of another commit: ``git worktree add --detach /tmp/rp-base 70c855b``)
+starts that checkout's proxy beside this tree's on each store (its ``src`` first on ``PYTHONPATH``, the same
+interpreter, engine and redis-server), in the same rotated order: targets ``baseline (memory)`` and
+``baseline (redis)``. On the Redis store the run also counts the commands redis-server processed per turn
+(``INFO stats``; the round trips per turn are held by ``tests/state/test_round_trips.py``).
+
 Direct = the engine's vLLM-style ``/v1/chat/completions`` (it renders the whole history each
 turn, as vLLM does); the proxies call its ``/v1/completions`` with token ids. LiteLLM runs
 from its own venv (``--litellm``, default ``~/.cache/rollout-proxy/litellm-venv/bin/litellm``;
@@ -54,12 +60,15 @@ import orjson
 
 from bench.harness import (
     OUT,
+    ROOT,
     Services,
+    baseline_env,
     cpu_line,
     cpu_seconds,
     free_port,
     percentile,
     pin,
+    revision,
     rotated,
     start_engine,
     start_redis,
@@ -80,6 +89,7 @@ class Target:
     pid: int | None = None  # the process whose CPU is its own (None: direct)
     base: str | None = None  # a rollout-proxy's base URL (sessions are opened there)
     key: str | None = None  # bearer for every call (LiteLLM's master key)
+    redis: str | None = None  # the Redis store's URL (its commands per turn are counted)
 
 
 @dataclass
@@ -95,6 +105,20 @@ class Run:
     cpu_create: float = 0.0  # ... over creating the sessions
     engine_cpu: float = 0.0  # CPU seconds of the engine over the turns
     others_cpu: float = 0.0  # ... of this client (the bench's own process) and of ``measure``'s ``others``
+    redis_commands: int = 0  # commands redis-server processed over the turns (a Redis-store proxy's)
+
+
+async def redis_commands(url: str | None) -> int:
+    """How many commands redis-server has processed (``INFO stats``); 0 without one."""
+    if url is None:
+        return 0
+    import redis.asyncio
+
+    client = redis.asyncio.Redis.from_url(url)
+    try:
+        return int((await client.info("stats"))["total_commands_processed"])
+    finally:
+        await client.aclose()
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], token: str | None) -> tuple[int, bytes]:
@@ -177,6 +201,7 @@ async def measure(
     conversations = [Conversation(target, index, token) for index, token in enumerate(tokens) if token != ""]
     run.errors = sessions - len(conversations)
     per_turn: list[list[float]] = [[] for _ in range(turns)]
+    commands_before = await redis_commands(target.redis)
     engine_before, started = cpu_seconds(engine_pid), time.perf_counter()
     others_before = time.process_time() + sum(cpu_seconds(pid) for pid in others)
 
@@ -192,6 +217,8 @@ async def measure(
     run.cpu_turns = cpu_seconds(target.pid) - cpu_created
     run.engine_cpu = cpu_seconds(engine_pid) - engine_before
     run.others_cpu = time.process_time() + sum(cpu_seconds(pid) for pid in others) - others_before
+    if target.redis is not None:  # less the INFO that read the count
+        run.redis_commands = await redis_commands(target.redis) - commands_before - 1
     run.latencies = [latency for latencies in per_turn for latency in latencies]
     run.turns = len(run.latencies)
     failures = refused[:1] + [conversation.failed for conversation in conversations if conversation.failed]
@@ -225,16 +252,21 @@ def start_targets(services: Any, args: argparse.Namespace, delay: float, redis_u
     pin(engine.pid, args.client_cpus)
     targets = [Target("direct", f"{engine_url}/v1/chat/completions")]
     stores = [("memory", "memory")] + ([("redis", redis_url)] if redis_url else [])
+    trees = [("rollout-proxy", None)] + ([("baseline", baseline_env(args.baseline))] if args.baseline else [])
     for name, store in stores:
-        port = free_port()
-        argv = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(port), "--engine", engine_url]
-        argv += ["--store", store, "--admin-key", ADMIN_KEY, "--log-level", "warning", "--log-format", "json"]
-        argv += ["--session-ttl", "3600", *args.proxy_arg]
-        process = services.start(f"proxy-{name}-{delay:g}", argv)
-        base = f"http://127.0.0.1:{port}"
-        services.wait_http(f"proxy-{name}-{delay:g}", f"{base}/readyz")
-        pin(process.pid, args.proxy_cpus)
-        targets.append(Target(f"rollout-proxy ({name})", f"{base}/v1/chat/completions", process.pid, base))
+        for tree, env in trees:
+            port = free_port()
+            argv = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(port), "--engine", engine_url]
+            argv += ["--store", store, "--admin-key", ADMIN_KEY, "--log-level", "warning", "--log-format", "json"]
+            argv += ["--session-ttl", "3600", *args.proxy_arg]
+            process = services.start(f"{tree}-{name}-{delay:g}", argv, env=env)
+            base = f"http://127.0.0.1:{port}"
+            services.wait_http(f"{tree}-{name}-{delay:g}", f"{base}/readyz")
+            pin(process.pid, args.proxy_cpus)
+            url = f"{base}/v1/chat/completions"
+            targets.append(
+                Target(f"{tree} ({name})", url, process.pid, base, redis=redis_url if name == "redis" else None)
+            )
     if args.litellm:
         port = free_port()
         config = services.workdir / f"litellm-{delay:g}.yaml"
@@ -321,6 +353,7 @@ def summarize(runs: dict[str, list[Run]], sessions: int, turns: int) -> dict[str
             "cpu_ms_per_session_created": statistics.mean(run.cpu_create for run in each) * 1000,
             "engine_cpu_ms_per_turn": sum(run.engine_cpu for run in each) / done * 1000 if done else float("nan"),
             "client_cpu_ms_per_turn": sum(run.others_cpu for run in each) / done * 1000 if done else float("nan"),
+            "redis_commands_per_turn": sum(run.redis_commands for run in each) / done if done else float("nan"),
         }
     direct = merged["direct"]
     for values in merged.values():
@@ -373,8 +406,8 @@ def long_summary(long: dict[str, Any], turns: int) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| engine | sessions × turns | target | p50 overhead / turn | p99 overhead / turn | throughput vs direct "
-        "| CPU / turn (process) | CPU / session created | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| CPU / turn (process) | CPU / session created | Redis commands / turn | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for delay, phase_result in report["phases"].items():
         for result in phase_result["sizes"].values():
@@ -383,19 +416,24 @@ def table(report: dict[str, Any]) -> str:
                     what = f"p50 {values['p50_ms']:.1f} ms, p99 {values['p99_ms']:.1f} ms"
                     lines.append(
                         f"| {delay} ms | {result['sessions']} × {result['turns']} | direct (engine) | {what} | | "
-                        f"{values['turns_per_s']:.0f} turns/s | engine {values['engine_cpu_ms_per_turn']:.2f} ms | | "
+                        f"{values['turns_per_s']:.0f} turns/s | engine {values['engine_cpu_ms_per_turn']:.2f} ms | | | "
                         f"{values['errors']} |"
                     )
                     continue
                 # LiteLLM has no sessions; one session's creation is below the counters' 10 ms tick
                 few = name == "LiteLLM" or result["sessions"] < 16
                 create = "-" if few else f"{values['cpu_ms_per_session_created']:.2f} ms"
+                commands = values.get("redis_commands_per_turn") or 0
+                commands_cell = f"{commands:.1f}" if commands else "-"
                 lines.append(
                     f"| {delay} ms | {result['sessions']} × {result['turns']} | {name} "
                     f"| {values['p50_overhead_ms']:+.1f} ms | {values['p99_overhead_ms']:+.1f} ms "
                     f"| {values['throughput_ratio']:.2f}× | {values['cpu_ms_per_turn']:.2f} ms "
-                    f"| {create} | {values['errors']} |"
+                    f"| {create} | {commands_cell} | {values['errors']} |"
                 )
+    revisions = report["settings"].get("revisions") or {}
+    if len(revisions) > 1:
+        lines += ["", "Revisions: " + ", ".join(f"{name} = {commit}" for name, commit in revisions.items())]
     long = report.get("long_summary") or {}
     if long:
         turns = report["settings"]["long_turns"]
@@ -494,6 +532,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--long-litellm", action="store_true", help="LiteLLM in the long run too")
     parser.add_argument("--no-redis", action="store_true", help="skip the Redis-store proxy")
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout (a git worktree of another commit): its proxies run beside this tree's, on both "
+        "stores, in the same rotated order",
+    )
     parser.add_argument("--litellm", type=Path, default=DEFAULT_LITELLM, help="LiteLLM's CLI (its own venv)")
     parser.add_argument(
         "--proxy-arg",
@@ -580,6 +624,8 @@ def main(argv: list[str] | None = None) -> None:
         "long_rounds": args.long_rounds,
         "proxy_args": args.proxy_arg,
         "litellm": str(args.litellm) if args.litellm else None,
+        "revisions": {"rollout-proxy": revision(ROOT)}
+        | ({"baseline": revision(args.baseline)} if args.baseline else {}),
         "proxy_cpus": sorted(args.proxy_cpus) if args.proxy_cpus else None,
         "client_cpus": sorted(args.client_cpus) if args.client_cpus else None,
         "cpus": os.cpu_count(),
