@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from bench import proxy_overhead, resent_input
 from bench.harness import (
@@ -120,12 +121,31 @@ def items(driver: Driver) -> int:
     return len(conversation.input) if driver.api == "responses" else len(conversation.anthropic) + 1
 
 
+async def otlp_sink() -> tuple[web.AppRunner, str, list[int]]:
+    """A collector that takes OTLP/HTTP trace exports and answers 200 (what it was sent: counted in bytes)."""
+    received: list[int] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        received.append(len(await request.read()))
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}", received
+
+
 async def profile(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     services = Services(Path(tempfile.mkdtemp(prefix="rp-profile-")))
+    sink = await otlp_sink() if args.tracing else None
     try:
         store = start_redis(services) if args.store == "redis" else "memory"
         _, engine_url = start_engine(services, extra=["--chat-template", str(resent_input.TEMPLATE)])
-        pid, base = start_proxy(services, engine_url, store, args.tree, args.proxy_arg)
+        extra = [*args.proxy_arg] + (["--otlp-endpoint", sink[1]] if sink else [])
+        pid, base = start_proxy(services, engine_url, store, args.tree, extra)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
             warm = Driver(http, base, args.shape)  # tokenizer, rendering decided, connections
             await warm.open(2)
@@ -147,6 +167,8 @@ async def profile(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             await asyncio.wait_for(sampler.wait(), 60)
     finally:
         services.stop()
+        if sink is not None:
+            await sink[0].cleanup()
     turns = args.sessions * args.profiled
     counts = read_stacks(stacks)
     cpu_ms = cpu / turns * 1000
@@ -154,6 +176,8 @@ async def profile(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return {
         "shape": args.shape,
         "store": args.store,
+        "tracing": args.tracing,
+        "trace_bytes_exported": sum(sink[2]) if sink else 0,
         "tree": str(args.tree) if args.tree else None,
         "revision": revision(args.tree or ROOT),
         "sessions": args.sessions,
@@ -279,16 +303,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=25, help="rows of the table (default 25)")
     parser.add_argument("--tree", type=Path, help="run the proxy from another checkout (its src/ first)")
     parser.add_argument("--proxy-arg", action="append", default=[], help="passed to rollout-proxy serve")
+    parser.add_argument(
+        "--tracing", action="store_true", help="traces on: exported over OTLP/HTTP to a collector this run holds"
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     if not 0 < args.profiled <= args.turns:
         parser.error("--profiled: between 1 and --turns")
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"profile_turn-{args.shape}-{args.store}" + ("-tree" if args.tree else "")
+    name = (
+        f"profile_turn-{args.shape}-{args.store}"
+        + ("-tracing" if args.tracing else "")
+        + ("-tree" if args.tree else "")
+    )
     report = asyncio.run(profile(args, args.out / name))
     write_report(args.out / f"{name}.json", report, "bench.profile_turn", argv)
     print(
-        f"{args.shape}, {args.store}: {report['cpu_ms_per_turn']:.2f} ms proxy CPU per turn over "
+        f"{args.shape}, {args.store}{', tracing' if args.tracing else ''}: {report['cpu_ms_per_turn']:.2f} ms proxy CPU per turn over "
         f"{report['sessions']} x {report['profiled_turns']} turns ({report['items_at_first_profiled_turn']} items), "
         f"{report['samples']} samples"
     )

@@ -25,8 +25,9 @@ and at the last). Where Linux has it, CPU is read from the scheduler's nanosecon
 ``--baseline CHECKOUT`` (a git worktree of another commit: ``git worktree add --detach /tmp/rp-base 70c855b``)
 starts that checkout's proxy beside this tree's on each store (its ``src`` first on ``PYTHONPATH``, the same
 interpreter, engine and redis-server), in the same rotated order: targets ``baseline (memory)`` and
-``baseline (redis)``. On the Redis store the run also counts the commands redis-server processed per turn
-(``INFO stats``; the round trips per turn are held by ``tests/state/test_round_trips.py``).
+``baseline (redis)``. On the Redis store the run also counts per turn the reads of its clients' sockets
+redis-server made (round trips: a pipeline is one) and the commands it processed, a script's own included
+(``INFO stats``; ``tests/state/test_round_trips.py`` holds a turn to two round trips).
 
 Direct = the engine's vLLM-style ``/v1/chat/completions`` (it renders the whole history each
 turn, as vLLM does); the proxies call its ``/v1/completions`` with token ids. LiteLLM runs
@@ -106,19 +107,30 @@ class Run:
     engine_cpu: float = 0.0  # CPU seconds of the engine over the turns
     others_cpu: float = 0.0  # ... of this client (the bench's own process) and of ``measure``'s ``others``
     redis_commands: int = 0  # commands redis-server processed over the turns (a Redis-store proxy's)
+    redis_reads: int = 0  # ... and reads of its clients' sockets: round trips
 
 
-async def redis_commands(url: str | None) -> int:
-    """How many commands redis-server has processed (``INFO stats``); 0 without one."""
+async def redis_counts(url: str | None) -> tuple[int, int]:
+    """How many commands redis-server has processed, and how many reads of its clients' sockets (``INFO
+    stats``: a pipelined round trip is one read); zeros without one."""
     if url is None:
-        return 0
+        return 0, 0
     import redis.asyncio
 
     client = redis.asyncio.Redis.from_url(url)
     try:
-        return int((await client.info("stats"))["total_commands_processed"])
+        stats = await client.info("stats")
     finally:
         await client.aclose()
+    return int(stats["total_commands_processed"]), int(stats["total_reads_processed"])
+
+
+async def redis_counted(url: str | None) -> tuple[int, int]:
+    """``redis_counts`` less what reading them costs (a connection's setup, the INFO)."""
+    first = await redis_counts(url)
+    second = await redis_counts(url)
+    own = (second[0] - first[0], second[1] - first[1])
+    return first[0] - own[0], first[1] - own[1]
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], token: str | None) -> tuple[int, bytes]:
@@ -201,7 +213,7 @@ async def measure(
     conversations = [Conversation(target, index, token) for index, token in enumerate(tokens) if token != ""]
     run.errors = sessions - len(conversations)
     per_turn: list[list[float]] = [[] for _ in range(turns)]
-    commands_before = await redis_commands(target.redis)
+    commands_before, reads_before = await redis_counted(target.redis)
     engine_before, started = cpu_seconds(engine_pid), time.perf_counter()
     others_before = time.process_time() + sum(cpu_seconds(pid) for pid in others)
 
@@ -217,8 +229,9 @@ async def measure(
     run.cpu_turns = cpu_seconds(target.pid) - cpu_created
     run.engine_cpu = cpu_seconds(engine_pid) - engine_before
     run.others_cpu = time.process_time() + sum(cpu_seconds(pid) for pid in others) - others_before
-    if target.redis is not None:  # less the INFO that read the count
-        run.redis_commands = await redis_commands(target.redis) - commands_before - 1
+    if target.redis is not None:
+        commands_after, reads_after = await redis_counted(target.redis)
+        run.redis_commands, run.redis_reads = commands_after - commands_before, reads_after - reads_before
     run.latencies = [latency for latencies in per_turn for latency in latencies]
     run.turns = len(run.latencies)
     failures = refused[:1] + [conversation.failed for conversation in conversations if conversation.failed]
@@ -354,6 +367,7 @@ def summarize(runs: dict[str, list[Run]], sessions: int, turns: int) -> dict[str
             "engine_cpu_ms_per_turn": sum(run.engine_cpu for run in each) / done * 1000 if done else float("nan"),
             "client_cpu_ms_per_turn": sum(run.others_cpu for run in each) / done * 1000 if done else float("nan"),
             "redis_commands_per_turn": sum(run.redis_commands for run in each) / done if done else float("nan"),
+            "redis_round_trips_per_turn": sum(run.redis_reads for run in each) / done if done else float("nan"),
         }
     direct = merged["direct"]
     for values in merged.values():
@@ -406,7 +420,7 @@ def long_summary(long: dict[str, Any], turns: int) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| engine | sessions × turns | target | p50 overhead / turn | p99 overhead / turn | throughput vs direct "
-        "| CPU / turn (process) | CPU / session created | Redis commands / turn | errors |",
+        "| CPU / turn (process) | CPU / session created | Redis round trips (commands) / turn | errors |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for delay, phase_result in report["phases"].items():
@@ -424,7 +438,8 @@ def table(report: dict[str, Any]) -> str:
                 few = name == "LiteLLM" or result["sessions"] < 16
                 create = "-" if few else f"{values['cpu_ms_per_session_created']:.2f} ms"
                 commands = values.get("redis_commands_per_turn") or 0
-                commands_cell = f"{commands:.1f}" if commands else "-"
+                trips = values.get("redis_round_trips_per_turn") or 0
+                commands_cell = f"{trips:.1f} ({commands:.1f})" if commands else "-"
                 lines.append(
                     f"| {delay} ms | {result['sessions']} × {result['turns']} | {name} "
                     f"| {values['p50_overhead_ms']:+.1f} ms | {values['p99_overhead_ms']:+.1f} ms "
