@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import html
 import os
+import re
 import shutil
 import signal
 import sys
@@ -90,16 +91,21 @@ class Driver:
         self.k = 0
 
     async def open(self, sessions: int) -> None:
+        """The short conversation's sessions as ``bench.proxy_overhead`` opens them (a sample the first turn
+        resends), the harness shapes' as ``bench.resent_input`` does (no sample: the harness sends it all)."""
         target = proxy_overhead.Target("proxy", f"{self.base}/v1/chat/completions", base=self.base)
-        tokens, errors = await proxy_overhead.open_sessions(self.http, target, sessions)
-        if errors:
-            raise SystemExit(errors[0])
-        for index, token in enumerate(tokens):
-            assert token
-            if self.api is None:
-                self.conversations.append(proxy_overhead.Conversation(target, index, token))
-            else:
-                self.conversations.append(resent_input.Conversation(self.api, index, token, self.base))
+        if self.api is None:
+            tokens, errors = await proxy_overhead.open_sessions(self.http, target, sessions)
+            if errors:
+                raise SystemExit(errors[0])
+            self.conversations += [proxy_overhead.Conversation(target, i, token) for i, token in enumerate(tokens)]
+            return
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        for index in range(sessions):
+            body = {"generation": {"max_new_tokens": 16}}
+            async with self.http.post(f"{self.base}/v1/sessions", json=body, headers=headers) as answer:
+                token = (await answer.json())["api_key"]
+            self.conversations.append(resent_input.Conversation(self.api, index, token, self.base))
 
     async def turns(self, count: int) -> None:
         for _ in range(count):
@@ -200,14 +206,15 @@ def read_stacks(path: Path) -> Counter[tuple[str, ...]]:
     return counts
 
 
+#: where a frame's path starts to say something: the package, an installed one, the standard library
+_PATH_HEAD = re.compile(r"^.*?/(?:src|site-packages|lib/python3\.\d+)/")
+
+
 def short(frame: str) -> str:
-    """``function (path/to/module.py)`` with the path from the package (or site-packages) on."""
+    """``function (path/to/module.py)`` with the path from the package (or site-packages, or the standard
+    library) on."""
     name, _, where = frame.partition(" (")
-    where = where.rstrip(")")
-    for marker in ("/src/", "site-packages/", "/lib/python3"):
-        if marker in where:
-            where = where.split(marker, 1)[1]
-            break
+    where = _PATH_HEAD.sub("", where.rstrip(")"))
     return f"{name} ({where})" if where else name
 
 
@@ -284,12 +291,24 @@ def write_svg(counts: Counter[tuple[str, ...]], path: Path, title: str, cpu_ms: 
     )
 
 
-def table(report: dict[str, Any]) -> str:
-    rows = [
+#: frames every sample is in (the interpreter's start, the CLI, a thread's start): they say nothing
+_ROOTS = ("<frozen runpy>", "rollout_proxy/cli.py", "rollout_proxy/__main__.py", "threading.py", "concurrent/futures")
+
+
+def table(report: dict[str, Any], rows: int = 20) -> str:
+    """The top cumulative costs per turn, the frames every sample shares left out."""
+    kept = [entry for entry in report["top"] if not any(root in entry["function"] for root in _ROOTS)]
+    lines = [
         [entry["function"], f"{entry['share']:.1%}", f"{entry['ms_per_turn']:.3f} ms", f"{entry['self_share']:.1%}"]
-        for entry in report["top"]
+        for entry in kept[:rows]
     ]
-    return markdown_table(["function (cumulative)", "share of samples", "ms per turn", "self"], rows)
+    head = (
+        f"{report['shape']} turns, {report['store']} store{', traced' if report.get('tracing') else ''} "
+        f"({report['revision']}): {report['cpu_ms_per_turn']:.2f} ms proxy CPU per turn over {report['sessions']} "
+        f"sessions x {report['profiled_turns']} turns from {report['items_at_first_profiled_turn']} items, "
+        f"{report['samples']} samples\n\n"
+    )
+    return head + markdown_table(["function (cumulative)", "share of samples", "ms per turn", "self"], lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -300,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=30, help="turns per session (default 30)")
     parser.add_argument("--profiled", type=int, default=10, help="the last turns, sampled (default 10)")
     parser.add_argument("--rate", type=int, default=500, help="py-spy samples per second (default 500)")
-    parser.add_argument("--top", type=int, default=25, help="rows of the table (default 25)")
+    parser.add_argument("--top", type=int, default=40, help="functions kept in the JSON (default 40)")
     parser.add_argument("--tree", type=Path, help="run the proxy from another checkout (its src/ first)")
     parser.add_argument("--proxy-arg", action="append", default=[], help="passed to rollout-proxy serve")
     parser.add_argument(
@@ -318,11 +337,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     report = asyncio.run(profile(args, args.out / name))
     write_report(args.out / f"{name}.json", report, "bench.profile_turn", argv)
-    print(
-        f"{args.shape}, {args.store}{', tracing' if args.tracing else ''}: {report['cpu_ms_per_turn']:.2f} ms proxy CPU per turn over "
-        f"{report['sessions']} x {report['profiled_turns']} turns ({report['items_at_first_profiled_turn']} items), "
-        f"{report['samples']} samples"
-    )
     print(table(report))
     print(f"wrote {args.out / name}.svg, .txt, .json")
 
