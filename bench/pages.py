@@ -37,15 +37,8 @@ PAGES = DOCS / "benchmarks"
 DATA = DOCS / "bench"
 
 Report = dict[str, Any]
-#: the published profiles (``bench.profile_turn``: SHAPE-STORE, and -before for the pre-refactor main)
-PROFILED = (
-    "short-memory",
-    "short-redis",
-    "codex-memory",
-    "claude-memory",
-    "short-memory-before",
-    "codex-memory-before",
-)
+#: the published profiles (``bench.profile_turn``: SHAPE-STORE)
+PROFILED = ("codex-memory", "short-redis")
 
 
 def _fleet(report: Report) -> str:
