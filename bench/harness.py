@@ -12,6 +12,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ __all__ = [
     "OUT",
     "ROOT",
     "Services",
+    "baseline_env",
     "child_env",
     "command_line",
     "cpu_line",
@@ -34,6 +36,7 @@ __all__ = [
     "markdown_table",
     "percentile",
     "pin",
+    "revision",
     "rotated",
     "start_engine",
     "start_redis",
@@ -115,6 +118,29 @@ def usable_cpus() -> int:
 
 
 # -- side by side ---------------------------------------------------------------------------------------
+
+
+def revision(tree: Path) -> str:
+    """The tree's commit (short), ``+changes`` where its tracked files differ from it."""
+    git = ["git", "-C", str(tree)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return (commit or "unknown") + ("+changes" if dirty.stdout.strip() else "")
+
+
+def baseline_env(checkout: Path) -> dict[str, str]:
+    """The environment a proxy from ``checkout`` runs in: its ``src`` first, checked to be what imports."""
+    env = {**child_env(), "PYTHONPATH": os.pathsep.join([str(checkout / "src"), str(checkout)])}
+    where = subprocess.run(
+        [sys.executable, "-c", "import rollout_proxy; print(rollout_proxy.__file__)"],
+        env=env,
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not Path(where).resolve().is_relative_to((checkout / "src").resolve()):
+        raise SystemExit(f"--baseline {checkout}: rollout_proxy imports from {where or 'nowhere'}, not its src/")
+    return env
 
 
 def rotated(items: Sequence[T], round_index: int) -> list[T]:

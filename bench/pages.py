@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import fleet_faults, proxy_overhead, resent_input, storage_footprint, streaming_ttft, workers
+from bench import fleet_faults, profile_turn, proxy_overhead, resent_input, storage_footprint, streaming_ttft, workers
 from bench.harness import ROOT
 
 DOCS = ROOT / "docs"
@@ -37,6 +37,8 @@ PAGES = DOCS / "benchmarks"
 DATA = DOCS / "bench"
 
 Report = dict[str, Any]
+#: the published profiles (``bench.profile_turn``: SHAPE-STORE)
+PROFILED = ("codex-memory", "short-redis")
 
 
 def _fleet(report: Report) -> str:
@@ -65,6 +67,10 @@ TABLES: dict[str, Callable[[Report], str]] = {
     "storage_footprint_long_turns.json": _storage,
     "workers.json": workers.table,
     "resent_input.json": resent_input.table,
+    # issue 35: this tree against the pre-refactor main, and where a turn's CPU goes
+    "proxy_overhead_vs_70c855b.json": proxy_overhead.table,
+    "resent_input_vs_70c855b.json": resent_input.table,
+    **{f"profile_turn-{shape}.json": profile_turn.table for shape in PROFILED},
 }
 
 #: Runs published before the benches recorded their own command line (``bench.harness.write_report``).

@@ -22,6 +22,13 @@ first and last five turns, and the least-squares line through the CPU of every t
 and at the last). Where Linux has it, CPU is read from the scheduler's nanosecond count per thread
 (``/proc/PID/task/*/schedstat``), not psutil's 10 ms ticks.
 
+``--baseline CHECKOUT`` (a git worktree of another commit: ``git worktree add --detach /tmp/rp-base 70c855b``)
+starts that checkout's proxy beside this tree's on each store (its ``src`` first on ``PYTHONPATH``, the same
+interpreter, engine and redis-server), in the same rotated order: targets ``baseline (memory)`` and
+``baseline (redis)``. On the Redis store the run also counts per turn the reads of its clients' sockets
+redis-server made (round trips: a pipeline is one) and the commands it processed, a script's own included
+(``INFO stats``; ``tests/state/test_round_trips.py`` holds a turn to two round trips).
+
 Direct = the engine's vLLM-style ``/v1/chat/completions`` (it renders the whole history each
 turn, as vLLM does); the proxies call its ``/v1/completions`` with token ids. LiteLLM runs
 from its own venv (``--litellm``, default ``~/.cache/rollout-proxy/litellm-venv/bin/litellm``;
@@ -54,12 +61,15 @@ import orjson
 
 from bench.harness import (
     OUT,
+    ROOT,
     Services,
+    baseline_env,
     cpu_line,
     cpu_seconds,
     free_port,
     percentile,
     pin,
+    revision,
     rotated,
     start_engine,
     start_redis,
@@ -80,6 +90,7 @@ class Target:
     pid: int | None = None  # the process whose CPU is its own (None: direct)
     base: str | None = None  # a rollout-proxy's base URL (sessions are opened there)
     key: str | None = None  # bearer for every call (LiteLLM's master key)
+    redis: str | None = None  # the Redis store's URL (its commands per turn are counted)
 
 
 @dataclass
@@ -95,6 +106,31 @@ class Run:
     cpu_create: float = 0.0  # ... over creating the sessions
     engine_cpu: float = 0.0  # CPU seconds of the engine over the turns
     others_cpu: float = 0.0  # ... of this client (the bench's own process) and of ``measure``'s ``others``
+    redis_commands: int = 0  # commands redis-server processed over the turns (a Redis-store proxy's)
+    redis_reads: int = 0  # ... and reads of its clients' sockets: round trips
+
+
+async def redis_counts(url: str | None) -> tuple[int, int]:
+    """How many commands redis-server has processed, and how many reads of its clients' sockets (``INFO
+    stats``: a pipelined round trip is one read); zeros without one."""
+    if url is None:
+        return 0, 0
+    import redis.asyncio
+
+    client = redis.asyncio.Redis.from_url(url)
+    try:
+        stats = await client.info("stats")
+    finally:
+        await client.aclose()
+    return int(stats["total_commands_processed"]), int(stats["total_reads_processed"])
+
+
+async def redis_counted(url: str | None) -> tuple[int, int]:
+    """``redis_counts`` less what reading them costs (a connection's setup, the INFO)."""
+    first = await redis_counts(url)
+    second = await redis_counts(url)
+    own = (second[0] - first[0], second[1] - first[1])
+    return first[0] - own[0], first[1] - own[1]
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], token: str | None) -> tuple[int, bytes]:
@@ -177,6 +213,7 @@ async def measure(
     conversations = [Conversation(target, index, token) for index, token in enumerate(tokens) if token != ""]
     run.errors = sessions - len(conversations)
     per_turn: list[list[float]] = [[] for _ in range(turns)]
+    commands_before, reads_before = await redis_counted(target.redis)
     engine_before, started = cpu_seconds(engine_pid), time.perf_counter()
     others_before = time.process_time() + sum(cpu_seconds(pid) for pid in others)
 
@@ -192,6 +229,9 @@ async def measure(
     run.cpu_turns = cpu_seconds(target.pid) - cpu_created
     run.engine_cpu = cpu_seconds(engine_pid) - engine_before
     run.others_cpu = time.process_time() + sum(cpu_seconds(pid) for pid in others) - others_before
+    if target.redis is not None:
+        commands_after, reads_after = await redis_counted(target.redis)
+        run.redis_commands, run.redis_reads = commands_after - commands_before, reads_after - reads_before
     run.latencies = [latency for latencies in per_turn for latency in latencies]
     run.turns = len(run.latencies)
     failures = refused[:1] + [conversation.failed for conversation in conversations if conversation.failed]
@@ -225,16 +265,21 @@ def start_targets(services: Any, args: argparse.Namespace, delay: float, redis_u
     pin(engine.pid, args.client_cpus)
     targets = [Target("direct", f"{engine_url}/v1/chat/completions")]
     stores = [("memory", "memory")] + ([("redis", redis_url)] if redis_url else [])
+    trees = [("rollout-proxy", None)] + ([("baseline", baseline_env(args.baseline))] if args.baseline else [])
     for name, store in stores:
-        port = free_port()
-        argv = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(port), "--engine", engine_url]
-        argv += ["--store", store, "--admin-key", ADMIN_KEY, "--log-level", "warning", "--log-format", "json"]
-        argv += ["--session-ttl", "3600", *args.proxy_arg]
-        process = services.start(f"proxy-{name}-{delay:g}", argv)
-        base = f"http://127.0.0.1:{port}"
-        services.wait_http(f"proxy-{name}-{delay:g}", f"{base}/readyz")
-        pin(process.pid, args.proxy_cpus)
-        targets.append(Target(f"rollout-proxy ({name})", f"{base}/v1/chat/completions", process.pid, base))
+        for tree, env in trees:
+            port = free_port()
+            argv = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(port), "--engine", engine_url]
+            argv += ["--store", store, "--admin-key", ADMIN_KEY, "--log-level", "warning", "--log-format", "json"]
+            argv += ["--session-ttl", "3600", *args.proxy_arg]
+            process = services.start(f"{tree}-{name}-{delay:g}", argv, env=env)
+            base = f"http://127.0.0.1:{port}"
+            services.wait_http(f"{tree}-{name}-{delay:g}", f"{base}/readyz")
+            pin(process.pid, args.proxy_cpus)
+            url = f"{base}/v1/chat/completions"
+            targets.append(
+                Target(f"{tree} ({name})", url, process.pid, base, redis=redis_url if name == "redis" else None)
+            )
     if args.litellm:
         port = free_port()
         config = services.workdir / f"litellm-{delay:g}.yaml"
@@ -321,6 +366,8 @@ def summarize(runs: dict[str, list[Run]], sessions: int, turns: int) -> dict[str
             "cpu_ms_per_session_created": statistics.mean(run.cpu_create for run in each) * 1000,
             "engine_cpu_ms_per_turn": sum(run.engine_cpu for run in each) / done * 1000 if done else float("nan"),
             "client_cpu_ms_per_turn": sum(run.others_cpu for run in each) / done * 1000 if done else float("nan"),
+            "redis_commands_per_turn": sum(run.redis_commands for run in each) / done if done else float("nan"),
+            "redis_round_trips_per_turn": sum(run.redis_reads for run in each) / done if done else float("nan"),
         }
     direct = merged["direct"]
     for values in merged.values():
@@ -373,8 +420,8 @@ def long_summary(long: dict[str, Any], turns: int) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| engine | sessions × turns | target | p50 overhead / turn | p99 overhead / turn | throughput vs direct "
-        "| CPU / turn (process) | CPU / session created | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| CPU / turn (process) | CPU / session created | Redis round trips (commands) / turn | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for delay, phase_result in report["phases"].items():
         for result in phase_result["sizes"].values():
@@ -383,19 +430,25 @@ def table(report: dict[str, Any]) -> str:
                     what = f"p50 {values['p50_ms']:.1f} ms, p99 {values['p99_ms']:.1f} ms"
                     lines.append(
                         f"| {delay} ms | {result['sessions']} × {result['turns']} | direct (engine) | {what} | | "
-                        f"{values['turns_per_s']:.0f} turns/s | engine {values['engine_cpu_ms_per_turn']:.2f} ms | | "
+                        f"{values['turns_per_s']:.0f} turns/s | engine {values['engine_cpu_ms_per_turn']:.2f} ms | | | "
                         f"{values['errors']} |"
                     )
                     continue
                 # LiteLLM has no sessions; one session's creation is below the counters' 10 ms tick
                 few = name == "LiteLLM" or result["sessions"] < 16
                 create = "-" if few else f"{values['cpu_ms_per_session_created']:.2f} ms"
+                commands = values.get("redis_commands_per_turn") or 0
+                trips = values.get("redis_round_trips_per_turn") or 0
+                commands_cell = f"{trips:.1f} ({commands:.1f})" if commands else "-"
                 lines.append(
                     f"| {delay} ms | {result['sessions']} × {result['turns']} | {name} "
                     f"| {values['p50_overhead_ms']:+.1f} ms | {values['p99_overhead_ms']:+.1f} ms "
                     f"| {values['throughput_ratio']:.2f}× | {values['cpu_ms_per_turn']:.2f} ms "
-                    f"| {create} | {values['errors']} |"
+                    f"| {create} | {commands_cell} | {values['errors']} |"
                 )
+    revisions = report["settings"].get("revisions") or {}
+    if len(revisions) > 1:
+        lines += ["", "Revisions: " + ", ".join(f"{name} = {commit}" for name, commit in revisions.items())]
     long = report.get("long_summary") or {}
     if long:
         turns = report["settings"]["long_turns"]
@@ -494,6 +547,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--long-litellm", action="store_true", help="LiteLLM in the long run too")
     parser.add_argument("--no-redis", action="store_true", help="skip the Redis-store proxy")
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout (a git worktree of another commit): its proxies run beside this tree's, on both "
+        "stores, in the same rotated order",
+    )
     parser.add_argument("--litellm", type=Path, default=DEFAULT_LITELLM, help="LiteLLM's CLI (its own venv)")
     parser.add_argument(
         "--proxy-arg",
@@ -580,6 +639,8 @@ def main(argv: list[str] | None = None) -> None:
         "long_rounds": args.long_rounds,
         "proxy_args": args.proxy_arg,
         "litellm": str(args.litellm) if args.litellm else None,
+        "revisions": {"rollout-proxy": revision(ROOT)}
+        | ({"baseline": revision(args.baseline)} if args.baseline else {}),
         "proxy_cpus": sorted(args.proxy_cpus) if args.proxy_cpus else None,
         "client_cpus": sorted(args.client_cpus) if args.client_cpus else None,
         "cpus": os.cpu_count(),

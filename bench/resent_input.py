@@ -40,9 +40,7 @@ import argparse
 import asyncio
 import copy
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -55,11 +53,12 @@ from bench.harness import (
     OUT,
     ROOT,
     Services,
-    child_env,
+    baseline_env,
     cpu_line,
     cpu_seconds,
     free_port,
     markdown_table,
+    revision,
     rotated,
     start_engine,
     write_report,
@@ -265,29 +264,6 @@ def summary(cpu: list[float]) -> dict[str, float]:
         "line_last_ms": at_last,
         "line_ratio": at_last / at_two,
     }
-
-
-def revision(tree: Path) -> str:
-    """The tree's commit (short), ``+changes`` where its tracked files differ from it."""
-    git = ["git", "-C", str(tree)]
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-    return (commit or "unknown") + ("+changes" if dirty.stdout.strip() else "")
-
-
-def baseline_env(checkout: Path) -> dict[str, str]:
-    """The environment a proxy from ``checkout`` runs in: its ``src`` first, checked to be what imports."""
-    env = {**child_env(), "PYTHONPATH": os.pathsep.join([str(checkout / "src"), str(checkout)])}
-    where = subprocess.run(
-        [sys.executable, "-c", "import rollout_proxy; print(rollout_proxy.__file__)"],
-        env=env,
-        cwd=checkout,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    if not Path(where).resolve().is_relative_to((checkout / "src").resolve()):
-        raise SystemExit(f"--baseline {checkout}: rollout_proxy imports from {where or 'nowhere'}, not its src/")
-    return env
 
 
 def start_proxy(services: Services, name: str, engine_url: str, env: dict[str, str] | None = None) -> tuple[int, str]:

@@ -287,3 +287,70 @@ async def test_the_reused_history_was_reused(pair):
     assert reuse[keys.RESENT_HISTORY].resent_bodies > 0 and reuse[keys.RESENT_HISTORY].resent > 0
     assert check[keys.RESENT_HISTORY].resent_bodies == 0 and check[keys.RESENT_HISTORY].resent == 0
     assert check[keys.RESENT_HISTORY].held()["conversations"] == 0
+
+
+#: a tool per API's form, and the same tool broken two ways: a shape its API refuses, a string past the bound
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = {
+    "chat": {"type": "function", "function": {"name": "weather", "description": "Look up.", "parameters": WEATHER}},
+    "responses": {"type": "function", "name": "weather", "description": "Look up.", "parameters": WEATHER},
+    "messages": {"name": "weather", "description": "Look up.", "input_schema": WEATHER},
+}
+BAD_TOOLS = {
+    "chat": {"type": "function", "function": {"name": 3, "parameters": WEATHER}},
+    "responses": {"type": "function", "name": 3, "parameters": WEATHER},
+    "messages": {"name": 3, "input_schema": WEATHER},
+}
+
+
+class ToolsScript:
+    """A harness's turns resending the same tools (checked once where the history is reused), then a tool
+    broken in shape and one with a string past the bound, then the good tools again: every turn is answered
+    and stored as when every body is checked whole."""
+
+    last: Any = None
+
+    def __init__(self, api: str) -> None:
+        self.api = api
+
+    def body(self, history: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+        if self.api == "chat":
+            return "/v1/chat/completions", {"model": "m", "messages": history, "tools": tools}
+        if self.api == "responses":
+            return "/v1/responses", {"model": "m", "input": history, "tools": tools, "store": False}
+        return "/v1/messages", {"model": "m", "max_tokens": 24, "messages": history, "tools": tools}
+
+    def answered(self, history: list[dict[str, Any]], turn: int) -> list[dict[str, Any]]:
+        if self.api == "chat":
+            reply = [self.last["choices"][0]["message"]]
+        elif self.api == "responses":
+            reply = self.last["output"]
+        else:
+            reply = [{"role": "assistant", "content": self.last["content"]}]
+        return [*history, *reply, {"role": "user", "content": f"And then {turn}?"}]
+
+    async def __call__(self):
+        good, bad = [TOOLS[self.api]], [BAD_TOOLS[self.api]]
+        long = (
+            [{**TOOLS[self.api], "description": BIG}]
+            if self.api != "chat"
+            else [{"type": "function", "function": {**TOOLS["chat"]["function"], "description": BIG}}]
+        )
+        history: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+        for turn in range(3):
+            yield *self.body(history, good), False
+            history = self.answered(history, turn)
+        for tools in (bad, long):
+            yield *self.body(history, tools), False
+        yield *self.body(history, good), False
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_tools_checked_once_are_answered_as_tools_checked_every_turn(pair, api):
+    await run_both(pair, ToolsScript(api))
+    memo = pair["reuse"].app[keys.RESENT_HISTORY]
+    intake = memo.intake(api, "input" if api == "responses" else "messages", "another session", expires_at=1e12)
+    assert intake.tools_checked([TOOLS[api]])  # the tools' JSON is vouched for, in any session of its API
+    assert not intake.tools_checked([BAD_TOOLS[api]])
+    other = "chat" if api != "chat" else "messages"
+    assert not memo.intake(other, "messages", "another session", expires_at=1e12).tools_checked([TOOLS[api]])

@@ -56,6 +56,33 @@ def test_a_piece_longer_than_the_cache_takes_is_encoded_uncached(smollm, monkeyp
     assert encoder(text) == whole(text)
 
 
+def test_a_long_piece_a_template_renders_every_turn_is_encoded_once(smollm, monkeypatch):
+    """A tools block longer than the main cache takes (Codex's renders ~19k characters) is kept in the small
+    cache of long pieces: the second render of it encodes only what is new, and the ids are the same."""
+    whole, _ = smollm
+    calls: list[str] = []
+
+    def counted(text: str) -> list[int]:
+        calls.append(text)
+        return whole(text)
+
+    counting = PieceEncoder(counted, ["<|im_start|>", "<|im_end|>"])  # two of SmolLM2's exact cuts
+    tools = "<|im_start|>system\n# Tools\n" + "".join(
+        f'{{"name": "tool_{i}", "description": "does {i}"}}\n' for i in range(200)
+    )
+    tools += "<|im_end|>"
+    assert pieces.CACHED_PIECE_CHARS < len(tools) <= pieces.CACHED_LONG_PIECE_CHARS
+    for turn in range(3):
+        text = tools + f"\n<|im_start|>user\nturn {turn}<|im_end|>\n"
+        assert counting(text) == whole(text)
+    assert sum(len(text) > pieces.CACHED_PIECE_CHARS for text in calls) == 1
+    monkeypatch.setattr(pieces, "CACHED_LONG_PIECE_CHARS", 100)  # longer than that: encoded each time, still exact
+    calls.clear()
+    assert counting(tools + "x") == whole(tools + "x")
+    assert counting(tools + "y") == whole(tools + "y")
+    assert sum(len(text) > pieces.CACHED_PIECE_CHARS for text in calls) == 2
+
+
 def small_tokenizer(pre_tokenizer, *specials: AddedToken) -> PreTrainedTokenizerFast:
     """A word-level tokenizer over a few words, with ``specials`` as its special tokens."""
     words = ["x", "hello", "world", "a", "1", "12", "34", "'s", "é", "ü", "<"]

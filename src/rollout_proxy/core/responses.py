@@ -49,13 +49,15 @@ def root_instructions(path: Sequence[ResponseNode]) -> str | None:
 @dataclass(frozen=True, slots=True)
 class ResponsesPlacement:
     """A Responses turn's placement (``core.turn_service.Placing``); ``keys``: the messages'
-    ``canonical_key``s when the caller has them (a resent input keyed once); ``api``: ``"injected"`` for
+    ``canonical_key``s when the caller has them (a resent input keyed once), and ``hashes`` their rolling path
+    hashes (the resent-history memory computes them only past the list it kept); ``api``: ``"injected"`` for
     appended messages."""
 
     previous_response_id: str | None = None
     instructions: str | None = None
     store: bool = True
     keys: Sequence[bytes] | None = None
+    hashes: Sequence[str] | None = None
     api: str = "responses"
 
     async def place(self, tree: ResponseTree, lease: SessionLease, ask: Ask) -> Placement:
@@ -74,7 +76,11 @@ class ResponsesPlacement:
             messages = [system, *messages]
             keys = None if keys is None else [canonical_key(system), *keys]
         conversation, sample = place_sample(session.messages, messages, keys=keys)
-        hashes = None if keys is None or sample is SamplePlacement.INSERTED else path_hashes_of_keys(keys)
+        hashes = None
+        if keys is not None and sample is not SamplePlacement.INSERTED:
+            # the messages as sent (no instructions put first): their hashes as the memory computed them
+            given = self.hashes is not None and not self.instructions and len(self.hashes) == len(keys)
+            hashes = self.hashes if given else path_hashes_of_keys(keys)
         placement = await tree.locate(session, conversation, api=self.api, hashes=hashes, lease=lease)
         placement.sample = sample
         return placement

@@ -14,7 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from pydantic_core import PydanticCustomError
 
 from rollout_proxy.proxy.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOLS
-from rollout_proxy.proxy.validation import field_error, sent_as, sent_as_items, tag
+from rollout_proxy.proxy.validation import TOOLS_CHECKED, field_error, sent_as, sent_as_items, tag
 from rollout_proxy.wire.anthropic import ASSISTANT_BLOCKS, CUSTOM_TOOL, TEXT_ONLY, USER_BLOCKS
 from rollout_proxy.wire.messages import describe
 
@@ -224,7 +224,7 @@ class ToolChoice(BaseModel):
 
 
 Messages = Annotated[list[JsonObject], sent_as_items(Message, min_length=1, max_length=MAX_MESSAGES)]
-Tools = Annotated[list[JsonObject], sent_as(Annotated[list[Tool], Field(max_length=MAX_TOOLS)])]
+Tools = Annotated[list[JsonObject], sent_as(Annotated[list[Tool], Field(max_length=MAX_TOOLS)], unless=TOOLS_CHECKED)]
 #: kept as sent too (a string, or text blocks as JSON objects)
 System = Annotated[str | list[JsonObject], sent_as(SystemContent)]
 

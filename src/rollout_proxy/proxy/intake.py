@@ -2,7 +2,7 @@
 
     1 read       the body's bytes, bounded                                 ``proxy.http.read_body``
     2 parse      a JSON object (the list memory may parse only what is new)  ``proxy.limits``, the memory
-    3 known      which items of the body's list were checked before          the memory
+    3 known      which items of the body's list (and whether its tools) were checked before   the memory
     4 limits     depth and string bounds, on the rest                        ``proxy.limits``
     5 validate   the API's request model, on the rest                        ``proxy.validation``
     6 normalize  the API's conversation: normal forms, keys, path hashes     the API's ``Spec.normalize``
@@ -32,7 +32,7 @@ from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import read_body
 from rollout_proxy.proxy.limits import check_json_limits, load_json_object
 from rollout_proxy.proxy.resent_history import HistoryIntake
-from rollout_proxy.proxy.validation import CHECK_ITEMS, M, validate
+from rollout_proxy.proxy.validation import CHECK_ITEMS, TOOLS_CHECKED, M, validate
 from rollout_proxy.records import SessionRecord
 from rollout_proxy.state.store import ReadAhead, SessionLease
 
@@ -85,8 +85,14 @@ async def take_in(request: web.Request, spec: Spec[M, C]) -> Taken[M, C]:
     )
     payload = load_json_object(raw) if history is None else history.load(raw)  # 2
     to_check = None if history is None else history.look_up(payload.get(spec.key))  # 3
-    check_json_limits(payload, messages_to_check=to_check, key=spec.key)  # 4
-    body = validate(spec.model, payload, context=None if to_check is None else {CHECK_ITEMS: to_check})  # 5
+    tools_checked = history is not None and history.tools_checked(payload.get("tools"))
+    check_json_limits(
+        payload, messages_to_check=to_check, key=spec.key, checked=("tools",) if tools_checked else ()
+    )  # 4
+    context: dict[str, Any] = {} if to_check is None else {CHECK_ITEMS: to_check}
+    if tools_checked:
+        context[TOOLS_CHECKED] = True
+    body = validate(spec.model, payload, context=context or None)  # 5
     conversation = spec.normalize(body, history)  # 6
     ahead = spec.read_ahead(body, conversation)
     if caller.bound is not None:  # the session's request bound: its slot taken in the same round trip

@@ -20,7 +20,7 @@ Why these numbers:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import orjson
@@ -65,11 +65,20 @@ def load_json_object(body: bytes) -> dict[str, Any]:
     return payload
 
 
-def check_json_limits(payload: Any, *, messages_to_check: Sequence[int] | None = None, key: str = "messages") -> None:
+def check_json_limits(
+    payload: Any,
+    *,
+    messages_to_check: Sequence[int] | None = None,
+    key: str = "messages",
+    checked: Collection[str] = (),
+) -> None:
     """Depth and string lengths (object keys too) over the whole value; of the list under ``key``
     (``messages``; a Responses body's ``input``), only the items at ``messages_to_check`` when given (the
-    others were checked whole before, at this same depth). 400 naming where."""
+    others were checked whole before, at this same depth); ``checked``: top-level keys whose values were
+    checked before (the same JSON at the same depth: the request's tools), left out. 400 naming where."""
     try:
+        if checked and type(payload) is dict:
+            payload = {name: value for name, value in payload.items() if name not in checked}
         messages = payload.get(key) if messages_to_check is not None and type(payload) is dict else None
         if type(messages) is not list or messages_to_check is None:
             _walk(payload, 1)

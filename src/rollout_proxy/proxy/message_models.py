@@ -14,7 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from pydantic_core import PydanticCustomError
 
 from rollout_proxy.proxy.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOL_CALLS, MAX_TOOLS
-from rollout_proxy.proxy.validation import field_error, sent_as, sent_as_items, tag
+from rollout_proxy.proxy.validation import TOOLS_CHECKED, field_error, sent_as, sent_as_items, tag
 from rollout_proxy.wire.messages import LEFT_OUT_TOOL_TYPES, describe, is_text_part
 
 OPEN = ConfigDict(extra="allow", strict=True)
@@ -197,4 +197,4 @@ Tool = Annotated[
 Messages = Annotated[list[JsonObject], sent_as_items(ChatMessage, min_length=1, max_length=MAX_MESSAGES)]
 #: a sample's messages: may be empty (a harness that owns its prompt sends the whole conversation itself)
 SampleMessages = Annotated[list[JsonObject], sent_as_items(ChatMessage, min_length=0, max_length=MAX_MESSAGES)]
-Tools = Annotated[list[JsonObject], sent_as(Annotated[list[Tool], Field(max_length=MAX_TOOLS)])]
+Tools = Annotated[list[JsonObject], sent_as(Annotated[list[Tool], Field(max_length=MAX_TOOLS)], unless=TOOLS_CHECKED)]

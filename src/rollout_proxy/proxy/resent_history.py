@@ -191,6 +191,7 @@ class _Pending:
     """What a request remembers once it is taken in whole (``HistoryIntake.commit``)."""
 
     checked: list[bytes] = field(default_factory=list)  # the items it checked, for the memo
+    tools: bytes | None = None  # the JSON of the tools it checked, for the memo
     hashes: list[tuple[str, bytes, str]] = field(default_factory=list)  # path hashes it computed
     kept: KeptList | None = None
     resent: KeptList | None = None
@@ -259,6 +260,21 @@ class HistoryIntake:
         self._pending.checked = [self._raws[index - after] for index in self._to_check]
         return self._to_check
 
+    def tools_checked(self, tools: Any) -> bool:
+        """Whether ``tools`` (the body's) passed its API's checks before, as this JSON (the item memo, keyed
+        apart from the items): a harness sends the same tool schemas every turn. Else they are remembered once
+        the request is taken in (``commit``)."""
+        if type(tools) is not list or not tools:
+            return False
+        try:
+            raw = orjson.dumps(tools)
+        except (orjson.JSONEncodeError, TypeError):  # e.g. an integer past 64 bits: checked the slow way
+            return False
+        if self._memory._items.get((self._api + " tools", raw), until=self._until) is not None:
+            return True
+        self._pending.tools = raw
+        return False
+
     def take(
         self, items: list[Any], start: Callable[[], F], *, context: bytes = b"", param: str | None = None
     ) -> Folded[F]:
@@ -306,6 +322,9 @@ class HistoryIntake:
         memory, until = self._memory, self._until
         for raw in pending.checked:
             memory._items.put((self._api, right_sized(raw)), True, size=len(raw) + _ITEM_OVERHEAD, until=until)
+        if pending.tools is not None:
+            tools = pending.tools
+            memory._items.put((self._api + " tools", tools), True, size=len(tools) + _ITEM_OVERHEAD, until=until)
         for parent, key, path_hash in pending.hashes:
             memory._chain.put((parent, key), path_hash, size=_CHAIN_SIZE, until=until)
         if pending.kept is not None:

@@ -43,15 +43,23 @@ def field_error(field: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_field", "{message}", {"field": field, "message": message})
 
 
-def sent_as(shape: Any) -> WrapValidator:
-    """Validate as ``shape``, keep the value as sent (the field's own type says what that is)."""
+def sent_as(shape: Any, *, unless: str | None = None) -> WrapValidator:
+    """Validate as ``shape``, keep the value as sent (the field's own type says what that is). ``unless``: a
+    validation context key; where it is true, the value passed this check before (the same JSON: ``TOOLS_CHECKED``)
+    and only the field's own type is checked."""
     adapter: TypeAdapter[Any] = TypeAdapter(shape)
 
-    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        adapter.validate_python(value)
+    def check(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+        if unless is None or not (info.context or {}).get(unless):
+            adapter.validate_python(value)
         return handler(value)
 
     return WrapValidator(check, json_schema_input_type=shape)  # what the API documents
+
+
+#: validation context: true where the request's ``tools`` are a list whose JSON passed its API's checks before
+#: (``resent_history``: Codex and Claude Code send the same ~15-20 KB of tool schemas every turn)
+TOOLS_CHECKED = "tools_checked"
 
 
 #: validation context: the indices of a list's items to check (the others were checked before:

@@ -230,7 +230,7 @@ class LocalTemplate:
         return self.encode(text)
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._encode(text), dtype=np.int32)
+        return np.frombuffer(self._encode.ids(text), dtype=np.int32)
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         return [str(token) for token in self._tokenizer.convert_ids_to_tokens([int(i) for i in ids])]

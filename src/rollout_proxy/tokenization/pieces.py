@@ -20,13 +20,20 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-#: pieces longer than this are encoded without the cache (a long tool result is rarely seen twice)
+#: pieces up to this long share the main cache (a template's markup, short messages)
 CACHED_PIECE_CHARS = 4096
 #: pieces the cache holds (least recently used out first): a few MB at most
 CACHED_PIECES = 4096
+#: longer pieces, up to this long, go to a small cache of their own: a tools block (Codex's 13 tools render
+#: ~19k characters, 7 ms to encode) or a system prompt is rendered again on every turn's bridge, where a long
+#: tool result is rarely seen twice and would only push the short pieces out of the main cache
+CACHED_LONG_PIECE_CHARS = 65536
+#: long pieces the second cache holds (least recently used out first): at most ~10 MB of text and ids
+CACHED_LONG_PIECES = 32
 #: how an added token may take more than its own text (strip the whitespace next to it, ...): never a cut
 _FLAGS = ("lstrip", "rstrip", "single_word", "normalized")
 #: what follows a special token in the probes: words, spaces, newlines, digits, non-ASCII, a contraction
@@ -86,6 +93,9 @@ class PieceEncoder:
         self._encode = encode
         self._splits = re.compile("|".join(re.escape(token) for token in ordered)) if ordered else None
         self._cached = functools.lru_cache(maxsize=CACHED_PIECES)(lambda piece: tuple(encode(piece)))
+        self._cached_long = functools.lru_cache(maxsize=CACHED_LONG_PIECES)(
+            lambda piece: array("i", encode(piece))  # 4 bytes a token, not a tuple of ints
+        )
 
     @property
     def splits(self) -> bool:
@@ -93,9 +103,13 @@ class PieceEncoder:
         return self._splits is not None
 
     def __call__(self, text: str) -> list[int]:
+        return self.ids(text).tolist()
+
+    def ids(self, text: str) -> array[int]:
+        """``encode(text)`` as 32-bit ids (numpy reads them without a copy)."""
         if self._splits is None:
-            return self._encode(text)
-        ids: list[int] = []
+            return array("i", self._encode(text))
+        ids = array("i")
         start = 0
         for found in self._splits.finditer(text):
             ids.extend(self._piece(text[start : found.end()]))
@@ -104,5 +118,7 @@ class PieceEncoder:
             ids.extend(self._piece(text[start:]))
         return ids
 
-    def _piece(self, piece: str) -> tuple[int, ...] | list[int]:
-        return self._cached(piece) if len(piece) <= CACHED_PIECE_CHARS else self._encode(piece)
+    def _piece(self, piece: str) -> Sequence[int]:
+        if len(piece) <= CACHED_PIECE_CHARS:
+            return self._cached(piece)
+        return self._cached_long(piece) if len(piece) <= CACHED_LONG_PIECE_CHARS else self._encode(piece)

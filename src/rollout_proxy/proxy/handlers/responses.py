@@ -31,6 +31,7 @@ from rollout_proxy.wire.responses import InputFold, input_to_messages
 class InputConversation:
     messages: list[dict[str, Any]]  # the input's items folded into normalized messages
     keys: list[bytes] | None  # their canonical keys (None: the tree computes them)
+    hashes: list[str] | None = None  # their rolling path hashes, with the keys (the memory kept them)
 
 
 def _folded(body: ResponsesRequest, history: HistoryIntake | None) -> InputConversation:
@@ -38,7 +39,7 @@ def _folded(body: ResponsesRequest, history: HistoryIntake | None) -> InputConve
     one user message."""
     if type(body.input) is list and history is not None:
         folded = history.take(body.input, InputFold)
-        return InputConversation(folded.fold.messages, folded.keys)
+        return InputConversation(folded.fold.messages, folded.keys, folded.hashes)
     return InputConversation(input_to_messages(body.input), None)
 
 
@@ -66,6 +67,7 @@ def _plan(request: web.Request, call: Taken[ResponsesRequest, InputConversation]
             instructions=body.instructions,
             store=body.store,
             keys=call.conversation.keys,
+            hashes=call.conversation.hashes,
         ),
         stream=bool(body.stream),
         body=lambda result: response_body(
