@@ -185,14 +185,18 @@ async def admin_call(http: aiohttp.ClientSession, url: str, method: str, path: s
         return payload
 
 
-async def session_loop(http: aiohttp.ClientSession, load: Load, worker: int, until: float) -> None:
-    """Sessions one after the other: create, ``turns`` chat turns, finish."""
+async def session_loop(
+    http: aiohttp.ClientSession, load: Load, worker: int, until: float, *, policy: str | None = None
+) -> None:
+    """Sessions one after the other: create, ``turns`` chat turns, finish; on ``policy`` if one is named."""
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     index = 0
     while load.now() < until:
         index += 1
         messages: list[dict[str, Any]] = [{"role": "user", "content": f"Chat {worker}-{index}: name a colour."}]
-        body = {"sample": {"messages": messages}, "generation": {"max_new_tokens": 32}}
+        body: dict[str, Any] = {"sample": {"messages": messages}, "generation": {"max_new_tokens": 32}}
+        if policy is not None:
+            body["policy"] = policy
         try:
             async with http.post(f"{load.url}/v1/sessions", json=body, headers=admin) as answer:
                 session = await answer.json()

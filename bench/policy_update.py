@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.fleet_faults import ADMIN_KEY, admin_call, start_proxy, wait_for_line, wait_ready
+from bench.fleet_faults import Load, Turn, admin_call, session_loop, start_proxy, wait_for_line, wait_ready
 from bench.harness import OUT, ROOT, child_env, free_port, markdown_table, percentile, rotated, write_report
 
 POLICIES = ("job-a", "job-b", "base")  # job-a is the one updated
@@ -74,22 +73,11 @@ def start_engine(port: int, delay: float) -> subprocess.Popen[str]:
 
 
 @dataclass
-class Turn:
-    policy: str
+class Updates:
+    """What the phases did, on the loads' clock: each phase's window, each adapter publish, each full-weight update."""
+
     started: float
-    latency: float
-    ok: bool
-    error: str = ""
-
-
-@dataclass
-class Load:
-    url: str
-    turns_per_session: int
-    started: float = field(default_factory=time.monotonic)
     phases: list[tuple[str, float, float]] = field(default_factory=list)  # (phase, from, to) in seconds
-    turns: list[Turn] = field(default_factory=list)
-    session_errors: list[str] = field(default_factory=list)
     published: list[dict[str, Any]] = field(default_factory=list)
     full_weight_updates: list[dict[str, float]] = field(default_factory=list)
 
@@ -97,52 +85,8 @@ class Load:
         return time.monotonic() - self.started
 
 
-async def session_loop(http: aiohttp.ClientSession, load: Load, policy: str, worker: int, until: float) -> None:
-    """Sessions on ``policy`` one after the other: create, chat turns, finish."""
-    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    index = 0
-    while load.now() < until:
-        index += 1
-        messages: list[dict[str, Any]] = [{"role": "user", "content": f"Chat {policy} {worker}-{index}: a colour?"}]
-        body: dict[str, Any] = {"sample": {"messages": messages}, "generation": {"max_new_tokens": 24}}
-        if policy != "base":
-            body["policy"] = policy
-        try:
-            async with http.post(f"{load.url}/v1/sessions", json=body, headers=admin) as answer:
-                session = await answer.json()
-                if answer.status >= 300:
-                    raise RuntimeError(f"create {answer.status}: {session}")
-        except Exception as exc:
-            load.session_errors.append(f"create: {exc!r}"[:300])
-            await asyncio.sleep(0.1)
-            continue
-        plugin = {"Authorization": f"Bearer {session['api_key']}"}
-        for turn in range(load.turns_per_session):
-            started, t0 = load.now(), time.monotonic()
-            try:
-                async with http.post(
-                    f"{session['base_url']}/chat/completions", json={"model": "m", "messages": messages}, headers=plugin
-                ) as answer:
-                    reply = await answer.json()
-                    if answer.status >= 300:
-                        raise RuntimeError(f"{answer.status}: {json.dumps(reply)[:200]}")
-                load.turns.append(Turn(policy, started, time.monotonic() - t0, True))
-            except Exception as exc:
-                load.turns.append(Turn(policy, started, time.monotonic() - t0, False, repr(exc)[:300]))
-                break
-            messages = [*messages, reply["choices"][0]["message"], {"role": "user", "content": f"And {turn}?"}]
-        try:
-            async with http.post(
-                f"{load.url}/v1/sessions/{session['session_id']}/finish", json={"status": "success"}, headers=admin
-            ) as answer:
-                if answer.status >= 300:
-                    raise RuntimeError(f"finish {answer.status}: {(await answer.text())[:200]}")
-        except Exception as exc:
-            load.session_errors.append(f"finish: {exc!r}"[:300])
-
-
 async def run_phases(
-    http: aiohttp.ClientSession, load: Load, adapters: list[Path], args: argparse.Namespace, rounds: int
+    http: aiohttp.ClientSession, url: str, load: Updates, adapters: list[Path], args: argparse.Namespace, rounds: int
 ) -> None:
     """The phases in rotating order; ``adapters`` are the directories job-a's versions alternate between."""
     fleet_version = 0
@@ -156,7 +100,7 @@ async def run_phases(
                     t0 = time.monotonic()
                     path = adapters[published % len(adapters)]
                     answer = await admin_call(
-                        http, load.url, "POST", "/v1/admin/policies/job-a/versions", {"path": str(path)}
+                        http, url, "POST", "/v1/admin/policies/job-a/versions", {"path": str(path)}
                     )
                     published += 1
                     load.published.append(
@@ -165,11 +109,11 @@ async def run_phases(
                     await asyncio.sleep(max(0.0, args.every - (time.monotonic() - t0)))
             elif phase == "full weights":
                 t0 = time.monotonic()
-                await admin_call(http, load.url, "POST", "/v1/admin/pause", {"mode": "keep"})
+                await admin_call(http, url, "POST", "/v1/admin/pause", {"mode": "keep"})
                 paused = time.monotonic()
                 await asyncio.sleep(args.reload)  # the trainer loads the new weights into the engines
                 fleet_version += 1
-                await admin_call(http, load.url, "POST", "/v1/admin/resume", {"policy_version": fleet_version})
+                await admin_call(http, url, "POST", "/v1/admin/resume", {"policy_version": fleet_version})
                 load.full_weight_updates.append(
                     {"at": load.now(), "pause_seconds": paused - t0, "paused_seconds": time.monotonic() - paused}
                 )
@@ -198,23 +142,24 @@ def phase_of(turn: Turn, phases: list[tuple[str, float, float]]) -> str | None:
     return None
 
 
-def analyse(load: Load) -> dict[str, Any]:
-    phase = {id(turn): phase_of(turn, load.phases) for turn in load.turns}
+def analyse(loads: dict[str, Load], updates: Updates) -> dict[str, Any]:
+    phase = {id(turn): phase_of(turn, updates.phases) for load in loads.values() for turn in load.turns}
+    turns = [turn for load in loads.values() for turn in load.turns]
     by = {
-        policy: {name: stats([t for t in load.turns if t.policy == policy and phase[id(t)] == name]) for name in PHASES}
-        for policy in POLICIES
+        policy: {name: stats([t for t in load.turns if phase[id(t)] == name]) for name in PHASES}
+        for policy, load in loads.items()
     }
-    seconds = [p["seconds"] for p in load.published]
+    seconds = [p["seconds"] for p in updates.published]
     return {
         "by_policy": by,
-        "turns": len(load.turns),
-        "failed_turns": sum(1 for t in load.turns if not t.ok),
-        "straddling_turns": sum(1 for t in load.turns if phase[id(t)] is None),
-        "errors": sorted({t.error for t in load.turns if not t.ok})[:10],
-        "session_errors": load.session_errors[:10],
-        "adapter_versions_published": len(load.published),
+        "turns": len(turns),
+        "failed_turns": sum(1 for t in turns if not t.ok),
+        "straddling_turns": sum(1 for t in turns if phase[id(t)] is None),
+        "errors": sorted({t.error for t in turns if not t.ok})[:10],
+        "session_errors": [error for load in loads.values() for error in load.session_errors][:10],
+        "adapter_versions_published": len(updates.published),
         "publish_ms": {"p50": percentile(seconds, 50) * 1000, "max": max(seconds) * 1000} if seconds else {},
-        "full_weight_updates": load.full_weight_updates,
+        "full_weight_updates": updates.full_weight_updates,
     }
 
 
@@ -255,16 +200,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 await wait_ready(http, url)
                 await admin_call(http, url, "POST", "/v1/admin/policies", {"name": "job-a", "path": str(adapters[0])})
                 await admin_call(http, url, "POST", "/v1/admin/policies", {"name": "job-b", "path": str(other)})
-                load = Load(url, args.turns)
+                updates = Updates(time.monotonic())
+                loads = {policy: Load(url, args.turns, started=updates.started) for policy in POLICIES}
                 rounds = max(1, int(args.duration // (args.phase * len(PHASES))))
                 until = rounds * args.phase * len(PHASES)
                 workers = [
-                    session_loop(http, load, policy, worker, until)
-                    for policy in POLICIES
+                    session_loop(http, load, worker, until, policy=None if policy == "base" else policy)
+                    for policy, load in loads.items()
                     for worker in range(args.sessions)
                 ]
-                await asyncio.gather(run_phases(http, load, adapters, args, rounds), *workers)
-                result = analyse(load)
+                await asyncio.gather(run_phases(http, url, updates, adapters, args, rounds), *workers)
+                result = analyse(loads, updates)
                 result["policies_at_end"] = await admin_call(http, url, "GET", "/v1/admin/policies")
         finally:
             for engine in engines:
