@@ -54,8 +54,11 @@ def swe_agent(engine: FakeEngine, solutions: dict[str, dict[str, str]]) -> Calla
     """A policy for the SWE-style job (``examples/swe_job.yaml``): ``solutions`` maps each task to its fixed files.
 
     The odd asks of a task write the fix with the harness's shell tool, the even ones only run the test, so
-    the rollouts of a task disagree (a learning signal); after a tool result it says it is done."""
+    the rollouts of a task disagree (a learning signal); after a tool result it says it is done. A prompt asked
+    again (a harness retrying a slow request) gets the answer it got the first time, so retries do not shift
+    which rollouts fix the bug."""
     asked: dict[str, int] = {}
+    answered: dict[str, bool] = {}
 
     def policy(prompt_ids: list[int]) -> str:
         text = engine.decode(prompt_ids)
@@ -66,9 +69,11 @@ def swe_agent(engine: FakeEngine, solutions: dict[str, dict[str, str]]) -> Calla
         if task is None:
             command = "ls"
         else:
-            asked[task] = asked.get(task, 0) + 1
+            if text not in answered:
+                asked[task] = asked.get(task, 0) + 1
+                answered[text] = bool(asked[task] % 2)
             files = solutions[task]
-            if asked[task] % 2:
+            if answered[text]:
                 command = "".join(f"cat > {name} <<'EOF'\n{body}EOF\n" for name, body in files.items())
             else:
                 command = "python3 " + " ".join(f"test_{name}" for name in files)
