@@ -29,7 +29,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import fleet_faults, profile_turn, proxy_overhead, resent_input, storage_footprint, streaming_ttft, workers
+from bench import (
+    fleet_faults,
+    policy_update,
+    profile_turn,
+    proxy_overhead,
+    resent_input,
+    storage_footprint,
+    streaming_ttft,
+    workers,
+)
 from bench.harness import ROOT
 
 DOCS = ROOT / "docs"
@@ -67,6 +76,7 @@ TABLES: dict[str, Callable[[Report], str]] = {
     "storage_footprint_long_turns.json": _storage,
     "workers.json": workers.table,
     "resent_input.json": resent_input.table,
+    "policy_update.json": policy_update.summary,
     # issue 35: this tree against the pre-refactor main, and where a turn's CPU goes
     "proxy_overhead_vs_70c855b.json": proxy_overhead.table,
     "resent_input_vs_70c855b.json": resent_input.table,

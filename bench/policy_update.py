@@ -15,19 +15,22 @@ The load runs through phases of ``--phase`` seconds, in a rotating order (``benc
   adapter update ``job-a`` publishes a new version every ``--every`` seconds
                  (``POST /v1/admin/policies/job-a/versions``: every engine loads it beside the one before)
   full weights   the base policy's full-weight path, as a trainer runs it: pause (``keep``), ``--reload``
-                 seconds standing for loading the weights, resume at the next version; once per phase
+                 seconds standing for loading the weights, resume at the next version; once per phase, in
+                 its middle (the fleet's gate holds the turns of every policy: the base changes under all)
 
 A turn belongs to the phase it started and ended in (one that straddles two is counted apart); its latency is compared per policy across phases: p50, p99 and
 max. The goal is the adapter-update column equal to the quiet one for ``job-b`` and the base (they never
 wait) and for ``job-a`` too (its calls go on, on the version their engine has); the full-weight column shows
 what the same sessions pay when the base's weights change instead. ``policy_update.json`` under ``--out``
-holds every turn. A benchmark, not a test: the published run is on docs/benchmarks/policy_update.md.
+holds the summary, ``policy_update_turns.json`` every turn (start, latency, ok, phase). A benchmark, not a
+test: the published run is on docs/benchmarks/policy_update.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -108,14 +111,22 @@ async def run_phases(
                     )
                     await asyncio.sleep(max(0.0, args.every - (time.monotonic() - t0)))
             elif phase == "full weights":
+                # mid-phase, so the turns it holds start and end within the phase (a straddling one is set apart)
+                await asyncio.sleep(max(0.0, (args.phase - args.reload) / 2))
                 t0 = time.monotonic()
                 await admin_call(http, url, "POST", "/v1/admin/pause", {"mode": "keep"})
                 paused = time.monotonic()
+                paused_at = load.now()
                 await asyncio.sleep(args.reload)  # the trainer loads the new weights into the engines
                 fleet_version += 1
                 await admin_call(http, url, "POST", "/v1/admin/resume", {"policy_version": fleet_version})
                 load.full_weight_updates.append(
-                    {"at": load.now(), "pause_seconds": paused - t0, "paused_seconds": time.monotonic() - paused}
+                    {
+                        "at": load.now(),
+                        "paused_at": paused_at,  # every engine paused: from here to the resume nothing is sampled
+                        "pause_seconds": paused - t0,
+                        "paused_seconds": time.monotonic() - paused,
+                    }
                 )
             await asyncio.sleep(max(0.0, ends - time.monotonic()))
             load.phases.append((phase, begins, load.now()))
@@ -158,8 +169,18 @@ def analyse(loads: dict[str, Load], updates: Updates) -> dict[str, Any]:
         "errors": sorted({t.error for t in turns if not t.ok})[:10],
         "session_errors": [error for load in loads.values() for error in load.session_errors][:10],
         "adapter_versions_published": len(updates.published),
+        "published": updates.published,
         "publish_ms": {"p50": percentile(seconds, 50) * 1000, "max": max(seconds) * 1000} if seconds else {},
         "full_weight_updates": updates.full_weight_updates,
+        "phases": updates.phases,
+    }
+
+
+def turn_rows(loads: dict[str, Load], updates: Updates) -> dict[str, list[list[Any]]]:
+    """Every turn per policy: [start, latency, ok, phase] (seconds on the loads' clock; phase None: straddling)."""
+    return {
+        policy: [[t.started, t.latency, t.ok, phase_of(t, updates.phases)] for t in load.turns]
+        for policy, load in loads.items()
     }
 
 
@@ -174,6 +195,21 @@ def table(result: dict[str, Any]) -> str:
             row.append(cell + (f", {s['failed']} failed" if s.get("failed") else ""))
         rows.append(row)
     return markdown_table(["sessions on", *(f"{p}: p50 / p99 / max" for p in PHASES)], rows)
+
+
+def summary(result: dict[str, Any]) -> str:
+    """The table, then what the phases did and whether anything failed (the page's generated block)."""
+    publish = result["publish_ms"]
+    updates = result["full_weight_updates"]
+    held = max((u["paused_seconds"] for u in updates), default=0.0)
+    lines = [
+        f"{result['turns']} turns, {result['failed_turns']} failed ({result['straddling_turns']} straddling two "
+        f"phases, counted apart); {len(result['session_errors'])} sessions refused",
+        f"job-a: {result['adapter_versions_published']} versions published, each loaded by every engine in "
+        f"{publish.get('p50', 0):.0f} ms at the median (max {publish.get('max', 0):.0f} ms)",
+        f"full weights: {len(updates)} pauses (`keep`), the fleet held up to {held:.2f} s each",
+    ]
+    return table(result) + "\n\n" + "\n".join(f"- {line}" for line in lines)
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,6 +236,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 await wait_ready(http, url)
                 await admin_call(http, url, "POST", "/v1/admin/policies", {"name": "job-a", "path": str(adapters[0])})
                 await admin_call(http, url, "POST", "/v1/admin/policies", {"name": "job-b", "path": str(other)})
+                # warm-up, not measured: each engine's first render waits for the proxy's start-up check of its
+                # template (core.rendering), seconds on a busy machine
+                warm = Load(url, 1)
+                await asyncio.gather(
+                    *(
+                        session_loop(http, warm, worker, 1.0, policy=None if policy == "base" else policy)
+                        for policy in POLICIES
+                        for worker in range(args.engines)
+                    )
+                )
                 updates = Updates(time.monotonic())
                 loads = {policy: Load(url, args.turns, started=updates.started) for policy in POLICIES}
                 rounds = max(1, int(args.duration // (args.phase * len(PHASES))))
@@ -211,6 +257,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 ]
                 await asyncio.gather(run_phases(http, url, updates, adapters, args, rounds), *workers)
                 result = analyse(loads, updates)
+                result["warm_up"] = {"turns": len(warm.turns), "failed": sum(1 for t in warm.turns if not t.ok)}
+                result["turns_by_policy"] = turn_rows(loads, updates)
                 result["policies_at_end"] = await admin_call(http, url, "GET", "/v1/admin/policies")
         finally:
             for engine in engines:
@@ -242,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(serve_engine(args.child_engine, args.delay))
         return
     result = asyncio.run(bench(args))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "policy_update_turns.json").write_text(json.dumps(result.pop("turns_by_policy")))
     out = write_report(args.out / "policy_update.json", result, "bench.policy_update", argv)
     print(table(result))
     print(
