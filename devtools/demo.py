@@ -12,6 +12,7 @@ browsed in the proxy's viewer (the URL and admin key are printed; Ctrl-C stops).
     python -m devtools.demo [--job short-answer|weather|codex|swe|FILE] [--engine vllm|fake]
         [--samples N] [--generations N] [--steps N] [--out DIR] [--keep-running]
         --train [--steps N] [--lr LR] [--seed N]     # the reference trainer between the steps (train_demo)
+        --train --lora [...]                         # ... training a LoRA adapter, published with no pause
 
 ``--job codex`` runs Codex CLI (``codex exec``) as the rollout harness on small file-reading tasks, ``--job
 swe`` on small bug fixes graded by their tests (the runner's harness rollouts: ``runner.harness``); npm and
@@ -19,7 +20,9 @@ the pinned Codex are installed on first use (apt, then the npm registry). ``--en
 the in-process fake engine instead of vLLM (seconds, no engine venv: the codex job's fake policy is a
 scripted shell agent, the swe job's one that fixes every other rollout, other jobs get the fake's default
 sentences). ``--train`` runs the short-answer job on vLLM with the reference trainer between its steps
-(redis-server for its feed is installed with apt on first use).
+(redis-server for its feed is installed with apt on first use); ``--train --lora`` runs it as a GRPOLoRA job:
+the trainer trains a LoRA adapter of the frozen model and publishes each step's adapter as the next version of
+the LoRA policy the job's sessions sample, the engines never paused (docs/policies.md).
 """
 
 from __future__ import annotations
@@ -235,13 +238,25 @@ def main(argv: list[str] | None = None) -> int:
         help="train between the steps: the reference GRPO trainer (torch, CPU) on vLLM's weights, reloaded each "
         "step (8 steps of 8 samples x 4 rollouts unless given; steps.png: reward and mismatch per step)",
     )
-    parser.add_argument("--lr", type=float, help="with --train: the trainer's learning rate (default 2e-5)")
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="with --train: train a LoRA adapter instead of the full weights (rank 16 on every linear layer, peft): "
+        "the job becomes a GRPOLoRA job whose sessions sample the LoRA policy short-answer-lora, vLLM serves "
+        "adapters (--enable-lora), and each step's adapter is published as the policy's next version with no pause "
+        "(docs/policies.md)",
+    )
+    parser.add_argument(
+        "--lr", type=float, help="with --train: the trainer's learning rate (default 2e-5; with --lora 5e-4)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="with --train: the trainer's and vLLM's seed (default 0)")
     args = parser.parse_args(argv)
     if args.train and args.keep_running:
         parser.error("--train and --keep-running do not go together (the trainer's fleet stops with the job)")
     if args.train and args.engine == "fake":
         parser.error("--train trains the weights vLLM serves: it runs on --engine vllm only")
+    if args.lora and not args.train:
+        parser.error("--lora says what --train trains (a LoRA adapter): give --train too")
     from rollout_proxy.logs import configure_logging
 
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
@@ -270,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         from devtools import train_demo
 
         job = train_demo.train_job(job, steps=args.steps, samples=args.samples, generations=args.generations)
-        lr = train_demo.LEARNING_RATE if args.lr is None else args.lr
+        if args.lora:
+            job = train_demo.lora_job(job)
+        lr = (train_demo.LORA_LEARNING_RATE if args.lora else train_demo.LEARNING_RATE) if args.lr is None else args.lr
         train_demo.TrainDemo(job, Path(args.out), learning_rate=lr, seed=args.seed).run()
         return 0
     server = VLLMServer(

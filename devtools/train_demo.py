@@ -12,6 +12,11 @@ Writes under OUT/<run>/: ``steps.png`` (reward and mismatch per step), ``rollout
 runner's per-step plot), ``feed.jsonl`` and ``trajectories.jsonl``, and ``trainer/`` (its log,
 ``steps.jsonl``, ``metrics.prom``, the last checkpoint). A benchmark, not a test: docs/training.md
 gives a measured run.
+
+With ``--lora`` (``lora_job``) the job is a ``GRPOLoRA`` job (``job.yaml`` in the run's directory): its
+sessions sample the LoRA policy ``short-answer-lora``, vLLM serves adapters (``--enable-lora``, run-time
+loading), and the trainer (``--job job.yaml``) trains a rank-16 adapter of the frozen base and publishes each
+step's adapter as the policy's next version, the fleet never paused (docs/policies.md gives a measured run).
 """
 
 from __future__ import annotations
@@ -35,8 +40,13 @@ if TYPE_CHECKING:
 
 #: the demo's sizes: 8 questions x 4 rollouts a step, 8 steps; a learning rate that moves a 135M model in that
 STEPS, SAMPLES, GENERATIONS, LEARNING_RATE = 8, 8, 4, 2e-5
+#: the LoRA demo's adapter: its policy, its rank (alpha twice that), the engines' LoRA slots; and a learning rate
+#: that moves it in 8 steps (an adapter starts at zero and changes a rank-16 slice: far more than the weights' lr)
+LORA_POLICY, LORA_RANK, LORA_SLOTS, LORA_LEARNING_RATE = "short-answer-lora", 16, 4, 5e-4
 #: |delta| that counts as a mismatch in the demo's report: fp32 on the same weights measured ~2e-5
 THRESHOLD = 1e-3
+#: the GRPOLoRA job file the demo writes in its run's directory (the trainer's --job)
+JOB_FILE = "job.yaml"
 
 
 def log(message: str) -> None:
@@ -91,6 +101,9 @@ class TrainDemo:
     seed: int = 0
 
     def trainer_command(self, proxy_url: str, admin_key: str, feed: str, run_dir: Path) -> list[str]:
+        """The trainer's command line; for a GRPOLoRA job, ``--job`` with its file in ``run_dir`` (the adapter to
+        train and the policy to publish, as the runner's sessions sample it)."""
+        lora = ["--job", str(run_dir / JOB_FILE)] if self.job.lora is not None else []
         return [
             sys.executable,
             "-m",
@@ -119,33 +132,47 @@ class TrainDemo:
             str(THRESHOLD),
             "--keep-weights",
             "1",
+            *lora,
         ]
 
-    def run(self) -> Path:
-        """Everything, in order; the run's directory. Stops whatever it started, also on failure."""
-        from devtools.demo import TEMPLATE, DemoProxy
+    def engine(self) -> VLLMServer:
+        """vLLM (CPU) in dev mode; for a GRPOLoRA job serving adapters up to its rank, loaded at run time."""
+        from devtools.demo import TEMPLATE
 
-        run_id = f"{self.job.name}-train-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir = self.out.resolve() / run_id
-        run_dir.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        redis = RedisProcess(run_dir / "redis")
-        server = VLLMServer(
+        lora = self.job.lora
+        return VLLMServer(
             "dense",
             chat_template=TEMPLATE,
             tool_parser="hermes",
             dev_mode=True,
             extra_args=["--seed", str(self.seed)],
             die_with_parent=True,
+            lora=lora is not None,
+            max_lora_rank=lora.rank if lora is not None else LORA_RANK,
+            max_loras=LORA_SLOTS,
         )
+
+    def run(self) -> Path:
+        """Everything, in order; the run's directory. Stops whatever it started, also on failure."""
+        from devtools.demo import DemoProxy
+
+        run_id = f"{self.job.name}-train-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = self.out.resolve() / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        redis = RedisProcess(run_dir / "redis")
+        if self.job.lora is not None:
+            write_job_file(self.job, run_dir / JOB_FILE)
+        server = self.engine()
         proxy: DemoProxy | None = None
         trainer: subprocess.Popen[bytes] | None = None
         try:
             feed = redis.start()
-            log("starting vLLM in dev mode (about a minute)")
+            log(f"starting vLLM in dev mode{' serving LoRA adapters' if self.job.lora else ''} (about a minute)")
             engine_url = server.start(timeout=600)
-            # probes may wait while the trainer has both cores: a slow answer is not a dead engine
-            proxy = DemoProxy(engine_url, feed, self.job, engine_health_timeout=10.0)
+            # probes, and the first batch on a new adapter, may wait while the trainer has both cores: a slow
+            # answer is not a dead engine
+            proxy = DemoProxy(engine_url, feed, self.job, engine_health_timeout=10.0, engine_hang_timeout=60.0)
             proxy.start()
             trainer_log = run_dir / "trainer.log"
             log(f"starting the trainer (log: {trainer_log})")
@@ -242,11 +269,15 @@ def render_training(records: list[dict[str, Any]], seconds: float) -> str:
     )
     for r in records:
         current, timing = r["mismatch"]["current"], r["timing"]
+        if "publish_s" in timing:  # a LoRA policy's version: published with no pause
+            update = f"adapter published in {timing['publish_s']:.1f}s, fleet not paused"
+        else:
+            update = f"fleet paused {timing['pause_s'] + timing['reload_s'] + timing['resume_s']:.1f}s"
         lines.append(
             f"  step {r['step']:<6} reward {r['reward']['mean']:.4f} (std {r['reward']['std']:.3f}), "
             f"{current['tokens']} tokens at version {r['trained_version']}: max |Δ| {current['max_abs']:.2g}, "
             f"mean {current['mean_abs']:.2g}, {current['over']} over {r['mismatch']['threshold']:g}; "
-            f"train {timing['train_s']:.0f}s, fleet paused {timing['pause_s'] + timing['reload_s'] + timing['resume_s']:.1f}s"
+            f"train {timing['train_s']:.0f}s, {update}"
         )
     return "\n".join(lines)
 
@@ -261,3 +292,23 @@ def train_job(job: JobConfig, *, steps: int | None, samples: int | None, generat
     hyper.num_generations = generations or GENERATIONS
     job.training_loop = TrainingLoop(max_staleness=0, version_wait=3600.0)
     return job
+
+
+def lora_job(job: JobConfig, *, policy: str = LORA_POLICY, rank: int = LORA_RANK) -> JobConfig:
+    """``job`` as a GRPOLoRA job (docs/policies.md): a rank-``rank`` adapter on every linear layer of the
+    blocks, its sessions on the LoRA policy ``policy``; checked as a job file is."""
+    from rollout_proxy.runner.job import JobConfig
+
+    raw = job.model_dump(mode="json", exclude_none=True)
+    raw.update(name=f"{job.name}-lora", customization_type="GRPOLoRA", lora={"policy": policy, "rank": rank})
+    return JobConfig.parse(raw, base_dir=job.base_dir, source=f"{job.name} with --lora")
+
+
+def write_job_file(job: JobConfig, path: Path) -> Path:
+    """``job`` as a job file (its datasets by absolute path): what the trainer's ``--job`` reads."""
+    import yaml
+
+    raw = job.model_dump(mode="json", exclude_none=True)
+    raw["data"]["training_set"]["local_files"] = [str(file) for file in job.dataset_files()]
+    path.write_text(yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
+    return path

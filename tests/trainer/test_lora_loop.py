@@ -33,7 +33,7 @@ from tests.trainer.test_restarts import Killed, pending, publish_steps, step_log
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from rollout_proxy.trainer.batch import rollouts_of  # noqa: E402
+from rollout_proxy.trainer.batch import BatchError, rollouts_of  # noqa: E402
 from rollout_proxy.trainer.grpo import OPTIMIZER, GRPOConfig, GRPOLearner, LoRAConfig  # noqa: E402
 
 POLICY = "grpo-lora"
@@ -63,7 +63,6 @@ async def test_each_step_is_published_as_the_next_version_and_the_engine_samples
     tiny_lora_fleet, redis_url, tiny_checkpoint, tmp_path
 ):
     stream = f"lora-{os.getpid()}-{id(tmp_path)}"
-    groups = await publish_steps(tiny_lora_fleet, redis_url, stream, samples=2, steps=2)
     learner = GRPOLearner(tiny_checkpoint, CONFIG)
     said: list[str] = []
     async with (
@@ -74,6 +73,7 @@ async def test_each_step_is_published_as_the_next_version_and_the_engine_samples
         assert await publisher.version() == 0  # not registered yet
         assert await publish_untrained(learner, publisher, tmp_path) == 1
         assert loaded(tiny_lora_fleet)[f"{POLICY}@v1"] == str(weights_dir(tmp_path, 1))
+        groups = await publish_steps(tiny_lora_fleet, redis_url, stream, samples=2, steps=2, policy=POLICY)
         trainer = ReferenceTrainer(learner, feed, publisher, tmp_path, version=1, keep_weights=1, log=said.append)
         records = await trainer.run(2)
         view = await admin.aget(f"/v1/admin/policies/{POLICY}")
@@ -95,7 +95,7 @@ async def test_each_step_is_published_as_the_next_version_and_the_engine_samples
     assert sum((await pending(redis_url, stream)).values()) == 0 and len(groups) == 4
 
     # the engine's logprobs under the newest version are the trainer's with its adapter, bit for bit
-    rollouts = [rollout for group in groups for rollout in rollouts_of(group)]
+    rollouts = [rollout for group in groups for rollout in rollouts_of(group, policy=POLICY)]
     for rollout in rollouts[:2]:
         [scored] = learner.score([rollout])
         ids = rollout.sequences[0].token_ids
@@ -151,12 +151,12 @@ async def test_a_lora_trainer_killed_in_its_step_trains_and_publishes_it_once(
     publishes the intent's adapter: the groups are not trained again), with it published but the step not
     recorded (the restart records it: no second version), or inside the save (no intent: trained again)."""
     stream = f"lora-crash-{where}-{os.getpid()}-{id(tmp_path)}"
-    await publish_steps(tiny_lora_fleet, redis_url, stream, samples=2)
     learner = GRPOLearner(tiny_checkpoint, CONFIG)
     said: list[str] = []
     async with ProxyClient(tiny_lora_fleet.proxy.url, ADMIN_KEY) as admin:
         publisher = PolicyPublisher(admin, POLICY)
         await publish_untrained(learner, publisher, tmp_path)
+        await publish_steps(tiny_lora_fleet, redis_url, stream, samples=2, policy=POLICY)
         publish = publisher.update
         if where == "saving":
             save = learner.save
@@ -250,6 +250,31 @@ async def test_a_grpolora_job_runs_end_to_end_and_its_sessions_sample_each_new_v
         assert mismatch["other_version"]["tokens"] == 0 and mismatch["current"]["tokens"] > 0
         assert mismatch["current"]["max_abs"] == 0.0  # scored alone, as the engine scores: bit for bit
     assert every_loaded_adapter_has_its_files(tiny_lora_fleet)
+
+
+async def test_a_lora_trainer_refuses_a_group_another_policy_sampled_and_publishes_nothing(
+    tiny_lora_fleet, redis_url, tiny_checkpoint, tmp_path
+):
+    """Sessions on the base policy feed the step of a trainer of the LoRA policy: the trainer stops naming the
+    group, the rollout and the policy that sampled it, before it trains; no version is published and the
+    groups stay on the feed, unacknowledged."""
+    stream = f"lora-other-{os.getpid()}-{id(tmp_path)}"
+    learner = GRPOLearner(tiny_checkpoint, CONFIG)
+    async with ProxyClient(tiny_lora_fleet.proxy.url, ADMIN_KEY) as admin:
+        publisher = PolicyPublisher(admin, POLICY)
+        await publish_untrained(learner, publisher, tmp_path)
+        [first, _] = await publish_steps(tiny_lora_fleet, redis_url, stream, samples=2, policy="base")
+        async with TrajectoryConsumer(redis_url, stream=stream, block_ms=100) as feed:
+            trainer = ReferenceTrainer(learner, feed, publisher, tmp_path, version=1, log=lambda _: None)
+            with pytest.raises(BatchError) as refused:
+                await trainer.run(1)
+        assert await publisher.version() == 1
+    message = str(refused.value)
+    assert f"group {first.group_id}, rollout 0" in message
+    assert f"tokens sampled by policy 'base', not by {POLICY!r} that this trainer trains" in message
+    assert not trainer.records and not (tmp_path / "steps.jsonl").exists()
+    assert await pending(redis_url, stream) == {"trainer-0": 2}
+    assert learner.optimizer_steps == 0
 
 
 async def test_an_engine_that_hangs_keeps_every_adapter_directory(tiny_lora_fleet, tiny_checkpoint, tmp_path):

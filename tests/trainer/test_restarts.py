@@ -175,9 +175,13 @@ def stoppable_redis() -> Iterator[StoppableRedis]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-async def publish_steps(tiny_fleet, redis_url: str, stream: str, *, samples: int, steps: int = 1) -> list[FeedGroup]:
-    """``steps`` steps of the short-answer job on the feed (no trainer behind it: the runner does not wait)."""
+async def publish_steps(
+    tiny_fleet, redis_url: str, stream: str, *, samples: int, steps: int = 1, policy: str = "base"
+) -> list[FeedGroup]:
+    """``steps`` steps of the short-answer job on the feed (no trainer behind it: the runner does not wait),
+    its sessions on ``policy`` (a LoRA policy must have a version)."""
     job = short_answer_job(samples=samples, generations=2, steps=steps, training_loop={})
+    job.proxy.policy = policy
     feed = await open_feed(redis_url, stream=stream)
     try:
         await JobRunner(job, proxy_url=tiny_fleet.proxy.url, admin_key=ADMIN_KEY, feed=feed, progress=False).run()

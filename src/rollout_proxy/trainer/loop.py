@@ -319,7 +319,9 @@ class ReferenceTrainer:
         entries = sorted(entries, key=lambda e: e.group.sample_index)
         groups = [entry.group for entry in entries]
         waited = time.monotonic() - self._since
-        rollouts = [rollout for group in groups for rollout in rollouts_of(group)]
+        # a LoRA trainer trains its policy's own samples only: a sequence another policy sampled is refused
+        policy = None if self.fleet.policy == "base" else self.fleet.policy
+        rollouts = [rollout for group in groups for rollout in rollouts_of(group, policy=policy)]
         rewards = np.asarray([r.reward for r in rollouts], dtype=np.float64)
         self.log(
             f"step {step}: {len(groups)} group(s), {len(rollouts)} rollouts of {sum(len(r.sequences) for r in rollouts)} "
