@@ -40,8 +40,9 @@ SERVER_CONFIGS: dict[str, dict[str, Any]] = {
     "moe_routed": {"model": "moe", "routed_experts": True},
     # VLLM_SERVER_DEV_MODE=1: pause/resume, weight version, collective_rpc (weight reload)
     "dense_dev": {"model": "dense", "dev_mode": True},
-    # --enable-lora --max-lora-rank 16 --max-loras 4, run-time adapter loading (LoRA policies)
-    "dense_lora": {"model": "dense", "lora": True, "max_lora_rank": 16, "max_loras": 4},
+    # --enable-lora --max-lora-rank 16 --max-loras 6, run-time adapter loading (LoRA policies): the zero
+    # adapter and two policies each with two versions loaded side by side (an update) stay in one batch
+    "dense_lora": {"model": "dense", "lora": True, "max_lora_rank": 16, "max_loras": 6},
 }
 
 
