@@ -32,8 +32,8 @@ from rollout_proxy.errors import (
     StoreUnavailable,
     UnknownPolicy,
 )
-from rollout_proxy.state.memory import MemoryStore
 from rollout_proxy.records import PolicySpan
+from rollout_proxy.state.memory import MemoryStore
 from tests.fakes import FakeFleet, fake_fleet
 
 PROMPT = np.asarray([1, 4093, 198, 1780, 314, 260], dtype=np.int32)
@@ -358,7 +358,7 @@ async def test_retiring_refuses_the_base_and_unknown_names_and_a_reused_name_num
 
 
 async def test_retiring_one_frees_its_slot_in_the_registry(tokenizer_dir):
-    async with registry(tokenizer_dir, count=1) as (fakes, fleet, policies):
+    async with registry(tokenizer_dir, count=1) as (_, _, policies):
         for index in range(MAX_POLICIES):
             await policies.register(f"job-{index}")
         with pytest.raises(InvalidRequest, match=f"at most {MAX_POLICIES}"):

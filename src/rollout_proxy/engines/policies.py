@@ -21,6 +21,11 @@ engine took changes nothing and says why (``AdapterRefused`` when the engines re
 wait for them (only the first adapter on an engine waits for that engine's base calls by name to finish,
 so none is batched with an adapter call).
 
+**Retiring** ``retire(p)``: p leaves the registry at once (a new session on it is an unknown policy, a turn of one
+open on it ``PolicyRetired``), and each engine's version of it is unloaded as after a publish, once no call holds
+it. The zero adapter stays. Its ``mark`` (last version) is kept: a registration of the name again numbers on
+after it, so a (policy, version) pair names one adapter.
+
 **Engines that lose adapters.** An engine that restarted serves none: a call naming one gets vLLM's 404
 (``ServedModelMissing``), and ``lost`` puts the engine back to base-by-name and out of every LoRA policy until
 ``sync`` has loaded each policy's current version again (``sync`` also runs when an engine comes back
@@ -32,8 +37,9 @@ kernel the CPU build lacks and the engine dies on its first request. An engine k
 routed experts, or its model's config has experts) is refused in words and never asked.
 
 **Several workers** share the policy table through the fleet's shared state (``engines.shared``): versions,
-paths, which engines serve the base through the zero adapter, which are drained. The worker that publishes
-loads and unloads; the others switch when they read it. Each worker counts only its own calls: the
+paths, which engines serve the base through the zero adapter, which are drained, which names were retired at
+which mark. The worker that publishes (or retires) loads and unloads; the others switch when they read it, and drop
+a policy only for a retired mark at or above its own (never for its absence from a write). Each worker counts only its own calls: the
 publishing worker unloads N after its own calls on it ended and the others had the time to switch
 (``shared.settle``); a call another worker sends on N later gets the 404 and is sent again on N+1.
 """
@@ -837,12 +843,12 @@ class Policies:
         except (TypeError, ValueError) as exc:
             log.warning("policies_unreadable", error=str(exc))
             return
-        for name, mark in retired.items():
-            if mark > self._retired.get(name, 0):
+        for name, at in retired.items():
+            if at > self._retired.get(name, 0):
                 self._retired.pop(name, None)
-                self._retired[name] = mark
+                self._retired[name] = at
             ours = self._policies.get(name)
-            if ours is not None and ours.mark <= mark:
+            if ours is not None and ours.mark <= at:
                 del self._policies[name]
                 self._drop(name, unload=False)  # the worker that retired it unloads
                 log.info("policy_retired_followed", policy=name)
@@ -853,14 +859,14 @@ class Policies:
         for name, entry in policies.items():
             if not isinstance(name, str) or (len(self._policies) >= MAX_POLICIES and name not in self._policies):
                 continue
-            after = entry.get("after", 0) if isinstance(entry, Mapping) else 0
-            after = after if isinstance(after, int) else 0
+            stated = entry.get("after") if isinstance(entry, Mapping) else None
+            after = stated if isinstance(stated, int) else 0
             if name not in self._policies:
                 if isinstance(entry, Mapping) and isinstance(entry.get("version"), int):
-                    mark = entry["version"]
+                    listed = entry["version"]
                 else:
-                    mark = after + 1
-                if mark <= self._retired.get(name, 0):
+                    listed = after + 1
+                if listed <= self._retired.get(name, 0):
                     continue  # a registration that was retired since (a stale write still lists it)
             policy = self._policies.setdefault(name, Policy(name, after=after))
             if not isinstance(entry, Mapping):
