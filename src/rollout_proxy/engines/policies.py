@@ -38,10 +38,11 @@ routed experts, or its model's config has experts) is refused in words and never
 
 **Several workers** share the policy table through the fleet's shared state (``engines.shared``): versions,
 paths, which engines serve the base through the zero adapter, which are drained, which names were retired at
-which mark. The worker that publishes (or retires) loads and unloads; the others switch when they read it, and drop
-a policy only for a retired mark at or above its own (never for its absence from a write). Each worker counts only its own calls: the
-publishing worker unloads N after its own calls on it ended and the others had the time to switch
-(``shared.settle``); a call another worker sends on N later gets the 404 and is sent again on N+1.
+which mark. The worker that publishes (or retires) loads and unloads; the others switch when they read it, and
+drop a policy only for a retired mark at or above its own (never for its absence from a write). Each worker
+counts only its own calls: the publishing worker unloads N after its own calls on it ended and the others had
+the time to switch (``shared.settle``); a call another worker sends on N later gets the 404 and is sent again
+on N+1.
 """
 
 from __future__ import annotations
@@ -810,7 +811,11 @@ class Policies:
 
     async def _refresh(self) -> None:
         """Follow the shared table now (registrations and retirements other workers made since the last poll)."""
-        state = await shared.read(self.fleet) if self.fleet.shared is not None else None
+        try:
+            state = await shared.read(self.fleet) if self.fleet.shared is not None else None
+        except ValueError as exc:  # an unreadable record: the next write replaces it with this worker's
+            log.warning("policies_unreadable", error=str(exc))
+            return
         if state is not None and state.policies is not None:
             self.follow(state.policies)
 
@@ -819,10 +824,7 @@ class Policies:
         the last poll is kept in the write, not dropped from it (absence never retires a policy: only a
         ``retired`` mark at or above its own does)."""
         if self.fleet.shared is not None:
-            try:
-                await self._refresh()
-            except ValueError as exc:  # an unreadable record: overwritten with this worker's
-                log.warning("policies_unreadable", error=str(exc))
+            await self._refresh()
             await shared.publish(self.fleet, policies=self.shared())
 
     async def _share_quietly(self) -> None:
