@@ -257,6 +257,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/admin/policies", policies.register_policy)
     app.router.add_get("/v1/admin/policies/{name}", policies.get_policy)
     app.router.add_post("/v1/admin/policies/{name}/versions", policies.publish_version)
+    app.router.add_delete("/v1/admin/policies/{name}", policies.retire_policy)
     app.router.add_get("/v1/models", meta.models)
     app.router.add_post("/v1/sessions", sessions.create_session)
     app.router.add_get("/v1/sessions/{session_id}", sessions.get_session)

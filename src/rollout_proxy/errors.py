@@ -15,7 +15,8 @@
     ├── MethodNotAllowed            405 the route exists, not with this method
     ├── Conflict                    409 conflict (e.g. a session already finished)
     │   ├── SessionFinished         409 a turn or message for a session already finished
-    │   └── IdempotencyKeyReused    409 an idempotency key sent again with another request
+    │   ├── IdempotencyKeyReused    409 an idempotency key sent again with another request
+    │   └── PolicyRetired           409 a turn of a session whose LoRA policy was retired
     ├── PayloadTooLarge             413 request_too_large
     ├── UnsupportedMediaType        415 a body encoding the proxy cannot read
     ├── EngineError                 502 upstream_error (the engine answered badly)
@@ -139,6 +140,13 @@ class SessionFinished(Conflict):
 
 class IdempotencyKeyReused(Conflict):
     code = "idempotency_key_reused"
+
+
+class PolicyRetired(Conflict):
+    """A turn of a session whose LoRA policy left the registry (``DELETE /v1/admin/policies/{name}``): the
+    session cannot go on, and a retry will not help (not the client's malformed input, not the engines' state)."""
+
+    code = "policy_retired"
 
 
 class PayloadTooLarge(ProxyError):

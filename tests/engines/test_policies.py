@@ -21,11 +21,19 @@ from devtools.fake_lora import adapter_key
 from devtools.lora_adapter import build_adapter
 from rollout_proxy.engines.base import SamplingParams
 from rollout_proxy.engines.fleet import Fleet, FleetSettings
-from rollout_proxy.engines.policies import BASE, MOE_REFUSAL, ZERO_SERVED, Policies
+from rollout_proxy.engines.policies import BASE, MAX_POLICIES, MOE_REFUSAL, ZERO_SERVED, Policies
 from rollout_proxy.engines.sampling import Sampled, sample
 from rollout_proxy.engines.vllm_http import VLLMEngine
-from rollout_proxy.errors import AdapterRefused, InvalidRequest, PolicyUnavailable, UnknownPolicy
+from rollout_proxy.errors import (
+    AdapterRefused,
+    InvalidRequest,
+    PolicyRetired,
+    PolicyUnavailable,
+    StoreUnavailable,
+    UnknownPolicy,
+)
 from rollout_proxy.records import PolicySpan
+from rollout_proxy.state.memory import MemoryStore
 from tests.fakes import FakeFleet, fake_fleet
 
 PROMPT = np.asarray([1, 4093, 198, 1780, 314, 260], dtype=np.int32)
@@ -293,11 +301,115 @@ async def test_a_moe_engine_is_refused_lora_policies_in_words(tokenizer_dir, dir
             await policies.publish("pol", dirs["v1"])
 
 
-async def test_another_worker_follows_the_policies_through_the_shared_store(tokenizer_dir, dirs, redis_url):
-    """Two fleets on one Redis stand in for two workers: the one that publishes loads, the other switches."""
+async def test_a_retired_policy_leaves_at_once_and_its_call_in_flight_finishes_on_its_version(tokenizer_dir, dirs):
+    async with registry(tokenizer_dir, delay=1.0) as (fakes, fleet, policies):
+        await policies.register("pol", path=dirs["v1"])
+        await policies.register("other", path=dirs["other"])
+        in_flight = asyncio.ensure_future(turn(fakes, fleet, "pol"))
+        await until(lambda: bool(fakes.engines[0].generating))
+        answer = await policies.retire("pol")
+        assert answer == {
+            "policy": "pol",
+            "retired": True,
+            "version": 1,
+            "unloading": [{"url": url, "served_name": "pol@v1"} for url in fakes.urls],
+        }
+        assert policies.names() == [BASE, "other"]  # out of the registry at once
+        with pytest.raises(UnknownPolicy, match="it was retired"):
+            fleet.check_policy("pol")  # a new session on it (a 400 on param policy at the edge)
+        with pytest.raises(PolicyRetired, match="'pol' was retired") as retired:
+            await sample(fleet, fleet.engines[1], PROMPT, PARAMS, policy="pol")  # a turn of a session open on it
+        assert retired.value.status == 409 and retired.value.param == "policy"
+        await until(lambda: "pol@v1" not in fakes.engines[1].adapters)  # no call held it there
+        assert "pol@v1" in fakes.engines[0].adapters and not in_flight.done()  # held by the call in flight
+        done = await in_flight
+        assert model_sent(fakes, done) == "pol@v1" and sampled_by(done, adapter_key(dirs["v1"]))
+        assert done.versions == (PolicySpan(1, 0, len(REPLY) + 1, "pol"),)  # finished on its version, exactly
+        await until(lambda: "pol@v1" not in fakes.engines[0].adapters)
+        for fake in fakes.engines:  # the zero adapter and the other policy stay
+            assert set(fake.adapters) == {ZERO_SERVED, "other@v1"}
+        other = await turn(fakes, fleet, "other")
+        assert sampled_by(other, adapter_key(dirs["other"]))
+        assert fleet.metrics.gauge("policy_current_version", policy="pol") is None  # its series are gone
+        assert fleet.metrics.gauge("policy_in_use", policy="pol", served="pol@v1") is None
+        assert fleet.metrics.value("policy_publishes_total", policy="pol", outcome="published") == 0
+        assert fleet.metrics.gauge("policy_current_version", policy="other") == 1
+
+
+async def test_retiring_refuses_the_base_and_unknown_names_and_a_reused_name_numbers_on(tokenizer_dir, dirs):
+    async with registry(tokenizer_dir, count=1) as (fakes, fleet, policies):
+        with pytest.raises(InvalidRequest, match="base policy cannot be retired"):
+            await policies.retire(BASE)
+        with pytest.raises(UnknownPolicy, match="no policy 'nope'"):
+            await policies.retire("nope")
+        await policies.register("pol", path=dirs["v1"])
+        await policies.publish("pol", dirs["v2"])
+        assert (await policies.retire("pol"))["version"] == 2
+        with pytest.raises(UnknownPolicy):
+            await policies.retire("pol")  # twice: the second is unknown
+        again = await policies.register("pol", path=dirs["v3"])
+        assert again["version"] == 3 and again["engines"][0]["served_name"] == "pol@v3"  # numbers on after v2
+        sampled = await turn(fakes, fleet, "pol")
+        assert sampled_by(sampled, adapter_key(dirs["v3"])) and sampled.versions[0] == PolicySpan(3, 0, 7, "pol")
+        await until(lambda: set(fakes.engines[0].adapters) == {ZERO_SERVED, "pol@v3"})
+        await policies.register("bare")  # retired before any version: the next registration starts after it
+        await policies.retire("bare")
+        assert (await policies.register("bare", path=dirs["v1"]))["version"] == 2
+
+
+async def test_retiring_one_frees_its_slot_in_the_registry(tokenizer_dir):
+    async with registry(tokenizer_dir, count=1) as (_, _, policies):
+        for index in range(MAX_POLICIES):
+            await policies.register(f"job-{index}")
+        with pytest.raises(InvalidRequest, match=f"at most {MAX_POLICIES}"):
+            await policies.register("one-more")
+        await policies.retire("job-7")
+        await policies.register("one-more")
+        assert len(policies.names()) == MAX_POLICIES + 1 and "job-7" not in policies.names()
+
+
+class FailingStore(MemoryStore):
+    """A shared store whose writes fail while ``down``."""
+
+    down = False
+
+    async def put_fleet_state(self, state: Any) -> None:
+        if self.down:
+            raise StoreUnavailable("the store is down")
+        await super().put_fleet_state(state)
+
+
+async def test_a_retirement_the_store_does_not_take_changes_nothing(tokenizer_dir, dirs):
+    async with fake_fleet(tokenizer_dir, 1, max_lora_rank=16) as fakes:
+        store = FailingStore()
+        fleet = Fleet([VLLMEngine(url, bound_completions=False) for url in fakes.urls], FleetSettings(), shared=store)
+        policies = Policies(fleet)
+        await fleet.start()
+        try:
+            await policies.register("pol", path=dirs["v1"])
+            written = await store.get_fleet_state()
+            store.down = True
+            with pytest.raises(StoreUnavailable):
+                await policies.retire("pol")
+            assert "pol" in policies.names() and await store.get_fleet_state() == written
+            assert (await turn(fakes, fleet, "pol")).versions[0].policy == "pol"  # still served
+            assert set(fakes.engines[0].adapters) == {ZERO_SERVED, "pol@v1"}
+            store.down = False
+            await policies.retire("pol")
+            assert "pol" not in policies.names()
+        finally:
+            await policies.close()
+            await fleet.close()
+
+
+@asynccontextmanager
+async def two_workers(
+    tokenizer_dir: Path, redis_url: str, **fields: Any
+) -> AsyncIterator[tuple[FakeFleet, list[Fleet], list[Policies]]]:
+    """Two fleets on one Redis stand in for two workers."""
     from rollout_proxy.state.redis import RedisStore
 
-    async with fake_fleet(tokenizer_dir, 2, max_lora_rank=16) as fakes:
+    async with fake_fleet(tokenizer_dir, 2, max_lora_rank=16, **fields) as fakes:
         stores, fleets, registries = [], [], []
         for index in range(2):
             store = await RedisStore.connect(redis_url)
@@ -313,23 +425,64 @@ async def test_another_worker_follows_the_policies_through_the_shared_store(toke
             await fleet.start()
             fleets.append(fleet)
         try:
-            publisher, follower = registries
-            await publisher.register("pol", path=dirs["v1"])
-            await until(lambda: "pol" in follower.names() and follower.unserved("pol") == frozenset())
-            sampled = await turn(fakes, fleets[1], "pol")
-            assert model_sent(fakes, sampled) == "pol@v1" and sampled_by(sampled, adapter_key(dirs["v1"]))
-            base = await turn(fakes, fleets[1], BASE, engine=1)
-            assert model_sent(fakes, base) == ZERO_SERVED and sampled_by(base, None)  # the other's zero adapter
-            await publisher.publish("pol", dirs["v2"])
-            async with asyncio.timeout(10):
-                while [e["served_name"] for e in (await follower.view_one("pol"))["engines"]] != ["pol@v2"] * 2:  # noqa: ASYNC110 (the follower reads the store in the background)
-                    await asyncio.sleep(0.01)
-            newer = await turn(fakes, fleets[1], "pol")
-            assert model_sent(fakes, newer) == "pol@v2" and newer.versions[0].version == 2
-            await until(lambda: all("pol@v1" not in fake.adapters for fake in fakes.engines))
+            yield fakes, fleets, registries
         finally:
             for registry_, fleet in zip(registries, fleets, strict=True):
                 await registry_.close()
                 await fleet.close()
             for store in stores:
                 await store.close()
+
+
+async def test_another_worker_follows_the_policies_through_the_shared_store(tokenizer_dir, dirs, redis_url):
+    """The one that publishes loads, the other switches."""
+    async with two_workers(tokenizer_dir, redis_url) as (fakes, fleets, registries):
+        publisher, follower = registries
+        await publisher.register("pol", path=dirs["v1"])
+        await until(lambda: "pol" in follower.names() and follower.unserved("pol") == frozenset())
+        sampled = await turn(fakes, fleets[1], "pol")
+        assert model_sent(fakes, sampled) == "pol@v1" and sampled_by(sampled, adapter_key(dirs["v1"]))
+        base = await turn(fakes, fleets[1], BASE, engine=1)
+        assert model_sent(fakes, base) == ZERO_SERVED and sampled_by(base, None)  # the other's zero adapter
+        await publisher.publish("pol", dirs["v2"])
+        async with asyncio.timeout(10):
+            while [e["served_name"] for e in (await follower.view_one("pol"))["engines"]] != ["pol@v2"] * 2:  # noqa: ASYNC110 (the follower reads the store in the background)
+                await asyncio.sleep(0.01)
+        newer = await turn(fakes, fleets[1], "pol")
+        assert model_sent(fakes, newer) == "pol@v2" and newer.versions[0].version == 2
+        await until(lambda: all("pol@v1" not in fake.adapters for fake in fakes.engines))
+
+
+async def test_another_worker_drops_a_retired_policy_and_keeps_one_it_just_registered(tokenizer_dir, dirs, redis_url):
+    """A retirement reaches the other worker by its mark: its call in flight finishes on its version, its next turn
+    is refused; a stale write that lacks a policy just registered drops nothing."""
+    from rollout_proxy.engines import shared
+
+    async with two_workers(tokenizer_dir, redis_url, delay=1.0) as (fakes, fleets, registries):
+        publisher, follower = registries
+        await publisher.register("pol", path=dirs["v1"])
+        await until(lambda: "pol" in follower.names() and follower.unserved("pol") == frozenset())
+        stale = publisher.shared()  # a write made before the registration below, landing after it
+        await follower.register("fresh")
+        in_flight = asyncio.ensure_future(turn(fakes, fleets[1], "pol"))  # the follower's call
+        await until(lambda: any(fake.generating for fake in fakes.engines))
+        await shared.publish(fleets[0], policies=stale)
+        await publisher.retire("pol")
+        await until(lambda: "pol" not in follower.names())
+        assert "fresh" in follower.names()  # absent from a stale write: not dropped
+        with pytest.raises(PolicyRetired):
+            await sample(fleets[1], fleets[1].engines[0], PROMPT, PARAMS, policy="pol")
+        done = await in_flight
+        assert model_sent(fakes, done) == "pol@v1" and sampled_by(done, adapter_key(dirs["v1"]))
+        assert done.versions == (PolicySpan(1, 0, len(REPLY) + 1, "pol"),)
+        await until(lambda: all("pol@v1" not in fake.adapters for fake in fakes.engines))
+        for fake in fakes.engines:  # unloaded once, by the worker that retired it; the zero adapter stays
+            unloads = [body for path, body in fake.adapter_calls if path.endswith("unload_lora_adapter")]
+            assert unloads == [{"lora_name": "pol@v1"}] and ZERO_SERVED in fake.adapters
+        again = await follower.register("pol", path=dirs["v2"])  # the name again, on the other worker: v2
+        assert again["version"] == 2
+        await until(lambda: "pol" in publisher.names() and publisher.unserved("pol") == frozenset())
+        assert (await publisher.view_one("pol"))["version"] == 2
+        assert model_sent(fakes, await turn(fakes, fleets[0], "pol")) == "pol@v2"
+        await asyncio.sleep(0.3)  # polls later: the old mark drops neither worker's new registration
+        assert "pol" in publisher.names() and "pol" in follower.names()

@@ -21,6 +21,11 @@ engine took changes nothing and says why (``AdapterRefused`` when the engines re
 wait for them (only the first adapter on an engine waits for that engine's base calls by name to finish,
 so none is batched with an adapter call).
 
+**Retiring** ``retire(p)``: p leaves the registry at once (a new session on it is an unknown policy, a turn of one
+open on it ``PolicyRetired``), and each engine's version of it is unloaded as after a publish, once no call holds
+it. The zero adapter stays. Its ``mark`` (last version) is kept: a registration of the name again numbers on
+after it, so a (policy, version) pair names one adapter.
+
 **Engines that lose adapters.** An engine that restarted serves none: a call naming one gets vLLM's 404
 (``ServedModelMissing``), and ``lost`` puts the engine back to base-by-name and out of every LoRA policy until
 ``sync`` has loaded each policy's current version again (``sync`` also runs when an engine comes back
@@ -32,10 +37,12 @@ kernel the CPU build lacks and the engine dies on its first request. An engine k
 routed experts, or its model's config has experts) is refused in words and never asked.
 
 **Several workers** share the policy table through the fleet's shared state (``engines.shared``): versions,
-paths, which engines serve the base through the zero adapter, which are drained. The worker that publishes
-loads and unloads; the others switch when they read it. Each worker counts only its own calls: the
-publishing worker unloads N after its own calls on it ended and the others had the time to switch
-(``shared.settle``); a call another worker sends on N later gets the 404 and is sent again on N+1.
+paths, which engines serve the base through the zero adapter, which are drained, which names were retired at
+which mark. The worker that publishes (or retires) loads and unloads; the others switch when they read it, and
+drop a policy only for a retired mark at or above its own (never for its absence from a write). Each worker
+counts only its own calls: the publishing worker unloads N after its own calls on it ended and the others had
+the time to switch (``shared.settle``); a call another worker sends on N later gets the 404 and is sent again
+on N+1.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from rollout_proxy.errors import (
     AdapterRefused,
     EngineUnavailable,
     InvalidRequest,
+    PolicyRetired,
     PolicyUnavailable,
     ProxyError,
     UnknownPolicy,
@@ -79,6 +87,8 @@ BASE = BASE_POLICY
 ZERO_SERVED = "base@zero"
 #: LoRA policies one fleet registers at most (bounds the ``/metrics`` labels and the shared state).
 MAX_POLICIES = 32
+#: retired names whose last version is remembered (a name registered again numbers on after it; bounds the state)
+MAX_RETIRED = 1024
 POLICY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 #: the in-use key of base calls that name the engine's own model
 BY_NAME = ""
@@ -118,7 +128,16 @@ class Served:
 class Policy:
     name: str
     current: Version | None = None
+    #: the last version number before this registration (a name retired at version N and registered again
+    #: numbers on from N + 1: a (policy, version) pair names one adapter)
+    after: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one publish (or load of it) at a time
+
+    @property
+    def mark(self) -> int:
+        """Its current version's number, or the one its first publish will take: a retirement at ``mark``
+        covers this registration and none made after it."""
+        return self.current.number if self.current is not None else self.after + 1
 
 
 @dataclass(slots=True)
@@ -211,6 +230,7 @@ class Policies:
         self._metrics: _Metrics = fleet.metrics
         self._zero_root = zero_root
         self._policies: dict[str, Policy] = {}
+        self._retired: dict[str, int] = {}  # name -> the mark it was retired at (oldest first, MAX_RETIRED)
         self._engines: dict[str, EngineAdapters] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._syncs: dict[str, asyncio.Task[None]] = {}  # the sync running (or last run) per engine
@@ -227,7 +247,25 @@ class Policies:
         """Raises ``UnknownPolicy`` unless ``policy`` is the base or a registered LoRA policy."""
         if policy != BASE and policy not in self._policies:
             known = ", ".join(self.names())
-            raise UnknownPolicy(f"no policy {policy!r} on this proxy (its policies: {known})", param="policy")
+            was = " any more: it was retired" if policy in self._retired else ""
+            raise UnknownPolicy(f"no policy {policy!r} on this proxy{was} (its policies: {known})", param="policy")
+
+    def registered(self, policy: str) -> bool:
+        return policy == BASE or policy in self._policies
+
+    def gone(self, policy: str) -> ProxyError:
+        """What a turn on a policy not registered here gets: ``PolicyRetired`` once it was retired (its session
+        began before), else ``UnknownPolicy``."""
+        if policy not in self._retired:
+            return UnknownPolicy(
+                f"no policy {policy!r} on this proxy (its policies: {', '.join(self.names())})", param="policy"
+            )
+        return PolicyRetired(
+            f"this session's policy {policy!r} was retired on this proxy (DELETE /v1/admin/policies/{policy}): "
+            f"its turns cannot be sampled any more; start a new session on a registered policy "
+            f"({', '.join(self.names())})",
+            param="policy",
+        )
 
     def unserved(self, policy: str) -> frozenset[str]:
         """The fleet's engines that take no new call of ``policy`` now (drained for it, or not loaded yet)."""
@@ -235,9 +273,10 @@ class Policies:
             return frozenset()
         return frozenset(url for url in self.fleet.members if policy not in self._state(url).live)
 
-    def unavailable(self, policy: str) -> PolicyUnavailable:
-        """No engine serves ``policy`` now: each engine's reason, in words."""
-        self.require(policy)
+    def unavailable(self, policy: str) -> ProxyError:
+        """No engine serves ``policy`` now: each engine's reason, in words (``gone`` once it is not registered)."""
+        if not self.registered(policy):
+            return self.gone(policy)
         current = self._policies[policy].current if policy != BASE else None
         if policy != BASE and current is None:
             return PolicyUnavailable(
@@ -262,7 +301,8 @@ class Policies:
             version = member.version if member.version is not None else self.fleet.version
             served = Served(BASE, version, ZERO_SERVED if state.zero is not None else None, member.url)
         else:
-            self.require(policy)
+            if policy not in self._policies:
+                raise self.gone(policy)
             live = state.live.get(policy)
             if live is None:
                 raise self.unavailable(policy)
@@ -327,6 +367,7 @@ class Policies:
                 f"and not {BASE!r}: {name[:80]!r}",
                 param="name",
             )
+        await self._refresh()  # a retirement another worker made is known before this one numbers on
         created = name not in self._policies
         if created:
             if len(self._policies) >= MAX_POLICIES:
@@ -334,18 +375,19 @@ class Policies:
             models = {info.model for info in await self.fleet.models()}
             if name in models:
                 raise InvalidRequest(f"{name!r} is the engines' base model name: name the policy otherwise")
-            self._policies[name] = Policy(name)
+            self._policies[name] = Policy(name, after=self._retired.get(name, 0))
             try:
                 await self._share()
             except ProxyError:
-                del self._policies[name]
+                self._policies.pop(name, None)
                 raise
             log.info("policy_registered", policy=name)
         if path is not None:
             try:
                 await self.publish(name, path)
             except BaseException:
-                if created and self._policies[name].current is None:
+                kept = self._policies.get(name)
+                if created and kept is not None and kept.current is None:
                     del self._policies[name]
                     await self._share_quietly()
                 raise
@@ -364,13 +406,17 @@ class Policies:
         policy = self._policies[name]
         started = time.perf_counter()
         async with policy.lock:
+            if self._policies.get(name) is not policy:  # retired while this waited for the lock
+                self.require(name)
             files = await asyncio.to_thread(adapters.read_adapter, path)
-            version = Version((policy.current.number if policy.current else 0) + 1, path)
+            version = Version((policy.current.number if policy.current else policy.after) + 1, path)
             targets = [m for m in self.fleet.members.values() if m.state is EngineState.HEALTHY and not m.draining]
             if not targets:
                 raise PolicyUnavailable(f"no healthy engine to load {name} version {version.number} on")
             self._refuse_rank(files, targets)
-            outcomes = await asyncio.gather(*(self._load(member, name, version, files) for member in targets))
+            outcomes = await asyncio.gather(*(self._load(member, policy, version, files) for member in targets))
+            if self._policies.get(name) is not policy:  # another worker retired it meanwhile (``_load`` unloads)
+                self.require(name)
             if not any(outcome.ok for outcome in outcomes):
                 self._metrics.inc("policy_publishes_total", policy=name, outcome="refused")
                 self._refused(name, version, outcomes)
@@ -401,6 +447,69 @@ class Policies:
             ],
         }
 
+    async def retire(self, name: str) -> dict[str, Any]:
+        """Take a LoRA policy out of the registry at once (new sessions on it are refused, turns of open ones
+        get ``PolicyRetired``) and unload its versions on every engine once no call holds them: calls in flight
+        finish on their version. The zero adapter stays. Answers what was retired."""
+        if name == BASE:
+            raise InvalidRequest(
+                "the base policy cannot be retired: it is the engines' own model (retire LoRA policies only)"
+            )
+        self.require(name)
+        policy = self._policies[name]
+        async with policy.lock:  # a publish of it under way ends first
+            if self._policies.get(name) is not policy:  # retired while this waited
+                self.require(name)
+            mark = policy.mark
+            del self._policies[name]
+            before = self._retired.pop(name, None)
+            self._retired[name] = mark
+            try:
+                await self._share()
+            except ProxyError:  # nothing changed: the store did not take it
+                self._policies[name] = policy
+                self._retired.pop(name, None)
+                if before is not None:
+                    self._retired[name] = before
+                raise
+            self._trim_retired()
+            unloading = self._drop(name, unload=True)
+        log.info("policy_retired", policy=name, version=policy.current.number if policy.current else None)
+        return {
+            "policy": name,
+            "retired": True,
+            "version": policy.current.number if policy.current else None,
+            "unloading": unloading,
+        }
+
+    def _drop(self, name: str, *, unload: bool) -> list[dict[str, str]]:
+        """What this worker keeps of a retired policy, gone, and its metric series. With ``unload`` (the worker
+        that retired it) its served names are unloaded once free: ``_retire`` waits for this worker's calls in
+        flight, then for the other workers to have dropped it too."""
+        unloading = []
+        for url, state in self._engines.items():
+            live = state.live.pop(name, None)
+            state.drained.pop(name, None)
+            member = self.fleet.members.get(url)
+            if live is None or member is None:
+                continue
+            unloading.append({"url": url, "served_name": live.served(name)})
+            if unload:
+                self._spawn(self._retire(member, name, live), f"retire {live.served(name)} on {url}")
+            elif not state.in_use.get(live.served(name)):
+                self._metrics.forget("policy_in_use", policy=name, served=live.served(name))
+        for metric in ("policy_publish_seconds", "policy_current_version", "policy_adapter_reloads_total"):
+            self._metrics.forget(metric, policy=name)
+        for metric in ("policy_turns_total", "policy_generated_tokens_total"):
+            self._metrics.forget(metric, policy=name)
+        for outcome in ("published", "partial", "refused"):
+            self._metrics.forget("policy_publishes_total", policy=name, outcome=outcome)
+        return unloading
+
+    def _trim_retired(self) -> None:
+        while len(self._retired) > MAX_RETIRED:
+            del self._retired[next(iter(self._retired))]
+
     def _refuse_rank(self, files: adapters.AdapterFiles, targets: list[Member]) -> None:
         """Every engine's ``--max-lora-rank`` is known and below the adapter's: refused before any load."""
         limits = [self._state(member.url).max_rank for member in targets]
@@ -428,8 +537,9 @@ class Policies:
             state = self._engines[url] = EngineAdapters()
         return state
 
-    async def _load(self, member: Member, name: str, version: Version, files: adapters.AdapterFiles) -> _Outcome:
-        """Load ``version`` of ``name`` on ``member`` and switch its new calls to it (retiring the one before)."""
+    async def _load(self, member: Member, policy: Policy, version: Version, files: adapters.AdapterFiles) -> _Outcome:
+        """Load ``version`` of ``policy`` on ``member`` and switch its new calls to it (retiring the one before)."""
+        name = policy.name
         state = self._state(member.url)
         client = member.client
         within = self.fleet.settings.control_timeout
@@ -463,7 +573,9 @@ class Policies:
         except Exception as exc:  # down, hung, or answering badly: this engine's fault, the others go on
             self.fleet.report_failure(client, exc, what="adapter load")
             return _Outcome(member.url, f"loading failed: {describe(exc)}")
-        policy = self._policies[name]
+        if self._policies.get(name) is not policy:  # retired while it loaded (another worker's, followed here)
+            self._spawn(self._retire(member, name, version), f"retire {version.served(name)} on {member.url}")
+            return _Outcome(member.url, f"policy {name!r} was retired while this version loaded")
         if policy.current is None or policy.current.number < version.number:
             policy.current = version  # the first engine that has it: the policy's version from now on
         before = state.live.get(name)
@@ -563,7 +675,7 @@ class Policies:
             for name, policy in list(self._policies.items()):
                 async with policy.lock:
                     current = policy.current
-                    if current is None:
+                    if current is None or self._policies.get(name) is not policy:  # no version, or retired
                         continue
                     drained = state.drained.get(name)
                     if drained is not None and drained.refused and drained.version == current.number:
@@ -577,7 +689,9 @@ class Policies:
                     except AdapterRefused as exc:  # its files went away: drained until the next version
                         self._drain(member.url, name, Drained(exc.message, current.number, refused=True))
                         continue
-                    outcome = await self._load(member, name, current, files)
+                    outcome = await self._load(member, policy, current, files)
+                    if self._policies.get(name) is not policy:
+                        continue  # retired while it loaded (``_load`` unloads it again)
                     self._metrics.inc("policy_adapter_reloads_total", policy=name)
                     if not outcome.ok:
                         self._drain(member.url, name, Drained(outcome.error or "", current.number, outcome.refused))
@@ -624,9 +738,13 @@ class Policies:
     def _count(self, policy: str, served: str, delta: int) -> None:
         key = (policy, served)
         self._in_use[key] += delta
-        self._metrics.set("policy_in_use", self._in_use[key], policy=policy, served=served)
-        if self._in_use[key] <= 0:
+        count = self._in_use[key]
+        if count <= 0:
             del self._in_use[key]
+            if policy not in self._policies:  # its last call on a retired policy: the series goes
+                self._metrics.forget("policy_in_use", policy=policy, served=served)
+                return
+        self._metrics.set("policy_in_use", count, policy=policy, served=served)
 
     async def view(self) -> dict[str, Any]:
         return {"policies": [await self.view_one(name) for name in self.names()]}
@@ -672,9 +790,14 @@ class Policies:
         """What other workers follow (``engines.shared``)."""
         return {
             "policies": {
-                name: None if p.current is None else {"version": p.current.number, "path": p.current.path}
+                name: {
+                    "version": p.current.number if p.current else None,
+                    "path": p.current.path if p.current else None,
+                    "after": p.after,
+                }
                 for name, p in self._policies.items()
             },
+            "retired": dict(self._retired),
             "zero": {url: s.zero for url, s in self._engines.items() if s.zero is not None},
             "drained": {
                 url: {
@@ -686,8 +809,22 @@ class Policies:
             },
         }
 
+    async def _refresh(self) -> None:
+        """Follow the shared table now (registrations and retirements other workers made since the last poll)."""
+        try:
+            state = await shared.read(self.fleet) if self.fleet.shared is not None else None
+        except ValueError as exc:  # an unreadable record: the next write replaces it with this worker's
+            log.warning("policies_unreadable", error=str(exc))
+            return
+        if state is not None and state.policies is not None:
+            self.follow(state.policies)
+
     async def _share(self) -> None:
+        """Write this worker's table, after following the stored one: a policy another worker registered since
+        the last poll is kept in the write, not dropped from it (absence never retires a policy: only a
+        ``retired`` mark at or above its own does)."""
         if self.fleet.shared is not None:
+            await self._refresh()
             await shared.publish(self.fleet, policies=self.shared())
 
     async def _share_quietly(self) -> None:
@@ -697,21 +834,43 @@ class Policies:
             log.warning("policies_unshared", error=exc.message)
 
     def follow(self, raw: Mapping[str, Any]) -> None:
-        """Agree with another worker's publish: new policies and versions, zero adapters, drained engines."""
+        """Agree with another worker's publish: retired policies, new policies and versions, zero adapters,
+        drained engines. A policy is dropped only by a ``retired`` mark at or above its own ``mark`` (so a stale
+        write that lacks a policy just registered does not drop it, nor does an old mark a registration since)."""
         try:
             policies = dict(raw.get("policies") or {})
+            retired = {n: m for n, m in dict(raw.get("retired") or {}).items() if isinstance(m, int)}
             zero = dict(raw.get("zero") or {})
             drained = {url: dict(by) for url, by in dict(raw.get("drained") or {}).items()}
         except (TypeError, ValueError) as exc:
             log.warning("policies_unreadable", error=str(exc))
             return
+        for name, at in retired.items():
+            if at > self._retired.get(name, 0):
+                self._retired.pop(name, None)
+                self._retired[name] = at
+            ours = self._policies.get(name)
+            if ours is not None and ours.mark <= at:
+                del self._policies[name]
+                self._drop(name, unload=False)  # the worker that retired it unloads
+                log.info("policy_retired_followed", policy=name)
+        self._trim_retired()
         for url, directory in zero.items():
             if url in self.fleet.members and isinstance(directory, str):
                 self._state(url).zero = directory
         for name, entry in policies.items():
             if not isinstance(name, str) or (len(self._policies) >= MAX_POLICIES and name not in self._policies):
                 continue
-            policy = self._policies.setdefault(name, Policy(name))
+            stated = entry.get("after") if isinstance(entry, Mapping) else None
+            after = stated if isinstance(stated, int) else 0
+            if name not in self._policies:
+                if isinstance(entry, Mapping) and isinstance(entry.get("version"), int):
+                    listed = entry["version"]
+                else:
+                    listed = after + 1
+                if listed <= self._retired.get(name, 0):
+                    continue  # a registration that was retired since (a stale write still lists it)
+            policy = self._policies.setdefault(name, Policy(name, after=after))
             if not isinstance(entry, Mapping):
                 continue
             number, path = entry.get("version"), entry.get("path")

@@ -154,8 +154,6 @@ async def sample(
     ``policy``: the policy that samples (``engines.policies``; None: the base model)."""
     settings = fleet.settings
     registry = fleet.policies
-    if registry is not None and policy is not None:
-        registry.require(policy)
     deadline = Deadline(fleet.gate, settings.turn_deadline)
     kept = _Kept()
     tried: set[str] = set()
@@ -166,6 +164,8 @@ async def sample(
         gate = fleet.gate  # a wait at a closed gate is timed (queue_wait_seconds)
         with fleet.metrics.timer("queue_wait_seconds", reason="pause") if gate.paused else contextlib.nullcontext():
             await gate.wait(queued=queued)
+        if registry is not None and policy is not None and not registry.registered(policy):
+            raise registry.gone(policy)  # retired since the session began (or while this turn waited)
         unserved = registry.unserved(policy) if registry is not None and policy is not None else frozenset()
         try:
             member = await fleet.available(preferred, exclude=tried | unserved)
@@ -181,9 +181,11 @@ async def sample(
             continue
         except FleetPaused:
             raise
-        except ServedModelMissing:
+        except ServedModelMissing as exc:
             if registry is None:
                 raise
+            if policy is not None and not registry.registered(policy):
+                raise registry.gone(policy) from exc  # unloaded as retired: the engine lost nothing
             attempts += 1
             failures += 1
             registry.lost(member.client)  # it restarted without its adapters: base by name, LoRA after a sync

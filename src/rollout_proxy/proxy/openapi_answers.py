@@ -365,6 +365,23 @@ class PolicyPublished(TypedDict):
     engines: list[PublishEntry]
 
 
+class Unloading(TypedDict):
+    url: str
+    #: unloaded there once no call of this proxy holds it
+    served_name: str
+
+
+class PolicyRetired(TypedDict):
+    """A LoRA policy out of the registry: new sessions on it are refused, turns of open ones get a 409; each
+    engine's version unloaded once its calls in flight finished."""
+
+    policy: str
+    retired: Literal[True]
+    #: its last version (null: none was published); the name registered again numbers on after it
+    version: int | None
+    unloading: list[Unloading]
+
+
 class Health(TypedDict):
     status: Literal["ok"]
 

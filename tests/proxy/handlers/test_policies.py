@@ -6,11 +6,13 @@ the status codes, the error shapes, and the ``/metrics`` lines a publish leaves.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from devtools.lora_adapter import build_adapter
@@ -125,3 +127,45 @@ async def test_the_policy_routes_take_the_admin_key_only(served, adapter_dirs):
         assert status == 401
     _, listed = await harness.request("GET", "/v1/admin/policies")
     assert [p["name"] for p in listed["policies"]] == ["base"]
+
+
+async def test_retiring_a_policy_refuses_its_sessions_in_words_and_drops_its_series(served, adapter_dirs):
+    harness, fakes = served
+    question = [{"role": "user", "content": "What is two plus two?"}]
+    for name, path in (("pol", adapter_dirs["v1"]), ("other", adapter_dirs["v2"])):
+        status, _ = await harness.request("POST", "/v1/admin/policies", json={"name": name, "path": str(path)})
+        assert status == 200
+    session = await harness.create_session(question, policy="pol")
+    await session.client.chat.completions.create(model="m", messages=question)
+    _, before = await harness.request("GET", "/v1/admin/policies")
+    for path, expected, param, words in (
+        ("/v1/admin/policies/base", 400, None, "base policy cannot be retired"),
+        ("/v1/admin/policies/nope", 404, "policy", "no policy 'nope'"),
+    ):
+        status, answer = await harness.request("DELETE", path)
+        assert words in error_of(status, answer, expected, param)
+    for token in (None, "not-the-key", session.api_key):
+        status, _ = await harness.request("DELETE", "/v1/admin/policies/pol", token=token)
+        assert status == 401
+    _, after = await harness.request("GET", "/v1/admin/policies")
+    assert after == before  # refused: nothing changed
+    status, retired = await harness.request("DELETE", "/v1/admin/policies/pol")
+    assert status == 200 and (retired["policy"], retired["retired"], retired["version"]) == ("pol", True, 1)
+    assert sorted(e["served_name"] for e in retired["unloading"]) == ["pol@v1", "pol@v1"]
+    _, listed = await harness.request("GET", "/v1/admin/policies")
+    assert [p["name"] for p in listed["policies"]] == ["base", "other"]
+    for stream in (False, True):  # a turn of the session open on it: a 409 in words
+        with pytest.raises(openai.ConflictError) as raised:
+            await session.client.chat.completions.create(model="m", messages=question, stream=stream)
+        assert raised.value.code == "policy_retired" and "'pol' was retired" in raised.value.message
+    status, body = await harness.request(
+        "POST", "/v1/sessions", json={"sample": {"messages": question}, "policy": "pol"}
+    )
+    assert "it was retired" in error_of(status, body, 400, "policy")  # a new session on it: unknown
+    status, answer = await harness.request("DELETE", "/v1/admin/policies/pol")
+    assert "no policy 'pol'" in error_of(status, answer, 404, "policy")  # retired twice: the second is unknown
+    async with asyncio.timeout(10):  # unloaded once no call holds it; the zero adapter and the other stay
+        while any(set(fake.adapters) != {"base@zero", "other@v1"} for fake in fakes.engines):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    status, metrics = await harness.request("GET", "/metrics", token=None)
+    assert 'policy="pol"' not in metrics and 'rollout_proxy_policy_current_version{policy="other"} 1.0' in metrics

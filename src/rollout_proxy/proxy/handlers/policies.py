@@ -1,4 +1,4 @@
-"""LoRA policies (admin key): list them, register one, publish its next version. The core is
+"""LoRA policies (admin key): list them, register one, publish its next version, retire one. The core is
 ``engines.policies``; these only parse and answer."""
 
 from __future__ import annotations
@@ -49,3 +49,8 @@ async def publish_version(request: web.Request) -> web.Response:
     request_caller(request, admin_only=True)
     body = validation.validate(VersionIn, await read_json_object(request))
     return json_response(await request.app[keys.POLICIES].publish(request.match_info["name"], body.path))
+
+
+async def retire_policy(request: web.Request) -> web.Response:
+    request_caller(request, admin_only=True)
+    return json_response(await request.app[keys.POLICIES].retire(request.match_info["name"]))
