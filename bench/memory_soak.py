@@ -34,6 +34,11 @@ that outlasts a rollout) and adds, per store, the allocation sites (``--tracemal
 whose live bytes grew most from the warm-up to the end and over the second half of the load, and those
 still held after expiry beyond the warm proxy's. Its snapshots go to files, so they are no RSS of the proxy.
 
+``--variant STORE:KNOB`` changes one proxy, the other left as shipped, so both see the same load: ``fill-word-cache``
+(its tokenizers' word caches, up to 10,000 words each in native memory, filled with new words before the warm
+baseline), ``trim-every=S`` (``malloc_trim(0)`` each S seconds, in a thread; the detail says how long it took),
+``arena-max=N`` (``MALLOC_ARENA_MAX=N`` in its environment).
+
 A benchmark, not a test (tests/bench/test_memory_soak_smoke.py runs it tiny): its numbers are in
 docs/operations/memory.md.
 """
@@ -222,10 +227,10 @@ def word_caches() -> list[Any]:
     return list(found.values())
 
 
-def novel_words(count: int) -> str:
+def novel_words(count: int, start: int = 0) -> str:
     """``count`` words of letters no load of this benchmark sends (a ByteLevel BPE caches each apart)."""
     words = []
-    for n in range(count):
+    for n in range(start, start + count):
         letters = ""
         for _ in range(4):
             n, digit = divmod(n, 26)
