@@ -220,11 +220,7 @@ def word_caches() -> list[Any]:
     10,000, native memory that no Python object counts), found among the live objects."""
     from tokenizers import Tokenizer
 
-    found: dict[int, Any] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, Tokenizer):
-            found[id(obj)] = obj
-    return list(found.values())
+    return [obj for obj in gc.get_objects() if isinstance(obj, Tokenizer)]
 
 
 def novel_words(count: int, start: int = 0) -> str:
@@ -287,7 +283,7 @@ def serve_proxy(args: argparse.Namespace) -> None:
     app = create_app(settings)
     # snapshots written to files, not held: a held one (25 MiB after a few minutes) would be RSS growth
     marks: dict[str, Path] = {}
-    log_filled: list[int] = []
+    tokenizers_filled: list[int] = []
     trim_took: list[float] = []
     snapshots = Path(tempfile.mkdtemp(prefix="rp-soak-snapshots-"))
 
@@ -299,7 +295,7 @@ def serve_proxy(args: argparse.Namespace) -> None:
         trimmed_in = None
         if query.get("fill_words"):
             filled = await asyncio.to_thread(fill_word_caches, int(query["fill_words"]))
-            log_filled.append(filled)
+            tokenizers_filled.append(filled)
         if query.get("trim"):
             gc.collect()
             started = time.perf_counter()
@@ -313,7 +309,7 @@ def serve_proxy(args: argparse.Namespace) -> None:
             "python_blocks": sys.getallocatedblocks(),
             "pymalloc": pymalloc_info(),
             **threads_and_arenas(libc),
-            "word_caches_filled": log_filled[-1] if log_filled else 0,
+            "word_caches_filled": tokenizers_filled[-1] if tokenizers_filled else 0,
             "periodic_trims": len(trim_took),
             "periodic_trim_ms": {
                 "median": statistics.median(trim_took) if trim_took else None,
@@ -349,7 +345,7 @@ def serve_proxy(args: argparse.Namespace) -> None:
     async def remove_snapshots(_: web.Application) -> None:
         shutil.rmtree(snapshots, ignore_errors=True)
 
-    trimmer: list[asyncio.Task[None]] = []
+    trimmer: list[asyncio.Task[None]] = []  # held: the loop keeps only a weak reference to a task
 
     async def start_trimming(_: web.Application) -> None:
         if args.trim_every:
