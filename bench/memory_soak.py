@@ -34,6 +34,11 @@ that outlasts a rollout) and adds, per store, the allocation sites (``--tracemal
 whose live bytes grew most from the warm-up to the end and over the second half of the load, and those
 still held after expiry beyond the warm proxy's. Its snapshots go to files, so they are no RSS of the proxy.
 
+``--variant STORE:KNOB`` changes one proxy, the other left as shipped, so both see the same load: ``fill-word-cache``
+(its tokenizers' word caches, up to 10,000 words each in native memory, filled with new words before the warm
+baseline), ``trim-every=S`` (``malloc_trim(0)`` each S seconds, in a thread; the detail says how long it took),
+``arena-max=N`` (``MALLOC_ARENA_MAX=N`` in its environment).
+
 A benchmark, not a test (tests/bench/test_memory_soak_smoke.py runs it tiny): its numbers are in
 docs/operations/memory.md.
 """
@@ -60,7 +65,7 @@ from typing import Any
 
 import aiohttp
 
-from load_tests.run import Services, free_port, start_engine, start_redis
+from load_tests.run import Services, child_env, free_port, start_engine, start_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,6 +74,8 @@ STATS = "/_soak/stats"
 SAMPLE = 50  # sessions measured for bytes per session
 TOP_LINES = 12  # --tracemalloc: source lines reported
 STATS_EVERY = 10.0  # seconds between two of a proxy's own reports (glibc's bytes in use, structures)
+FILL_WORDS = 12_000  # new words that fill a tokenizer's word cache (10,000 words, the library's bound)
+KNOBS = ("fill-word-cache", "trim-every", "arena-max")  # --variant STORE:KNOB[=VALUE]
 
 
 def rss_mib(pid: int) -> float:
@@ -208,6 +215,49 @@ def threads_and_arenas(libc: Any) -> dict[str, int]:
     return {"threads": len(os.listdir("/proc/self/task")), "arenas": info.count("<heap nr=")}
 
 
+def word_caches() -> list[Any]:
+    """Every ``tokenizers.Tokenizer`` the proxy holds (its model keeps a cache of the words it split: up to
+    10,000, native memory that no Python object counts), found among the live objects."""
+    from tokenizers import Tokenizer
+
+    return [obj for obj in gc.get_objects() if isinstance(obj, Tokenizer)]
+
+
+def novel_words(count: int, start: int = 0) -> str:
+    """``count`` words of letters no load of this benchmark sends (a ByteLevel BPE caches each apart)."""
+    words = []
+    for n in range(start, start + count):
+        letters = ""
+        for _ in range(4):
+            n, digit = divmod(n, 26)
+            letters += chr(ord("a") + digit)
+        words.append("zq" + letters)
+    return " ".join(words)
+
+
+def fill_word_caches(words: int) -> int:
+    """Encode ``words`` new words with each of the proxy's tokenizers, so their word caches are full from the
+    warm baseline on (a cache filled once, like the tokenizer loaded once, is not growth); tokenizers filled."""
+    text = novel_words(words)
+    caches = word_caches()
+    for tokenizer in caches:
+        tokenizer.encode(text, add_special_tokens=False)
+    return len(caches)
+
+
+async def trim_forever(libc: Any, every: float, took: list[float]) -> None:
+    """``malloc_trim(0)`` each ``every`` seconds, in a thread; how long each took (ms) into ``took``."""
+
+    def trim() -> float:
+        started = time.perf_counter()
+        libc.malloc_trim(0)
+        return (time.perf_counter() - started) * 1000
+
+    while True:
+        await asyncio.sleep(every)
+        took.append(await asyncio.to_thread(trim))
+
+
 def serve_proxy(args: argparse.Namespace) -> None:
     """``rollout-proxy serve`` as it starts (settings, app, loop, collector), plus this benchmark's route."""
     from aiohttp import web
@@ -233,6 +283,8 @@ def serve_proxy(args: argparse.Namespace) -> None:
     app = create_app(settings)
     # snapshots written to files, not held: a held one (25 MiB after a few minutes) would be RSS growth
     marks: dict[str, Path] = {}
+    tokenizers_filled: list[int] = []
+    trim_took: list[float] = []
     snapshots = Path(tempfile.mkdtemp(prefix="rp-soak-snapshots-"))
 
     async def stats(request: web.Request) -> web.Response:
@@ -241,6 +293,9 @@ def serve_proxy(args: argparse.Namespace) -> None:
         before, its tokenizer's imports, untraced); ``?since=NAME``: the lines grown since."""
         query = request.query
         trimmed_in = None
+        if query.get("fill_words"):
+            filled = await asyncio.to_thread(fill_word_caches, int(query["fill_words"]))
+            tokenizers_filled.append(filled)
         if query.get("trim"):
             gc.collect()
             started = time.perf_counter()
@@ -254,6 +309,12 @@ def serve_proxy(args: argparse.Namespace) -> None:
             "python_blocks": sys.getallocatedblocks(),
             "pymalloc": pymalloc_info(),
             **threads_and_arenas(libc),
+            "word_caches_filled": tokenizers_filled[-1] if tokenizers_filled else 0,
+            "periodic_trims": len(trim_took),
+            "periodic_trim_ms": {
+                "median": statistics.median(trim_took) if trim_took else None,
+                "max": max(trim_took, default=None),
+            },
         }
         if query.get("stored"):
             answer |= await stored_per_session(app[keys.STORE])
@@ -284,7 +345,14 @@ def serve_proxy(args: argparse.Namespace) -> None:
     async def remove_snapshots(_: web.Application) -> None:
         shutil.rmtree(snapshots, ignore_errors=True)
 
+    trimmer: list[asyncio.Task[None]] = []  # held: the loop keeps only a weak reference to a task
+
+    async def start_trimming(_: web.Application) -> None:
+        if args.trim_every:
+            trimmer.append(asyncio.create_task(trim_forever(libc, args.trim_every, trim_took)))
+
     app.router.add_get(STATS, stats)
+    app.on_startup.append(start_trimming)
     app.on_cleanup.append(remove_snapshots)
     _run_loop(
         serve_until_stopped(app, settings.host, settings.port, gc_threshold=settings.gc_threshold), settings.event_loop
@@ -437,6 +505,9 @@ async def soak(proxies: list[Proxy], args: argparse.Namespace) -> dict[str, dict
         for proxy in proxies:
             if proxy.errors:
                 raise SystemExit(f"{proxy.name}: the warm-up rollout failed: {proxy.first_error}")
+        for proxy in proxies:
+            if "fill-word-cache" in args.variants.get(proxy.name, {}):
+                await stats(http, proxy, fill_words=str(FILL_WORDS))
         await asyncio.sleep(2)
         for proxy in proxies:
             results[proxy.name]["at_idle"] = idle = await stats(http, proxy, mark="idle")
@@ -521,8 +592,11 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         growth = (r["end"] - r["warmup_rss"]) / r["warmup_rss"] * 100
         left = sum(r["drained"]["structures"].values())
         in_use = " / ".join(f"{r[moment]['malloc']['in_use']:.1f}" for moment in ("at_idle", "at_end", "drained"))
+        variant = "".join(
+            f" +{knob}{'=' + value if value else ''}" for knob, value in args.variants.get(name, {}).items()
+        )
         lines.append(
-            f"| {name} | {r['ttl']:g} s | {r['turns']} ({r['errors']}) | {r['turns_per_s']:.0f} | {r['idle']:.1f} MiB "
+            f"| {name}{variant} | {r['ttl']:g} s | {r['turns']} ({r['errors']}) | {r['turns_per_s']:.0f} | {r['idle']:.1f} MiB "
             f"| {r['warmup_rss']:.1f} MiB | {r['end']:.1f} MiB | {growth:+.1f}% "
             f"| {r['slope']:+.2f} ± {r['slope_margin']:.2f} MiB/min "
             f"| {r['malloc_in_use_slope']:+.2f} ± {r['malloc_in_use_slope_margin']:.2f} MiB/min "
@@ -551,6 +625,14 @@ def detail(results: dict[str, dict[str, Any]]) -> str:
                 f"{heap['free']:6.1f} mmapped {heap['mmapped']:5.1f}{traced}  threads {m['threads']} arenas "
                 f"{m['arenas']}  {held}"
             )
+        trims = r["at_end"]["periodic_trims"]
+        if trims:
+            took = r["at_end"]["periodic_trim_ms"]
+            out.append(
+                f"{name:6} periodic malloc_trim: {trims} by the end, {took['median']:.1f} ms median, {took['max']:.1f} max"
+            )
+        if r["at_idle"]["word_caches_filled"]:
+            out.append(f"{name:6} word caches filled before the warm baseline: {r['at_idle']['word_caches_filled']}")
         if r.get("first_error"):
             out.append(f"{name:6} first error: {r['first_error']}")
         for line in r["at_end"].get("grown", []):
@@ -580,8 +662,18 @@ def main() -> None:
     parser.add_argument(
         "--tracemalloc-frames", type=int, default=1, help="frames kept per allocation (more: grouped by traceback)"
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="STORE:KNOB[=VALUE]",
+        help="one proxy's variant (repeatable): fill-word-cache (its tokenizers' word caches filled before the "
+        "warm baseline), trim-every=S (malloc_trim(0) each S seconds, in a thread), arena-max=N "
+        "(MALLOC_ARENA_MAX=N)",
+    )
     parser.add_argument("--out", type=Path, help="write memory_soak.json there")
     args = parser.parse_args()
+    args.variants = parse_variants(args.variant)
     longest = max(args.ttl, args.redis_ttl or 0)
     args.warmup = 2 * longest if args.warmup is None else args.warmup
     args.drain = longest + 15 if args.drain is None else args.drain
@@ -600,7 +692,10 @@ def main() -> None:
             argv += ["--port", str(port)]
             argv += ["--ttl", str(ttl), *(["--tracemalloc"] if args.tracemalloc else [])]
             argv += ["--tracemalloc-frames", str(args.tracemalloc_frames)]
-            process = services.start(f"proxy-{name}", argv)
+            variant = args.variants.get(name, {})
+            argv += ["--trim-every", variant.get("trim-every", "0")]
+            env = child_env() | ({"MALLOC_ARENA_MAX": variant["arena-max"]} if "arena-max" in variant else {})
+            process = services.start(f"proxy-{name}", argv, env=env)
             proxies.append(Proxy(name, f"http://127.0.0.1:{port}", process.pid, ttl, rate=args.rate))
         for proxy in proxies:  # started together, waited for in turn
             services.wait_http(f"proxy-{proxy.name}", f"{proxy.url}/readyz")
@@ -616,6 +711,18 @@ def main() -> None:
         (args.out / "memory_soak.json").write_text(json.dumps({**report, "results": results}, indent=1))
 
 
+def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``STORE:KNOB[=VALUE]`` each: {store: {knob: value}}."""
+    variants: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        store, _, knob = spec.partition(":")
+        name, _, value = knob.partition("=")
+        if store not in ("memory", "redis") or name not in KNOBS or (name != "fill-word-cache") != bool(value):
+            raise SystemExit(f"--variant {spec!r}: STORE is memory or redis, KNOB one of {', '.join(KNOBS)}")
+        variants.setdefault(store, {})[name] = value
+    return variants
+
+
 def proxy_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="memory_soak.py proxy")
     parser.add_argument("--store", required=True)
@@ -624,6 +731,7 @@ def proxy_main(argv: list[str]) -> None:
     parser.add_argument("--ttl", type=float, required=True)
     parser.add_argument("--tracemalloc", action="store_true")
     parser.add_argument("--tracemalloc-frames", type=int, default=1)
+    parser.add_argument("--trim-every", type=float, default=0.0)
     serve_proxy(parser.parse_args(argv))
 
 

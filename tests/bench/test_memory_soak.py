@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
+from pathlib import Path
 
 import pytest
 
-from bench.memory_soak import slope_of_minutes, t_975
+from bench.memory_soak import (
+    FILL_WORDS,
+    _libc,
+    fill_word_caches,
+    novel_words,
+    parse_variants,
+    slope_of_minutes,
+    t_975,
+)
 
 
 def test_t_quantile_matches_the_tables() -> None:
@@ -36,3 +46,33 @@ def test_minutes_start_at_the_first_sample_and_partial_ones_are_left_out() -> No
     samples = [(150.0 + 10 * i, 100.0 + i) for i in range(20)]
     assert slope_of_minutes(samples, every=10).points == 3
     assert slope_of_minutes(samples[:12], every=10).margin == float("inf")  # 2 minutes: no interval
+
+
+def test_variants_are_read_per_store_and_unknown_ones_refused() -> None:
+    variants = parse_variants(["memory:fill-word-cache", "redis:trim-every=10", "redis:arena-max=2"])
+    assert variants == {"memory": {"fill-word-cache": ""}, "redis": {"trim-every": "10", "arena-max": "2"}}
+    for wrong in ("disk:fill-word-cache", "memory:trim-every", "memory:fill-word-cache=1", "redis:lru=3"):
+        with pytest.raises(SystemExit):
+            parse_variants([wrong])
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc's mallinfo2")
+def test_a_filled_word_cache_takes_no_more_native_memory_for_new_words(tokenizer_dir: Path) -> None:
+    """What the soak's ``fill-word-cache`` relies on: the tokenizer keeps at most 10,000 words it split, so once
+    they are there new words take nothing more (and before, they do: the climb the soak saw)."""
+    from tokenizers import Tokenizer
+
+    libc = _libc()
+
+    def grown_by_new_words(tokenizer: Tokenizer, start: int) -> float:
+        before = libc.mallinfo2().uordblks
+        for at in range(start, start + 6000, 500):
+            tokenizer.encode(novel_words(500, at), add_special_tokens=False)
+        return (libc.mallinfo2().uordblks - before) / 2**20
+
+    fresh = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    assert grown_by_new_words(fresh, 100_000) > 1.0  # ~300 bytes a word
+    filled = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    assert fill_word_caches(FILL_WORDS) >= 2  # every live tokenizer, these two among them
+    assert grown_by_new_words(filled, 200_000) < 0.3
+    assert grown_by_new_words(fresh, 300_000) < 0.3  # filled by its first 6,000 and the fill's 12,000
