@@ -155,11 +155,14 @@ def default_policy(prompt_ids: list[int], adapter: str | None = None) -> str:
 
 
 def vllm_style_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What vLLM hands the template: text parts joined, tool arguments parsed to dicts."""
+    """What vLLM hands the template: text parts joined (no content at all is ``""``, as vLLM parses it), tool
+    arguments parsed to dicts."""
     prepared = copy.deepcopy(messages)
     for message in prepared:
         content = message.get("content")
-        if isinstance(content, list):
+        if content is None:
+            message["content"] = ""
+        elif isinstance(content, list):
             message["content"] = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
         for call in message.get("tool_calls") or []:
             arguments = call.get("function", {}).get("arguments")

@@ -191,6 +191,26 @@ async def test_live_checks_that_agree_keep_rendering_local(engine, template_name
         assert counter(proxy, "renders_total", source="local") == 4
 
 
+@pytest.mark.parametrize("template_name", ["smollm2_default"])
+async def test_a_live_check_of_an_assistant_turn_without_content_agrees(engine, template_name):
+    """An echoed answer with no content at all (None, missing, empty tool calls) is "" to vLLM's /tokenize as to
+    the local render: the live check agrees, the turn is answered, rendering stays local (CI caught the fake engine
+    refusing it on the 1% of turns checked)."""
+    async with proxy_for(engine, render_check_rate=1.0) as proxy:
+        session = await proxy.create_session([USER])
+        for empty in [
+            {"role": "assistant", "content": None},
+            {"role": "assistant"},
+            {"role": "assistant", "tool_calls": []},
+        ]:
+            engine.fake.queue("Fine.")
+            history = [USER, empty, {"role": "user", "content": "Well?"}]
+            await session.client.chat.completions.create(model="m", messages=history)
+        assert counter(proxy, "render_checks_total", check="live", outcome="match") == 3
+        assert counter(proxy, "render_checks_total", check="live", outcome="mismatch") == 0
+        assert counter(proxy, "renders_total", source="local") == 3
+
+
 @pytest.mark.parametrize("template_name", ["qwen3_style"])
 async def test_a_local_refusal_is_asked_of_the_engine_before_it_is_answered(engine, template_name, tmp_path):
     """Local refuses what the engine renders (the canonical set cannot see it): the engine's tokens win."""

@@ -26,6 +26,7 @@ from devtools.scripted_agent import swe_agent
 from rollout_proxy.runner import JobConfig
 from rollout_proxy.runner.harness import workdir_of
 from rollout_proxy.runner.runner import JobRunner
+from rollout_proxy.sdk import Trajectory
 from rollout_proxy.state.feed import JsonlFeed
 from tests.harness import ADMIN_KEY, ProxyHarness
 from tests.harnesses.conftest import assert_exact, connected_addresses, strace
@@ -46,6 +47,14 @@ def has_text(path: Path) -> bool:
     return path.is_file() and bool(path.read_text())
 
 
+def ran_and_printed(trajectory: Trajectory) -> tuple[str, str]:
+    """The command a rollout's tool call ran and what its tool result says it printed (a failure's story)."""
+    calls = [m for m in trajectory.messages if m["role"] == "assistant" and m.get("tool_calls")]
+    results = [m for m in trajectory.messages if m["role"] == "tool"]
+    command = calls[-1]["tool_calls"][0]["function"]["arguments"][:120] if calls else "no tool call"
+    return command, str(results[-1]["content"])[:400] if results else "no tool result"
+
+
 async def test_the_swe_job_with_codex_is_graded_by_its_tests(proxy: ProxyHarness, fake: FakeEngine, tmp_path):
     fake.policy = swe_agent(fake, solutions())
     tracer = strace()
@@ -59,7 +68,8 @@ async def test_the_swe_job_with_codex_is_graded_by_its_tests(proxy: ProxyHarness
     groups = [entry.group for entry in await feed.read(limit=10)]
     assert len(groups) == 2
     for group in groups:
-        assert sorted(group.rewards) == [0.0, 1.0]  # the rollout that wrote the fix passes the sample's tests
+        # the rollout that wrote the fix passes the sample's tests (else: what each rollout ran, and what it printed)
+        assert sorted(group.rewards) == [0.0, 1.0], [ran_and_printed(t) for t in group.trajectories]
         for trajectory in group.trajectories:
             harness = trajectory.extra["harness"]
             assert harness["name"] == "codex" and harness["exit_code"] == 0 and not harness["timed_out"]
