@@ -30,6 +30,7 @@ import zstandard
 
 from rollout_proxy.records import BASE_POLICY, NodeKind, PolicySpan, ResponseNode, TeacherScores, TopLogprobs
 from rollout_proxy.routing.rows import RoutingRows, RoutingSpan
+from rollout_proxy.wire.images import ImageBlob
 
 MAGIC = b"RPN1"
 _LENGTH = struct.Struct("<I")
@@ -189,3 +190,18 @@ def decode_scores(blob: bytes) -> TeacherScores:
     return TeacherScores(
         teacher=header["teacher"], logprobs=logprobs, topk=topk, n_tokens_injected=header["n_tokens_injected"]
     )
+
+
+IMAGE_MAGIC = b"RPI1"
+
+
+def encode_image(image: ImageBlob) -> bytes:
+    """An image as one blob: ``RPI1`` | u32 header length | header (mime, width, height) | its bytes as sent
+    (images are compressed already: stored as they are)."""
+    encoded = orjson.dumps({"mime": image.mime, "width": image.width, "height": image.height})
+    return b"".join([IMAGE_MAGIC, _LENGTH.pack(len(encoded)), encoded, image.data])
+
+
+def decode_image(blob: bytes, sha256: str) -> ImageBlob:
+    header, offset = _header(blob, IMAGE_MAGIC, "image")
+    return ImageBlob(blob[offset:], header["mime"], header["width"], header["height"], sha256)
