@@ -134,7 +134,7 @@ class TurnStreamer:
         """``TurnStarted``, the turn's deltas as they are sampled, then ``TurnDone``. Errors up to the first
         delta are the non-streamed turn's; leaving early aborts the engine call and records nothing."""
         turns = self._turns
-        turn = await turns.prepare_anywhere(session, placement, tools=tools, stop=stop)
+        turn = await turns.prepare_anywhere(session, placement, tools=tools, stop=stop, images=images)
         node_id = new_response_id(session.id)
         yield TurnStarted(node_id, turn.info.model, turn.prompt, time.time(), dict(meta or {}))
         relay = _Relay(turn.prompt, IncrementalParser(self._parser, opened=turn.reasoning_opened))

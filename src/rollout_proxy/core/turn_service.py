@@ -93,7 +93,7 @@ class TurnService:
         rest, rendered by the policy's template; nothing is sampled or stored."""
         placement = await placing.place(self._tree, lease, ask)
         tools = placing.tools(lease.session, placement, ask)
-        return len(await self._turns.prompt_tokens(lease.session, placement, tools=tools))
+        return len(await self._turns.prompt_tokens(lease.session, placement, tools=tools, images=ask.images))
 
     async def append(
         self, lease: SessionLease, ask: Ask, placing: Placing, *, idempotency: Idempotency | None = None
@@ -108,7 +108,10 @@ class TurnService:
             if placement.parent:  # all of it is already in the tree: that node is the answer
                 return placement.parent[-1]
             raise InvalidRequest("messages add nothing to the conversation", param="messages")
-        return await self._turns.inject(lease.session, placement, api=placing.api, idempotency=idempotency, lease=lease)
+        images = await self._turns.new_images(lease.session, placement, ask.images)
+        return await self._turns.inject(
+            lease.session, placement, api=placing.api, idempotency=idempotency, lease=lease, images=images
+        )
 
     async def _placed(self, lease: SessionLease, ask: Ask, placing: Placing) -> PlacedTurn:
         """The turn placed, and the images its node will store checked against the session's bound (before

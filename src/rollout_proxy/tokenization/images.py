@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from rollout_proxy.records import ImageSpan
-from rollout_proxy.wire.images import ImageBlob
+from rollout_proxy.wire.images import IMAGE_PART, ImageBlob
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
@@ -102,6 +102,18 @@ class ImagePlaceholders:
                 "engine would take it for an image"
             )
         return collapsed
+
+
+def image_part_hashes(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The hash of each image part of ``messages``, in order, an image sent twice twice (the template renders a
+    marker for each)."""
+    return [
+        part["image"]
+        for message in messages
+        if type(content := message.get("content")) is list
+        for part in content
+        if isinstance(part, dict) and part.get("type") == IMAGE_PART
+    ]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
