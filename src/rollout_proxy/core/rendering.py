@@ -37,7 +37,7 @@ import structlog
 
 from rollout_proxy.core.tree import Placement
 from rollout_proxy.engines.base import GenerationEngine
-from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable, InvalidRequest
+from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable, ImagesUnsupported, InvalidRequest
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.records import NodeKind
 from rollout_proxy.settings import from_setting
@@ -45,6 +45,7 @@ from rollout_proxy.tokenization.developer import DeveloperRole
 from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavailable, tokenizer_dir
 from rollout_proxy.tokenization.renderer import ChatRenderer
 from rollout_proxy.tokenization.selfcheck import self_check, token_diff
+from rollout_proxy.wire.images import image_hashes
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +54,17 @@ RENDERING_MODES = ("auto", "engine")
 LOGGED_DIFFS = 3
 #: engine failures that leave a check undone (it is tried again later), never a turn failed by it
 _ENGINE_FAILURES = (EngineUnavailable, EngineTimeout, EngineError)
+
+
+def refuse_images(messages: Sequence[dict[str, Any]]) -> None:
+    """The one place a conversation with images is refused, until the policy's image placeholders are rendered
+    (the images themselves are taken in, checked and stored: ``proxy.images``, ``state``)."""
+    held = image_hashes(messages)
+    if held:
+        raise ImagesUnsupported(
+            f"the conversation holds {len(held)} image(s): this proxy does not render images for the policy yet "
+            "(they were taken in and checked, nothing was stored)"
+        )
 
 
 class RenderSource(str, Enum):
@@ -151,6 +163,7 @@ class Renderers:
         add_generation_prompt: bool,
     ) -> np.ndarray:
         """Tokens for ``placement``'s new messages (and the generation prompt when asked)."""
+        refuse_images(placement.new_messages)
         decided = await self._decided(engine)
 
         async def delta_by(renderer: ChatRenderer) -> np.ndarray:

@@ -41,6 +41,7 @@ from rollout_proxy.ids import new_response_id
 from rollout_proxy.records import SessionRecord
 from rollout_proxy.state.store import SessionLease
 from rollout_proxy.tokenization.parsers.incremental import IncrementalParser, ViewDelta
+from rollout_proxy.wire.images import ImageBlob
 
 log = structlog.get_logger(__name__)
 
@@ -128,6 +129,7 @@ class TurnStreamer:
         stop: Sequence[str] = (),
         meta: dict[str, Any] | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> AsyncGenerator[StreamEvent, None]:
         """``TurnStarted``, the turn's deltas as they are sampled, then ``TurnDone``. Errors up to the first
         delta are the non-streamed turn's; leaving early aborts the engine call and records nothing."""
@@ -174,7 +176,16 @@ class TurnStreamer:
                 log.warning("stream_view_mismatch", text=completion.text[:200])
             try:
                 result = await turns.record(
-                    session, placement, turn, sampled, api=api, meta=meta, view=view, node_id=node_id, lease=lease
+                    session,
+                    placement,
+                    turn,
+                    sampled,
+                    api=api,
+                    meta=meta,
+                    view=view,
+                    node_id=node_id,
+                    lease=lease,
+                    images=images,
                 )
             except BaseException:
                 outcome = "failed"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,6 +39,7 @@ from rollout_proxy.errors import (
     EngineError,
     EngineTimeout,
     EngineUnavailable,
+    ProxyError,
     SessionNotFound,
 )
 from rollout_proxy.ids import new_response_id
@@ -48,6 +49,7 @@ from rollout_proxy.routing import prompt_start
 from rollout_proxy.state.store import REQUEST_LEASE_S, Idempotency, SessionLease, StateStore
 from rollout_proxy.tokenization.messages import extend_path_hash
 from rollout_proxy.tokenization.parsers import AssistantView, OutputParser, ToolParse
+from rollout_proxy.wire.images import ImageBlob, image_hashes
 
 log = structlog.get_logger(__name__)
 
@@ -129,11 +131,29 @@ class TurnRunner:
         stop: Sequence[str] = (),
         meta: dict[str, Any] | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> TurnResult:
-        """``lease``: the turn's session read (its request slot, given back with the node's write)."""
+        """``lease``: the turn's session read (its request slot, given back with the node's write); ``images``:
+        those its new messages hold (``new_images``), stored with its node."""
         turn = await self.prepare_anywhere(session, placement, tools=tools, stop=stop)
         sampled = await self.sample(session, turn, lease=lease)
-        return await self.record(session, placement, turn, sampled, api=api, meta=meta, lease=lease)
+        return await self.record(session, placement, turn, sampled, api=api, meta=meta, lease=lease, images=images)
+
+    async def new_images(
+        self, session: SessionRecord, placement: Placement, images: Mapping[str, ImageBlob]
+    ) -> tuple[ImageBlob, ...]:
+        """The images ``placement``'s new messages hold (from ``images``, the request's), checked against what
+        the session may still store: ``TooManyImages`` before anything is sampled (the node's write checks
+        again, atomically)."""
+        hashes = image_hashes(placement.new_messages)
+        if not hashes:
+            return ()
+        missing = [sha for sha in hashes if sha not in images]
+        if missing:  # the intake hands the turn every image its conversation holds
+            raise ProxyError(f"the turn's messages hold images the request did not bring: {missing[:3]}")
+        found = tuple(images[sha] for sha in hashes)
+        await self._store.check_images(session.id, found)
+        return found
 
     async def prepare_anywhere(
         self,
@@ -253,9 +273,11 @@ class TurnRunner:
         view: AssistantView | None = None,
         node_id: str | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> TurnResult:
-        """The sampled tokens as a node (with its parsed view, routing and policy versions), stored once;
-        ``view``, ``node_id``: what a streamed turn already parsed (``parse``) and named (its chunks carry both)."""
+        """The sampled tokens as a node (with its parsed view, routing and policy versions), stored once with
+        ``images`` (those its new messages hold); ``view``, ``node_id``: what a streamed turn already parsed
+        (``parse``) and named (its chunks carry both)."""
         completion = sampled.completion
         routing, disagreements = await align_routing(
             self._store,
@@ -311,7 +333,8 @@ class TurnRunner:
         ).with_routing(routing)
         hashes = [*placement.new_hashes, extend_path_hash(placement.end_hash, node.messages[-1])]
         moved_to = sampled.engine.url if sampled.engine.url != session.engine else None
-        await self._save(session, node, hashes, engine=moved_to, lease=lease)  # the node and the move: one round trip
+        # the node, its images and the move: one round trip
+        await self._save(session, node, hashes, engine=moved_to, lease=lease, images=images)
         node.path_ids = np.concatenate([turn.prompt, output_ids]).astype(np.int32, copy=False)
         if placement.parent:  # the conversation moved on: only its latest node keeps its path's ids
             placement.parent[-1].path_ids = None
@@ -462,10 +485,11 @@ class TurnRunner:
         idempotency: Idempotency | None = None,
         engine: str | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> ResponseNode:
-        """Store the node with the path hashes of its messages (the last one names the node), and the
-        session's new engine if it moved (and give back ``lease``'s slot); returns the node, or the one an
-        earlier request with the same idempotency key stored."""
+        """Store the node with the path hashes of its messages (the last one names the node), the images its
+        messages hold, and the session's new engine if it moved (and give back ``lease``'s slot); returns the
+        node, or the one an earlier request with the same idempotency key stored."""
         node.path_hash = hashes[-1]
         partial = {path_hash: f"{node.id}#{index + 1}" for index, path_hash in enumerate(hashes[:-1])}
         partial.update(node_entries(node))  # what tells it apart from siblings of the same content (core.tree)
@@ -478,6 +502,7 @@ class TurnRunner:
             idempotency=idempotency,
             engine=engine,
             lease=lease,
+            images=images,
         )
         if stored_id == node.id:
             return node
