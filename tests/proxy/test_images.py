@@ -241,6 +241,20 @@ async def test_tool_results_take_images_where_the_api_does(running, api):
     assert "1 image(s)" in message
 
 
+async def test_a_sessions_sample_and_appended_messages_take_no_image(running):
+    """Images are stored with the turn that sends them; messages stored without a turn hold none (yet)."""
+    user = {"role": "user", "content": [{"type": "text", "text": "look"}, CHAT.image(RED, "image/png")]}
+    async with running() as proxy:
+        status, body = await proxy.request("POST", "/v1/sessions", json={"sample": {"messages": [user]}})
+        assert "a session's sample" in CHAT.error(status, body, None, "sample.messages[0].content")
+        session = await proxy.create_session([])
+        before = await store_snapshot(proxy.app[keys.STORE])
+        path = f"/v1/sessions/{session.session_id}/messages"
+        status, body = await proxy.request("POST", path, json={"messages": [user]})
+        assert "appended messages" in CHAT.error(status, body, None, "messages[0].content")
+        assert await store_snapshot(proxy.app[keys.STORE]) == before
+
+
 # -- image URLs, where they are fetched ----------------------------------------------------------------------
 
 
