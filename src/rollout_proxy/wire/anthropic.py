@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_proxy.wire.errors import WireFormatError
-from rollout_proxy.wire.images import ImageSet, decode_base64, inline_image, url_image
+from rollout_proxy.wire.images import INVALID_IMAGE, ImageSet, decode_base64, inline_image, url_image
 from rollout_proxy.wire.messages import ToolSet, arguments_json, describe, function_tool
 
 #: Block types an assistant message may hold; ``redacted_thinking`` is accepted and not rendered.
@@ -159,6 +159,7 @@ def _image(block: dict[str, Any], where: str, images: ImageSet | None) -> dict[s
         raise WireFormatError(
             "an image by file_id is not taken (the proxy has no Files API): send it inline, as a base64 source",
             param=f"{at}.type",
+            code=INVALID_IMAGE,
         )
     raise WireFormatError(f"unsupported image source type {describe(kind)}: base64 or url", param=f"{at}.type")
 

@@ -24,6 +24,8 @@ from typing import Any
 from rollout_proxy.wire.errors import WireFormatError
 
 IMAGE_PART = "image"
+#: the code of an image's refusal in the server's answer (``errors.ImageRefused``'s)
+INVALID_IMAGE = "invalid_image"
 #: the formats an image may have, by the MIME type that names them (a GIF's first frame is what is used)
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
 _DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<data>.*)", re.DOTALL)
@@ -83,12 +85,14 @@ def count_image_parts(messages: Iterable[Mapping[str, Any]]) -> int:
 class ImageSet:
     """The images of one conversation by hash (``held``: checked ``ImageBlob``s, and this request's ``fresh``
     ``RawImage``s until they are), how many image parts it holds, and, for the request that folds into it now,
-    the bytes of the URL images it fetched (``urls``; None: URLs are refused)."""
+    where the parts it added are (``added``) and the bytes of the URL images it fetched (``urls``; None: URLs
+    are refused)."""
 
     held: dict[str, ImageBlob | RawImage] = field(default_factory=dict)
     fresh: list[RawImage] = field(default_factory=list)
     parts: int = 0
     urls: Mapping[str, bytes] | None = None
+    added: list[str] = field(default_factory=list)
 
     def extended(self) -> ImageSet:
         """A set that goes on from this one (another request's: its fresh images and URLs are its own)."""
@@ -110,6 +114,7 @@ class ImageSet:
         """The part of an image sent inline (its bytes decoded)."""
         sha256 = hashlib.sha256(data).hexdigest()
         self.parts += 1
+        self.added.append(param)
         if sha256 not in self.held:
             raw = RawImage(data, sha256, declared, strict, param)
             self.held[sha256] = raw
@@ -123,10 +128,11 @@ class ImageSet:
                 "image URLs are not fetched by this proxy (an operator turns them on with --image-urls): send the "
                 "image inline, base64-encoded (a data: URL, or a base64 source)",
                 param=param,
+                code=INVALID_IMAGE,
             )
         data = self.urls.get(url)
         if data is None:
-            raise WireFormatError("this image URL was not fetched for the request", param=param)
+            raise WireFormatError("this image URL was not fetched for the request", param=param, code=INVALID_IMAGE)
         return self.inline(data, None, param)
 
 
@@ -134,9 +140,9 @@ def decode_base64(text: str, *, param: str) -> bytes:
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise WireFormatError("the image's base64 data does not decode", param=param) from None
+        raise WireFormatError("the image's base64 data does not decode", param=param, code=INVALID_IMAGE) from None
     if not data:
-        raise WireFormatError("the image's data is empty", param=param)
+        raise WireFormatError("the image's data is empty", param=param, code=INVALID_IMAGE)
     return data
 
 
@@ -144,7 +150,9 @@ def data_url(url: str, *, param: str) -> tuple[str | None, bytes]:
     """A ``data:`` URL's declared MIME type (None: not said) and its decoded bytes."""
     match = _DATA_URL.fullmatch(url)
     if match is None or "base64" not in [each.strip().lower() for each in match["params"].split(";")]:
-        raise WireFormatError("an image data URL must be base64: data:image/png;base64,...", param=param)
+        raise WireFormatError(
+            "an image data URL must be base64: data:image/png;base64,...", param=param, code=INVALID_IMAGE
+        )
     mime = match["mime"].strip().lower() or None
     return mime, decode_base64(match["data"], param=param)
 
@@ -156,12 +164,16 @@ def is_web_url(url: str) -> bool:
 def url_image(url: Any, images: ImageSet | None, *, param: str) -> dict[str, str]:
     """The part of an image given by URL (OpenAI's ``image_url``): a ``data:`` URL, or an ``http(s)`` one."""
     if not isinstance(url, str) or not url:
-        raise WireFormatError("an image needs its URL as a string: a data: URL or an http(s) URL", param=param)
+        raise WireFormatError(
+            "an image needs its URL as a string: a data: URL or an http(s) URL", param=param, code=INVALID_IMAGE
+        )
     if url[:5].lower() == "data:":
         mime, data = data_url(url, param=param)
         return inline_image(data, mime, images, param=param)
     if not is_web_url(url):
-        raise WireFormatError(f"an image URL must be a data: URL or an http(s) URL, not {url[:24]!r}", param=param)
+        raise WireFormatError(
+            f"an image URL must be a data: URL or an http(s) URL, not {url[:24]!r}", param=param, code=INVALID_IMAGE
+        )
     if images is None:
         return {"type": IMAGE_PART, "url": url}
     return images.url(url, param)

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from rollout_proxy.wire.errors import WireFormatError
-from rollout_proxy.wire.images import ImageSet, url_image
+from rollout_proxy.wire.images import INVALID_IMAGE, ImageSet, url_image
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
@@ -133,6 +133,7 @@ def _image(part: dict[str, Any], images: ImageSet | None, where: str) -> dict[st
             "an input_image by file_id is not taken (the proxy has no Files API): send the image inline, as a "
             "data: URL in image_url",
             param=f"{where}.file_id",
+            code=INVALID_IMAGE,
         )
     return url_image(part.get("image_url"), images, param=f"{where}.image_url")
 
