@@ -201,3 +201,24 @@ async def test_messages_an_image_in_a_tool_result_is_token_exact(proxy: ProxyHar
         second = await sdk.messages.create(model="policy", max_tokens=256, messages=history, tools=[tool])
     assert second.content[-1].text == "Gray."
     await assert_exact(proxy, second.id, [RED, SCREEN, RED])
+
+
+async def test_the_teacher_pass_refuses_a_trajectory_with_images_rather_than_score_it_as_text(
+    vlm_engine: FakeEngine, vlm_dir: Path
+):
+    teacher = FakeEngine(vlm_dir, model_name="fake-teacher")
+    async with (
+        FakeEngineServer(teacher) as teacher_url,
+        ProxyHarness.running(engine_urls=[vlm_engine.url], fake=vlm_engine, teachers=f"math={teacher_url}") as proxy,
+    ):
+        session = await proxy.create_session([])
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(RED)}}]}]
+        answer = await session.client.chat.completions.create(model="policy", messages=messages)
+        status, body = await proxy.request(
+            "POST",
+            f"/v1/admin/sessions/{session.session_id}/teacher_pass",
+            json={"response_id": answer.id, "teacher": "math"},
+        )
+    assert status == 400 and body["error"]["code"] == "images_unsupported_by_model", body
+    assert "takes no images" in body["error"]["message"]
+    assert not teacher.completions and not teacher.generate_requests
