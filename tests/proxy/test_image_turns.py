@@ -6,6 +6,7 @@ the same tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import io
@@ -222,3 +223,40 @@ async def test_the_teacher_pass_refuses_a_trajectory_with_images_rather_than_sco
     assert status == 400 and body["error"]["code"] == "images_unsupported_by_model", body
     assert "takes no images" in body["error"]["message"]
     assert not teacher.completions and not teacher.generate_requests
+
+
+async def test_an_image_turn_cut_by_an_abort_pause_is_continued_with_its_images(vlm_engine: FakeEngine):
+    """``--abort-policy continue``: after the resume the call is sent again with the kept tokens after the
+    prompt (its spans still collapsed where they are, its images again), and the turn is one exact node."""
+    fake = vlm_engine
+    fake.queue("Red.", "A red square, seen from above, in the morning light.")  # the continuation: the fake's own
+    async with ProxyHarness.running(engine_urls=[fake.url], fake=fake, abort_policy="continue") as proxy:
+        session = await proxy.create_session([])
+        messages: list[Any] = [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(RED)}}]}
+        ]
+        # a first turn: the engine is then known to return no routing, so a cut turn can be continued
+        warm = await session.client.chat.completions.create(model="policy", messages=messages)
+        messages += [warm.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        fake.delay = 1.0
+        call = asyncio.ensure_future(session.client.chat.completions.create(model="policy", messages=messages))
+        async with asyncio.timeout(20):
+            while not any(len(generation.tokens) >= 3 for generation in fake.generating):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        status, _ = await proxy.request("POST", "/v1/admin/pause", json={"mode": "abort"})
+        assert status == 200
+        status, _ = await proxy.request("POST", "/v1/admin/resume", json={"policy_version": 1})
+        assert status == 200
+        answer = await call
+        _, first, second = fake.generate_requests
+        kept = fake.generations[1].tokens
+        assert len(kept) > 0 and fake.generations[1].finish_reason == "abort"
+        assert second["token_ids"] == first["token_ids"] + kept  # the prompt, collapsed as before, then the kept
+        assert second["content_parts"] == first["content_parts"]
+        assert answer.choices[0].message.content.startswith(fake.decode(kept))
+        trajectory = await assert_exact(proxy, answer.id, [RED])
+        assert [span["version"] for span in trajectory["policy_versions"]] == [
+            0,
+            0,
+            1,
+        ]  # the warm turn, then both parts

@@ -881,9 +881,12 @@ class VLLMEngine:
             "POST", path, payload, limits=self._completion_timeout, on_sent=on_sent, pooled=True
         )
         try:
-            return generated(response, top_logprobs=params.top_logprobs)
+            completion = generated(response, top_logprobs=params.top_logprobs)
         except EngineError as exc:
             raise self._failed(exc, path) from None
+        if completion.routed_experts is not None or completion.finish_reason != "abort":
+            self.returns_routing = completion.routed_experts is not None  # as ``_complete_once`` learns it
+        return completion
 
     async def learn_routing(self, token: int) -> None:
         """Whether this engine attaches MoE routing to its completions, found before its first streamed call
