@@ -178,6 +178,26 @@ async def test_a_good_image_the_policy_cannot_take_is_refused_at_rendering_stori
 
 
 @apis
+async def test_a_streamed_turn_with_images_is_refused_before_its_stream_starts(running, api):
+    async with running() as proxy:
+        body = {**api.body(api.image(RED, "image/png")), "stream": True}
+        await refused(proxy, api, body, "images_unsupported_by_model", None)
+
+
+async def test_count_tokens_takes_images_in_and_is_refused_at_rendering(running):
+    async with running() as proxy:
+        body = MESSAGES.body(MESSAGES.image(RED, "image/png"))
+        del body["max_tokens"]
+        proxy_api = Api(
+            "messages", "/v1/messages/count_tokens", MESSAGES.image, MESSAGES.url, MESSAGES.where, MESSAGES.url_where
+        )
+        await refused(proxy, proxy_api, body, "images_unsupported_by_model", None)
+        await refused(
+            proxy, proxy_api, MESSAGES.body(MESSAGES.image(b"nope", "image/png")), "invalid_image", MESSAGES.where(1)
+        )
+
+
+@apis
 @pytest.mark.parametrize(
     ("data", "mime", "words"),
     [
