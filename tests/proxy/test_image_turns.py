@@ -199,8 +199,10 @@ async def test_messages_an_image_in_a_tool_result_is_token_exact(proxy: ProxyHar
                 ],
             },
         ]
+        counted = await sdk.messages.count_tokens(model="policy", messages=history, tools=[tool])
         second = await sdk.messages.create(model="policy", max_tokens=256, messages=history, tools=[tool])
     assert second.content[-1].text == "Gray."
+    assert counted.input_tokens == len(fake.generations[-1].prompt)  # the images' spans counted as the engine ran them
     await assert_exact(proxy, second.id, [RED, SCREEN, RED])
 
 
