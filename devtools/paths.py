@@ -21,6 +21,9 @@ MODEL_DIRS = {"dense": "smollm2-135m-instruct", "moe": "smollm2-moe-4x"}
 #: noise on its weights, same config and tokenizer. Not part of MODEL_DIRS, so the base
 #: checkpoints' stamp and rebuilds never depend on it.
 PERTURBED_DIRS = {"perturbed": "smollm2-135m-instruct-perturbed"}
+#: Built on demand only (image tests): a tiny Idefics3 vision-language model over the dense model's
+#: text weights (random seeded vision tower), SmolLM2's tokenizer plus the image tokens.
+VLM_DIRS = {"vlm": "smollm2-idefics3-tiny"}
 
 
 def cache_dir() -> Path:
@@ -50,8 +53,8 @@ def models_dir() -> Path:
 
 
 def model_dir(name: str) -> Path:
-    """Checkpoint dir for "dense", "moe" or "perturbed"."""
-    return models_dir() / (MODEL_DIRS | PERTURBED_DIRS)[name]
+    """Checkpoint dir for "dense", "moe", "perturbed" or "vlm"."""
+    return models_dir() / (MODEL_DIRS | PERTURBED_DIRS | VLM_DIRS)[name]
 
 
 def run_dir() -> Path:

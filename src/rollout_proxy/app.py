@@ -43,6 +43,7 @@ from rollout_proxy.proxy.handlers import (
 )
 from rollout_proxy.proxy.handlers import distill as distill_handlers
 from rollout_proxy.proxy.handlers import feed as feed_handlers
+from rollout_proxy.proxy.images import ImageIntake, ImageLimits
 from rollout_proxy.proxy.middleware import request_middleware
 from rollout_proxy.proxy.openapi import MESSAGES_ALIAS_PREFIXES
 from rollout_proxy.proxy.resent_history import ResentHistory
@@ -52,7 +53,7 @@ from rollout_proxy.state.connection import RedisOptions, is_redis_url
 from rollout_proxy.state.feed import Feed, open_feed
 from rollout_proxy.state.instrumented import InstrumentedStore
 from rollout_proxy.state.memory import MemoryStore
-from rollout_proxy.state.store import StateStore
+from rollout_proxy.state.store import ImageBound, StateStore
 from rollout_proxy.tokenization.parsers import OutputParser
 from rollout_proxy.tracing import Telemetry, otlp_endpoint_from_env
 from rollout_proxy.ui.assets import load_assets
@@ -68,13 +69,15 @@ def check_store_url(url: str) -> None:
         raise ValueError(f"unknown store {url!r}: use 'memory' or a redis://HOST:PORT/DB URL")
 
 
-async def open_store(url: str, options: RedisOptions | None = None) -> StateStore:
+async def open_store(
+    url: str, options: RedisOptions | None = None, image_bound: ImageBound | None = None
+) -> StateStore:
     check_store_url(url)
     if url == "memory":
-        return MemoryStore()
+        return MemoryStore(image_bound=image_bound)
     from rollout_proxy.state.redis import RedisStore
 
-    return await RedisStore.connect(url, options=options)
+    return await RedisStore.connect(url, options=options, image_bound=image_bound)
 
 
 def redis_options(settings: Settings) -> RedisOptions:
@@ -133,9 +136,14 @@ def create_app(
     )
     app[keys.TOKENS] = SessionTokens(settings.token_secret)
     app[keys.RESENT_HISTORY] = ResentHistory()
+    app[keys.IMAGES] = ImageIntake(part(ImageLimits, settings))
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[keys.STORE] = store if store is not None else await open_store(settings.store, redis_options(settings))
+        app[keys.STORE] = (
+            store
+            if store is not None
+            else await open_store(settings.store, redis_options(settings), part(ImageBound, settings))
+        )
         yield
         if store is None:
             await app[keys.STORE].close()
@@ -236,8 +244,12 @@ def create_app(
         yield
         await asyncio.to_thread(app[keys.TELEMETRY].shutdown)  # the last spans flushed to the collector
 
+    async def images_ctx(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await app[keys.IMAGES].close()  # its HTTP client, opened by the first image URL fetched
+
     app.cleanup_ctx.extend([telemetry_ctx, store_ctx, feed_ctx, engines_ctx, teachers_ctx, services_ctx])
-    app.cleanup_ctx.extend([viewer_ctx, session_memory_ctx])
+    app.cleanup_ctx.extend([viewer_ctx, session_memory_ctx, images_ctx])
     add_routes(app)
     return app
 

@@ -7,6 +7,9 @@
     │   ├── MessagesMergeIntoParent 400 the template folds new messages into a fixed turn
     │   ├── TemplateRenderError     400 the chat template cannot render what was sent
     │   ├── BadCursor               400 a feed cursor the feed never gave out
+    │   ├── ImageRefused            400 an image not taken: not decodable, its format, its size, its URL
+    │   ├── TooManyImages           400 past an image bound: a request's, or what its session may store
+    │   ├── ImagesUnsupported       400 a conversation with images for a policy that is given none
     │   └── AdapterRefused          400 a LoRA adapter the engines cannot load (its files, its rank, ...)
     ├── AuthenticationFailed        401 authentication_error
     ├── NotFound                    404 not_found_error
@@ -91,6 +94,23 @@ class TemplateRenderError(InvalidRequest):
 
 class BadCursor(InvalidRequest):
     code = "invalid_cursor"
+
+
+class ImageRefused(InvalidRequest):
+    """An image that is not taken: it does not decode, its format is not one taken, it is too large (bytes or
+    pixels), or its URL could not be fetched (or is not fetched at all)."""
+
+    code = "invalid_image"
+
+
+class TooManyImages(InvalidRequest):
+    """More images than a request may hold, or than its session may store."""
+
+    code = "too_many_images"
+
+
+class ImagesUnsupported(InvalidRequest):
+    code = "images_unsupported_by_model"
 
 
 class AdapterRefused(InvalidRequest):

@@ -176,6 +176,39 @@ class TeacherScores:
     n_tokens_injected: int
 
 
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """Where one image is among tokens: ``[start, start + length)`` is the model's placeholder span for the
+    image named by ``sha256`` (the sha256 of its bytes, as the session's image store keeps them), of
+    ``width`` x ``height`` pixels and ``nbytes`` bytes as sent.
+
+    Positions count in a node's ``prompt_ids``, or in a trajectory's ``total_token_ids``."""
+
+    start: int
+    length: int
+    sha256: str
+    width: int
+    height: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def shifted(self, offset: int) -> ImageSpan:
+        return ImageSpan(self.start + offset, self.length, self.sha256, self.width, self.height, self.nbytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "length": self.length,
+            "sha256": self.sha256,
+            "width": self.width,
+            "height": self.height,
+            "bytes": self.nbytes,
+        }
+
+
 class NodeKind(str, enum.Enum):
     GENERATED = "generated"  # a model call: output tokens carry loss weight 1
     INJECTED = "injected"  # messages the policy did not generate: weight 0
@@ -213,6 +246,8 @@ class ResponseNode:
     policy_versions: tuple[PolicySpan, ...] = ()
     #: the policy's top-k at each of ``output_ids`` when the session records it (``GenerationConfig.top_logprobs``)
     output_topk: TopLogprobs | None = None
+    #: the images among ``prompt_ids``, in order: each one's placeholder span (``tokenization.images``)
+    images: tuple[ImageSpan, ...] = ()
     #: the token ids of the whole root-to-here path, kept on the latest node of a conversation so the next
     #: turn's prompt is not concatenated from every node again (``core.turns.path_tokens``); not stored
     path_ids: np.ndarray | None = field(default=None, compare=False, repr=False)

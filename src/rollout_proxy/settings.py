@@ -255,6 +255,7 @@ class Settings(DeclaredSettings):
         "pools": "Pools and worker processes",
         "redis": "Redis",
         "rendering": "Rendering and parsing",
+        "images": "Images",
         "feed": "Trainer feed",
         "telemetry": "Logs and traces",
         "distillation": "On-policy distillation",
@@ -504,6 +505,46 @@ class Settings(DeclaredSettings):
     )
     reasoning_parser: str = setting(
         "think", "how reasoning is parsed from generated text", section="rendering", choices=REASONING_PARSER_NAMES
+    )
+
+    # -- images -------------------------------------------------------------------------------------------------
+    image_urls: bool = setting(
+        False,
+        "fetch the http(s) URL of an image a request sends (Chat image_url, Responses input_image, a Messages url "
+        "source) within --image-url-timeout and --max-image-bytes, once per session; off, such an image is a 400 "
+        "and images are sent inline, base64-encoded",
+        section="images",
+    )
+    image_url_timeout: float = setting(
+        10.0, "seconds fetching one image URL may take in all (then a 400 naming it)", section="images", gt=0
+    )
+    max_image_bytes: int = setting(
+        5 * 1024 * 1024,
+        "largest image, in bytes as sent (decoded from base64), fetched included; a data URL is also bounded at "
+        "8 Mi characters (about 6 MiB of image)",
+        section="images",
+        ge=1,
+    )
+    max_image_pixels: int = setting(
+        4096 * 4096, "largest image in pixels (width times height): larger ones are a 400", section="images", ge=1
+    )
+    max_images_per_request: int = setting(
+        64,
+        "image parts one request's conversation may hold (a resent history's count, as the policy sees them all)",
+        section="images",
+        ge=0,
+    )
+    max_images_per_session: int = setting(
+        256,
+        "distinct images a session may store (each once, by content); a turn that would store more is a 400",
+        section="images",
+        ge=0,
+    )
+    max_image_session_bytes: int = setting(
+        128 * 1024 * 1024,
+        "bytes of distinct images a session may store; a turn that would store more is a 400",
+        section="images",
+        ge=0,
     )
 
     # -- the trainer feed -----------------------------------------------------------------------------------

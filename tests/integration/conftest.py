@@ -43,6 +43,9 @@ SERVER_CONFIGS: dict[str, dict[str, Any]] = {
     # --enable-lora --max-lora-rank 16 --max-loras 6, run-time adapter loading (LoRA policies): the zero
     # adapter and two policies each with two versions loaded side by side (an update) stay in one batch
     "dense_lora": {"model": "dense", "lora": True, "max_lora_rank": 16, "max_loras": 6},
+    # the tiny Idefics3 model (its own template: one <image> per image part); --enable-scale-out serves
+    # /inference/v1/generate, the route that takes token ids with images
+    "vlm": {"model": "vlm", "extra_args": ["--enable-scale-out"]},
 }
 
 
@@ -119,6 +122,8 @@ class RecordingRelay:
 
     target: str
     completions: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    #: the /inference/v1/generate exchanges (prompts with images)
+    generations: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (path, body) of every POST
     url: str = ""
 
@@ -135,6 +140,8 @@ class RecordingRelay:
             self.requests.append((request.path, orjson.loads(body)))
         if request.path == "/v1/completions" and status == 200:
             self.completions.append((orjson.loads(body), orjson.loads(data)))
+        if request.path == "/inference/v1/generate" and status == 200:
+            self.generations.append((orjson.loads(body), orjson.loads(data)))
         return web.Response(body=data, status=status, content_type=content_type)
 
     @classmethod

@@ -70,8 +70,9 @@ async def test_malformed_json_is_400(ready):
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-            "messages[0].content[0]",
+            "messages[0].content[0].image_url.url",
         ),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content[0]"),
         ({"messages": []}, "messages"),
         ({"messages": USER, "tools": [{"type": "function", "function": {}}]}, "tools[0]"),
         ({"messages": USER, "stream": True, "stream_options": "usage"}, "stream_options"),

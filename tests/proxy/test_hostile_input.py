@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from rollout_proxy.proxy import keys
+from rollout_proxy.proxy.limits import MAX_STRING_CHARS
 from tests.harness import ADMIN_KEY, WEATHER_TOOL, ProxyHarness, store_snapshot
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -80,7 +81,7 @@ async def test_a_content_part_type_that_is_an_object_or_a_list_is_400(proxy, ses
     message = {"role": "user", "content": [{"type": kind, "text": "hi"}]}
     status, body = await send(proxy, "/v1/chat/completions", {"messages": [message]}, session.api_key)
     assert_refused(status, body, "messages[0].content[0]")
-    assert "only text content parts" in body["error"]["message"]
+    assert "only text and image content parts" in body["error"]["message"]
     status, body = await send(proxy, "/v1/responses", {"input": [message]}, session.api_key)
     assert_refused(status, body, "input[0].content[0]")
     assert await snapshot(proxy) == before
@@ -158,7 +159,7 @@ async def test_deep_tool_parameters_and_a_deep_message_name_are_400(proxy, sessi
             "sample.tools[0].function.parameters.a",
         ),
         ({"messages": [{**USER[0], "name": nested(DEEP)}]}, {}, "sample.messages[0].name.a"),
-        ({"messages": USER, "extra": {"text": "x" * (4 * 1024 * 1024 + 1)}}, {}, "sample.extra.text"),
+        ({"messages": USER, "extra": {"text": "x" * (MAX_STRING_CHARS + 1)}}, {}, "sample.extra.text"),
     ],
 )
 async def test_session_fields_past_the_bounds_are_400_at_create(proxy, sample, where, param):

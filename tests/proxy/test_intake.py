@@ -25,11 +25,12 @@ import pytest
 
 from devtools.fake_engine import FakeEngine
 from rollout_proxy.proxy import keys
+from rollout_proxy.proxy.limits import MAX_STRING_CHARS
 from tests.conftest import TEMPLATES_DIR
 from tests.harness import ProxyHarness
 
 TEMPLATE = str(TEMPLATES_DIR / "qwen3_style.jinja")
-BIG = "x" * (4 * 1024 * 1024 + 1)
+BIG = "x" * (MAX_STRING_CHARS + 1)
 
 
 @pytest.fixture
@@ -258,7 +259,12 @@ class InterleavedMessagesScript:
             else:
                 count = {"model": "m", "messages": [user(f"Count {turn}.")]}
                 yield "/v1/messages/count_tokens", count, False, 1
-        bad = {"model": "m", "max_tokens": 24, "system": system, "messages": [*main, user("x" * (4 * 1024 * 1024 + 1))]}
+        bad = {
+            "model": "m",
+            "max_tokens": 24,
+            "system": system,
+            "messages": [*main, user("x" * (MAX_STRING_CHARS + 1))],
+        }
         yield "/v1/messages", bad, False
 
 

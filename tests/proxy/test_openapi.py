@@ -107,3 +107,14 @@ async def test_served_without_credentials_as_json():
         assert status == 200
         assert body == orjson.loads(document_bytes()) == orjson.loads(orjson.dumps(build_document()))
         assert document_bytes() is document_bytes()  # built once
+
+
+def test_the_documented_requests_take_images_as_each_api_sends_them():
+    """The document is the edge's models: Chat ``image_url``, Responses ``input_image``, Messages ``image`` blocks
+    (a base64 or url source)."""
+    schemas = build_document()["components"]["schemas"]
+    assert schemas["ImageUrlPart"]["properties"]["type"]["const"] == "image_url"
+    assert schemas["ImageUrl"]["required"] == ["url"]
+    assert {"image_url", "file_id"} <= set(schemas["InputImagePart"]["properties"])
+    assert schemas["ImageBlock"]["required"] == ["type", "source"]
+    assert {"Base64Source", "UrlSource"} <= set(schemas)

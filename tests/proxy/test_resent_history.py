@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.proxy import keys
-from rollout_proxy.proxy.limits import load_json_object
+from rollout_proxy.proxy.limits import MAX_STRING_CHARS, load_json_object
 from rollout_proxy.proxy.resent_history import ResentHistory
 from rollout_proxy.tokenization.messages import canonical_key, path_hashes
 from rollout_proxy.wire.anthropic import Conversation, conversation
@@ -513,7 +513,7 @@ async def test_a_bad_item_after_the_resent_ones_is_refused_naming_it(proxy: Prox
         "POST", "/v1/responses", json={"model": "m", "input": bad, "store": False}, token=session.api_key
     )
     assert status == 400 and refused["error"]["param"] == f"input[{len(bad) - 1}].type", refused
-    too_long = [*echoed, *body["output"], {"role": "user", "content": "x" * (4 * 1024 * 1024 + 1)}]
+    too_long = [*echoed, *body["output"], {"role": "user", "content": "x" * (MAX_STRING_CHARS + 1)}]
     status, refused = await proxy.request(
         "POST", "/v1/responses", json={"model": "m", "input": too_long, "store": False}, token=session.api_key
     )

@@ -8,7 +8,7 @@ import numpy as np
 import orjson
 import pytest
 
-from rollout_proxy.records import NodeKind, PolicySpan, ResponseNode, TopLogprobs
+from rollout_proxy.records import ImageSpan, NodeKind, PolicySpan, ResponseNode, TopLogprobs
 from rollout_proxy.state.codec import (
     COMPRESSED_MAGIC,
     MIN_COMPRESSED_BYTES,
@@ -165,3 +165,14 @@ def test_a_node_stored_before_policies_reads_as_the_base_policys():
     assert back.policy_versions == (PolicySpan(7, 0, 2), PolicySpan(8, 2, 4))
     assert {span.policy for span in back.policy_versions} == {"base"}
     assert np.array_equal(back.output_ids, node.output_ids)
+
+
+def test_a_nodes_image_spans_roundtrip_and_a_text_node_is_stored_as_before_images():
+    spans = (ImageSpan(3, 19, "ab" * 32, 200, 120, 812), ImageSpan(25, 19, "cd" * 32, 40, 300, 97))
+    with_images = make_node(50, 4, images=spans)
+    blob, _ = encode_node(with_images)
+    assert _header(blob)["images"] == [[3, 19, "ab" * 32, 200, 120, 812], [25, 19, "cd" * 32, 40, 300, 97]]
+    assert decode_node(blob).images == spans
+    text_blob, _ = encode_node(make_node(50, 4))
+    assert "images" not in _header(text_blob)
+    assert decode_node(text_blob).images == ()

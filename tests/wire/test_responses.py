@@ -80,9 +80,9 @@ def test_a_function_call_after_assistant_text_joins_that_message():
         ([{"type": "function_call", "name": "f"}], "input[0]"),
         ([{"type": "function_call", "call_id": "c1"}], "input[0]"),
         ([{"type": "function_call_output", "output": "x"}], "input[0]"),
-        ([{"type": "function_call_output", "call_id": "c1", "output": 3}], "input[0].content"),
+        ([{"type": "function_call_output", "call_id": "c1", "output": 3}], "input[0].output"),
         ([{"role": "wizard", "content": "hi"}], "input[0].role"),
-        ([{"role": "user", "content": [{"type": "input_image"}]}], "input[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "input_image"}]}], "input[0].content[0].image_url"),
     ],
 )
 def test_bad_items_name_the_param(value, param):

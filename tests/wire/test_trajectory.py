@@ -9,7 +9,7 @@ import pytest
 from rollout_proxy.core.trajectory import assemble
 from rollout_proxy.ids import new_response_id, new_session_id
 from rollout_proxy.proxy.http import json_response
-from rollout_proxy.records import NodeKind, PolicySpan, ResponseNode
+from rollout_proxy.records import ImageSpan, NodeKind, PolicySpan, ResponseNode
 from rollout_proxy.routing.rows import RoutingRows
 from rollout_proxy.wire import Trajectory
 
@@ -97,3 +97,21 @@ def test_policy_version_spans_name_a_lora_policy_and_leave_the_base_unnamed():
         parsed = Trajectory.model_validate(answer)
         assert parsed.model_dump(mode="json")["policy_versions"] == answer["policy_versions"]  # the feed's form
     assert Trajectory.model_validate(base_json).policy_versions[0].policy == "base"
+
+
+def test_image_spans_land_at_their_absolute_positions_with_weight_zero():
+    """A node's image spans count in its prompt tokens; the trajectory's in ``total_token_ids``."""
+    first = node(None, NodeKind.GENERATED, 30, 4, images=(ImageSpan(5, 19, "ab" * 32, 200, 120, 900),))
+    injected = node(first, NodeKind.INJECTED, 25, 0, images=(ImageSpan(2, 19, "cd" * 32, 40, 300, 80),))
+    last = node(injected, NodeKind.GENERATED, 22, 3, images=(ImageSpan(1, 19, "ab" * 32, 200, 120, 900),))
+    trajectory = Trajectory.model_validate(served([first, injected, last]))
+    assert [(image.start, image.length, image.sha256[:2]) for image in trajectory.images] == [
+        (5, 19, "ab"),
+        (30 + 4 + 2, 19, "cd"),
+        (30 + 4 + 25 + 1, 19, "ab"),
+    ]
+    assert (trajectory.images[0].width, trajectory.images[0].height, trajectory.images[0].bytes) == (200, 120, 900)
+    mask = trajectory.image_token_mask()
+    assert mask.sum() == 3 * 19
+    assert not trajectory.loss_weight()[mask].any()
+    assert Trajectory.model_validate(served(path(moe=False))).images == []

@@ -23,7 +23,7 @@ from rollout_proxy.core.trajectory import assemble
 from rollout_proxy.engines.base import GenerationEngine
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.health import EngineState
-from rollout_proxy.errors import EngineTimeout, EngineUnavailable, InvalidRequest, NotFound
+from rollout_proxy.errors import EngineTimeout, EngineUnavailable, ImagesUnsupported, InvalidRequest, NotFound
 from rollout_proxy.ids import session_of_response
 from rollout_proxy.records import ResponseNode, SessionRecord
 from rollout_proxy.state.store import StateStore
@@ -116,6 +116,12 @@ class Distillation:
             raise InvalidRequest(f"unknown teacher {teacher!r} (this proxy's teachers: {known})", param="teacher")
         topk = check_topk(topk)
         session, path = await self._path(session_id, response_id)
+        if any(node.images for node in path):  # /v1/completions would read the image spans as text tokens
+            raise ImagesUnsupported(
+                "the teacher pass scores through the engine's /v1/completions, which takes no images: a trajectory "
+                "with images cannot be scored by it yet",
+                param="response_id",
+            )
         await self._check_tokenizer(teacher, fleet)
         engine = await self._route_teacher(fleet)
         trajectory = assemble(session_id, path)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -37,14 +37,23 @@ import structlog
 
 from rollout_proxy.core.tree import Placement
 from rollout_proxy.engines.base import GenerationEngine
-from rollout_proxy.errors import EngineError, EngineTimeout, EngineUnavailable, InvalidRequest
+from rollout_proxy.errors import (
+    EngineError,
+    EngineTimeout,
+    EngineUnavailable,
+    ImagesUnsupported,
+    InvalidRequest,
+    ProxyError,
+)
 from rollout_proxy.metrics import Metrics
-from rollout_proxy.records import NodeKind
+from rollout_proxy.records import ImageSpan, NodeKind
 from rollout_proxy.settings import from_setting
 from rollout_proxy.tokenization.developer import DeveloperRole
+from rollout_proxy.tokenization.images import ImagePlaceholders, ImagesUnavailable, image_part_hashes
 from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavailable, tokenizer_dir
 from rollout_proxy.tokenization.renderer import ChatRenderer
 from rollout_proxy.tokenization.selfcheck import self_check, token_diff
+from rollout_proxy.wire.images import ImageBlob
 
 log = structlog.get_logger(__name__)
 
@@ -150,7 +159,10 @@ class Renderers:
         chat_template_kwargs: dict[str, Any] | None,
         add_generation_prompt: bool,
     ) -> np.ndarray:
-        """Tokens for ``placement``'s new messages (and the generation prompt when asked)."""
+        """Tokens for ``placement``'s new messages (and the generation prompt when asked); messages with images
+        are ``image_delta``'s."""
+        if image_part_hashes(placement.new_messages):
+            raise ProxyError("messages with images are rendered by image_delta")
         decided = await self._decided(engine)
 
         async def delta_by(renderer: ChatRenderer) -> np.ndarray:
@@ -192,6 +204,60 @@ class Renderers:
         log.warning("render_mismatch", engine=engine.url, check="live", **diff.log_fields())
         self._fall_back(engine, decided, reason="live_check")
         return reference
+
+    async def image_rule(self, engine: GenerationEngine) -> ImagePlaceholders:
+        """The image placeholder rule of this engine's model (``tokenization.images``), read beside the tokenizer
+        its renders come from: images need local rendering (``ImagesUnsupported`` in words otherwise)."""
+        decided = await self._decided(engine)
+        if decided.source is not RenderSource.LOCAL or decided.local is None:
+            raise ImagesUnsupported(
+                "images are rendered by the proxy itself, with the model's tokenizer and processor config, and this "
+                "engine's renders come from its /tokenize (no tokenizer readable here, or its template differs from "
+                "the engine's: see the log's local_rendering_off); give the proxy the model's directory "
+                "(--tokenizer DIR) and the engine's template (--chat-template)"
+            )
+        try:
+            return decided.local.image_placeholders()
+        except ImagesUnavailable as exc:
+            raise ImagesUnsupported(f"the policy's model takes no images through this proxy: {exc}") from None
+
+    async def image_delta(
+        self,
+        engine: GenerationEngine,
+        placement: Placement,
+        images: Mapping[str, ImageBlob],
+        *,
+        tools: Sequence[dict[str, Any]] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+        add_generation_prompt: bool,
+    ) -> tuple[np.ndarray, tuple[ImageSpan, ...]]:
+        """``delta`` for new messages that hold images (``images``: theirs, by hash): rendered here, each marker
+        the template renders expanded to its image's span (``ImagePlaceholders.expand``), and where each span is
+        in the tokens returned. Only locally: the engine's ``/tokenize`` would need the images, and its answer
+        is checked on every turn anyway (the engine echoes the expanded prompt and the spans: ``core.turns``)."""
+        rule = await self.image_rule(engine)
+        decided = await self._decided(engine)
+        hashes = image_part_hashes(placement.new_messages)
+        missing = [sha for sha in hashes if sha not in images]
+        if missing:
+            raise ProxyError(f"the turn's messages hold images it was not given: {missing[:3]}")
+        ids = await _delta(
+            decided.renderer,
+            placement,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+        )
+        try:
+            expanded, spans = rule.expand(ids, [images[sha] for sha in hashes])
+        except ValueError as exc:
+            raise ImagesUnsupported(
+                f"the chat template does not render one {rule.marker!r} per image of these messages ({exc}): the "
+                "model's template must place each image part (a text that holds the marker itself counts too)",
+                param="messages",
+            ) from None
+        self._metrics.inc("renders_total", source="local")
+        return expanded, spans
 
     async def generation_prompt_text(self, engine: GenerationEngine, prompt_end: np.ndarray) -> str:
         """The text of the generation prompt that ends ``prompt_end`` (``ChatRenderer.generation_prompt_text``),

@@ -41,6 +41,7 @@ from rollout_proxy.ids import new_response_id
 from rollout_proxy.records import SessionRecord
 from rollout_proxy.state.store import SessionLease
 from rollout_proxy.tokenization.parsers.incremental import IncrementalParser, ViewDelta
+from rollout_proxy.wire.images import ImageBlob
 
 log = structlog.get_logger(__name__)
 
@@ -128,11 +129,12 @@ class TurnStreamer:
         stop: Sequence[str] = (),
         meta: dict[str, Any] | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> AsyncGenerator[StreamEvent, None]:
         """``TurnStarted``, the turn's deltas as they are sampled, then ``TurnDone``. Errors up to the first
         delta are the non-streamed turn's; leaving early aborts the engine call and records nothing."""
         turns = self._turns
-        turn = await turns.prepare_anywhere(session, placement, tools=tools, stop=stop)
+        turn = await turns.prepare_anywhere(session, placement, tools=tools, stop=stop, images=images)
         node_id = new_response_id(session.id)
         yield TurnStarted(node_id, turn.info.model, turn.prompt, time.time(), dict(meta or {}))
         relay = _Relay(turn.prompt, IncrementalParser(self._parser, opened=turn.reasoning_opened))
@@ -174,7 +176,16 @@ class TurnStreamer:
                 log.warning("stream_view_mismatch", text=completion.text[:200])
             try:
                 result = await turns.record(
-                    session, placement, turn, sampled, api=api, meta=meta, view=view, node_id=node_id, lease=lease
+                    session,
+                    placement,
+                    turn,
+                    sampled,
+                    api=api,
+                    meta=meta,
+                    view=view,
+                    node_id=node_id,
+                    lease=lease,
+                    images=images,
                 )
             except BaseException:
                 outcome = "failed"

@@ -11,6 +11,8 @@ generated nodes: the tokens of the others (trained in another sequence, or dropp
 weighted 0 with logprob 0.0 too. ``policy_versions`` says which policy and which version of it
 sampled each generated token (trained here or not): half-open spans over ``total_token_ids``,
 adjacent spans of one policy and version merged; prompt, bridge and injected tokens are in none.
+``images`` says where each image's placeholder span is in ``total_token_ids`` (its hash names its bytes in the
+session's image store): spans lie in prompt tokens, so their loss weight is 0.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_proxy.records import NodeKind, PolicySpan, ResponseNode, TopLogprobs, merge_spans
+from rollout_proxy.records import ImageSpan, NodeKind, PolicySpan, ResponseNode, TopLogprobs, merge_spans
 from rollout_proxy.routing import assemble_routing
 from rollout_proxy.wire.arrays import encode_array
 from rollout_proxy.wire.routed_experts import encode_routed_experts
@@ -43,6 +45,7 @@ class AssembledTrajectory:
     forks: list[dict[str, Any]] = field(default_factory=list)
     routing_disagreements: int = 0
     policy_versions: list[PolicySpan] = field(default_factory=list)
+    images: list[ImageSpan] = field(default_factory=list)  # each image's span in ``total_token_ids``, in order
     trace_ids: list[str | None] = field(default_factory=list)  # each generated turn's request's trace
     # on-policy distillation (``core.teacher``): set by the runner from the teacher pass, None without one
     teacher: str | None = None
@@ -78,6 +81,7 @@ class AssembledTrajectory:
             "forks": self.forks,
             "routing_disagreements": self.routing_disagreements,
             "policy_versions": [span.to_dict() for span in self.policy_versions],
+            "images": [span.to_dict() for span in self.images],
             "trace_ids": self.trace_ids,
             "teacher": self.teacher,
             "total_teacher_logprobs": self.total_teacher_logprobs,
@@ -107,9 +111,11 @@ def assemble(
     ids, weights, logprobs, messages = [], [], [], []
     forks = []
     spans = []
+    images: list[ImageSpan] = []
     position = 0
     for node in path:
         ids += [node.prompt_ids, node.output_ids]
+        images += [span.shifted(position) for span in node.images]
         position += len(node.prompt_ids)
         spans += [
             PolicySpan(span.version, position + span.start, position + span.end, span.policy)
@@ -131,6 +137,8 @@ def assemble(
     generated = [node for node in path if node.kind is NodeKind.GENERATED]
     completion_tokens = sum(len(node.output_ids) for node in generated)
     leaf = path[-1]
+    total_weights = np.concatenate(weights) if weights else np.zeros(0, dtype=np.float32)
+    assert not any(total_weights[span.start : span.end].any() for span in images), "an image token is trained"
     return AssembledTrajectory(
         response_id=leaf.id,
         session_id=session_id,
@@ -143,13 +151,14 @@ def assemble(
         },
         extra=extra or {},
         total_token_ids=total_ids.astype(np.int32, copy=False),
-        total_loss_weight=np.concatenate(weights) if weights else np.zeros(0, dtype=np.float32),
+        total_loss_weight=total_weights,
         total_token_logprobs=np.concatenate(logprobs) if logprobs else np.zeros(0, dtype=np.float32),
         routed_experts=assemble_routing(path, len(total_ids)),
         turns=len(generated),
         forks=forks,
         routing_disagreements=sum(node.meta.get("routing_disagreements", 0) for node in path),
         policy_versions=merge_spans(spans),
+        images=images,
         trace_ids=[node.meta.get("trace_id") for node in generated],
         student_topk=_student_topk(
             generated if trained is None else [node for node in generated if node.id in trained]

@@ -14,8 +14,8 @@ and a weight-0 node.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollout_proxy.core.streaming import StreamEvent, TurnStreamer
@@ -24,18 +24,21 @@ from rollout_proxy.core.turns import TurnResult, TurnRunner
 from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.records import ResponseNode, SessionRecord
 from rollout_proxy.state.store import Idempotency, SessionLease
+from rollout_proxy.wire.images import ImageBlob
 
 
 @dataclass(frozen=True, slots=True)
 class Ask:
     """What a request asks of a turn, whatever its API: its conversation (normalized), the tools it sent
-    (None: none, the session's or the thread's are rendered), its stop strings, and what the node records of
-    the request beyond its messages."""
+    (None: none, the session's or the thread's are rendered), its stop strings, what the node records of
+    the request beyond its messages, and the images its conversation holds (checked: ``proxy.images``), by
+    hash: those of the turn's new messages are stored with its node."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     stop: Sequence[str] = ()
     meta: dict[str, Any] | None = None
+    images: Mapping[str, ImageBlob] = field(default_factory=dict)
 
 
 class Placing(Protocol):
@@ -64,7 +67,7 @@ class PlacedTurn:
     """A turn placed, and what its generation takes besides (``TurnRunner.generate``, ``TurnStreamer.stream``)."""
 
     placement: Placement
-    arguments: dict[str, Any]  # api, tools, stop, meta, lease
+    arguments: dict[str, Any]  # api, tools, stop, meta, lease, images
 
 
 class TurnService:
@@ -90,7 +93,7 @@ class TurnService:
         rest, rendered by the policy's template; nothing is sampled or stored."""
         placement = await placing.place(self._tree, lease, ask)
         tools = placing.tools(lease.session, placement, ask)
-        return len(await self._turns.prompt_tokens(lease.session, placement, tools=tools))
+        return len(await self._turns.prompt_tokens(lease.session, placement, tools=tools, images=ask.images))
 
     async def append(
         self, lease: SessionLease, ask: Ask, placing: Placing, *, idempotency: Idempotency | None = None
@@ -105,12 +108,17 @@ class TurnService:
             if placement.parent:  # all of it is already in the tree: that node is the answer
                 return placement.parent[-1]
             raise InvalidRequest("messages add nothing to the conversation", param="messages")
-        return await self._turns.inject(lease.session, placement, api=placing.api, idempotency=idempotency, lease=lease)
+        images = await self._turns.new_images(lease.session, placement, ask.images)
+        return await self._turns.inject(
+            lease.session, placement, api=placing.api, idempotency=idempotency, lease=lease, images=images
+        )
 
     async def _placed(self, lease: SessionLease, ask: Ask, placing: Placing) -> PlacedTurn:
+        """The turn placed, and the images its node will store checked against the session's bound (before
+        anything is sampled)."""
         placement = await placing.place(self._tree, lease, ask)
         session = lease.session
         tools, meta = placing.tools(session, placement, ask), placing.meta(session, placement, ask)
-        return PlacedTurn(
-            placement, {"api": placing.api, "tools": tools, "stop": ask.stop, "meta": meta, "lease": lease}
-        )
+        images = await self._turns.new_images(session, placement, ask.images)
+        arguments = {"api": placing.api, "tools": tools, "stop": ask.stop, "meta": meta, "lease": lease}
+        return PlacedTurn(placement, {**arguments, "images": images})

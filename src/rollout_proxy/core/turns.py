@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,7 +31,7 @@ from rollout_proxy import tracing
 from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.tree import Placement, SamplePlacement, node_entries
 from rollout_proxy.core.turn_routing import align_routing
-from rollout_proxy.engines.base import EngineInfo, GenerationEngine, PieceSink, SamplingParams
+from rollout_proxy.engines.base import EngineInfo, GenerationEngine, PieceSink, PromptImages, SamplingParams
 from rollout_proxy.engines.router import EngineRouter
 from rollout_proxy.engines.sampling import Sampled
 from rollout_proxy.errors import (
@@ -39,15 +39,19 @@ from rollout_proxy.errors import (
     EngineError,
     EngineTimeout,
     EngineUnavailable,
+    InvalidRequest,
+    ProxyError,
     SessionNotFound,
 )
 from rollout_proxy.ids import new_response_id
 from rollout_proxy.metrics import Metrics
-from rollout_proxy.records import BASE_POLICY, NodeKind, ResponseNode, SessionRecord
+from rollout_proxy.records import BASE_POLICY, ImageSpan, NodeKind, ResponseNode, SessionRecord
 from rollout_proxy.routing import prompt_start
 from rollout_proxy.state.store import REQUEST_LEASE_S, Idempotency, SessionLease, StateStore
+from rollout_proxy.tokenization.images import image_part_hashes
 from rollout_proxy.tokenization.messages import extend_path_hash
 from rollout_proxy.tokenization.parsers import AssistantView, OutputParser, ToolParse
+from rollout_proxy.wire.images import ImageBlob, image_hashes
 
 log = structlog.get_logger(__name__)
 
@@ -76,6 +80,10 @@ class PreparedTurn:
     reasoning_opened: bool = False
     #: the session's policy (``engines.policies``): its served name is what the call names, on an engine serving it
     policy: str = BASE_POLICY
+    #: the images of the whole prompt (the parent's and the bridge's), for the engine; None: a text-only prompt
+    images: PromptImages | None = None
+    #: where the images of ``delta`` are in it (the node records them)
+    delta_images: tuple[ImageSpan, ...] = ()
 
 
 def path_tokens(path: Sequence[ResponseNode]) -> np.ndarray:
@@ -129,11 +137,29 @@ class TurnRunner:
         stop: Sequence[str] = (),
         meta: dict[str, Any] | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> TurnResult:
-        """``lease``: the turn's session read (its request slot, given back with the node's write)."""
-        turn = await self.prepare_anywhere(session, placement, tools=tools, stop=stop)
+        """``lease``: the turn's session read (its request slot, given back with the node's write); ``images``:
+        those its new messages hold (``new_images``), stored with its node."""
+        turn = await self.prepare_anywhere(session, placement, tools=tools, stop=stop, images=images)
         sampled = await self.sample(session, turn, lease=lease)
-        return await self.record(session, placement, turn, sampled, api=api, meta=meta, lease=lease)
+        return await self.record(session, placement, turn, sampled, api=api, meta=meta, lease=lease, images=images)
+
+    async def new_images(
+        self, session: SessionRecord, placement: Placement, images: Mapping[str, ImageBlob]
+    ) -> tuple[ImageBlob, ...]:
+        """The images ``placement``'s new messages hold (from ``images``, the request's), checked against what
+        the session may still store: ``TooManyImages`` before anything is sampled (the node's write checks
+        again, atomically)."""
+        hashes = image_hashes(placement.new_messages)
+        if not hashes:
+            return ()
+        missing = [sha for sha in hashes if sha not in images]
+        if missing:  # the intake hands the turn every image its conversation holds
+            raise ProxyError(f"the turn's messages hold images the request did not bring: {missing[:3]}")
+        found = tuple(images[sha] for sha in hashes)
+        await self._store.check_images(session.id, found)
+        return found
 
     async def prepare_anywhere(
         self,
@@ -142,13 +168,15 @@ class TurnRunner:
         *,
         tools: Sequence[dict[str, Any]] | None,
         stop: Sequence[str],
+        images: Sequence[ImageBlob] = (),
     ) -> PreparedTurn:
         """``prepare`` after a pause's resume, on the session's engine or another if rendering there fails."""
         gate = self._engines.gate  # paused for a weight update: no engine is touched until the resume
         with self._metrics.timer("queue_wait_seconds", reason="pause") if gate.paused else contextlib.nullcontext():
             await gate.wait()
         return await self._on_an_engine(
-            session, lambda engine: self.prepare(session, placement, tools=tools, stop=stop, engine=engine)
+            session,
+            lambda engine: self.prepare(session, placement, tools=tools, stop=stop, engine=engine, images=images),
         )
 
     async def prepare(
@@ -159,14 +187,18 @@ class TurnRunner:
         tools: Sequence[dict[str, Any]] | None,
         stop: Sequence[str],
         engine: GenerationEngine | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> PreparedTurn:
         """The engine (the session's while it serves, unless given), the whole prompt (parent's tokens +
-        bridge) and the sampling settings."""
+        bridge), its images (``images``: those of the new messages) and the sampling settings."""
         engine = engine or self._engines.route(session.engine)
         info = await engine.info()
         with tracing.span("render", **{"rollout_proxy.session_id": session.id}):
-            delta = await self._render(engine, session, placement, tools, generation_prompt=True)
+            delta, delta_images = await self._render(
+                engine, session, placement, tools, generation_prompt=True, images=images
+            )
         prompt = np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
+        prompt_images = await self._prompt_images(session, engine, placement, prompt, delta_images, images)
         opened = self._parser.reasons and self._parser.reasoning.opened_by(
             await self._renderers.generation_prompt_text(engine, delta)
         )
@@ -196,17 +228,27 @@ class TurnRunner:
             params=params,
             reasoning_opened=opened,
             policy=session.policy,
+            images=prompt_images,
+            delta_images=delta_images,
         )
 
     async def prompt_tokens(
-        self, session: SessionRecord, placement: Placement, *, tools: Sequence[dict[str, Any]] | None
+        self,
+        session: SessionRecord,
+        placement: Placement,
+        *,
+        tools: Sequence[dict[str, Any]] | None,
+        images: Mapping[str, ImageBlob] | None = None,
     ) -> np.ndarray:
         """The prompt a turn at ``placement`` would send (the parent's exact tokens and the bridge with the
-        generation prompt), rendered on the session's engine or another; no engine call, nothing stored, no
-        context check (a count of tokens, e.g. the Messages API's ``count_tokens``)."""
+        generation prompt, its images expanded: ``images``, the request's), rendered on the session's engine or
+        another; no engine call, nothing stored, no context check (a count of tokens, e.g. the Messages API's
+        ``count_tokens``)."""
 
-        delta = await self._on_an_engine(
-            session, lambda engine: self._render(engine, session, placement, tools, generation_prompt=True)
+        given = tuple((images or {}).values())
+        delta, _ = await self._on_an_engine(
+            session,
+            lambda engine: self._render(engine, session, placement, tools, generation_prompt=True, images=given),
         )
         return np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
 
@@ -225,7 +267,10 @@ class TurnRunner:
         async with self._request_slot(session, lease):
             if session.concurrency:  # the job's request bound: how long this turn waited for a slot
                 self._metrics.observe("queue_wait_seconds", time.perf_counter() - waiting, reason="concurrency")
-            sampled = await self._engines.sample(turn.engine, turn.prompt, turn.params, sink=sink, policy=turn.policy)
+            with_images = {"images": turn.images} if turn.images is not None else {}
+            sampled = await self._engines.sample(
+                turn.engine, turn.prompt, turn.params, sink=sink, policy=turn.policy, **with_images
+            )
         completion = sampled.completion
         if completion.prompt_ids is None:
             self._metrics.inc("unchecked_prompts_total")
@@ -236,7 +281,18 @@ class TurnRunner:
                 )
         elif not np.array_equal(completion.prompt_ids, turn.prompt):
             self._metrics.inc("prompt_drift_total")
+            if turn.images is not None:
+                raise EngineError(
+                    "the engine reports having consumed other prompt tokens than the proxy holds: it expanded the "
+                    "prompt's images into other tokens than the model's processor config says"
+                )
             raise EngineError("the engine reports having consumed other prompt tokens than the proxy sent")
+        elif turn.images is not None and completion.image_spans != turn.images.spans:
+            self._metrics.inc("prompt_drift_total")
+            raise EngineError(
+                f"the engine placed the prompt's images at {list(completion.image_spans or ())}, the proxy at "
+                f"{list(turn.images.spans)} (offset, length)"
+            )
         if completion.nonfinite_logprobs:
             self._metrics.inc("nonfinite_logprobs_total", completion.nonfinite_logprobs)
         return sampled
@@ -253,9 +309,11 @@ class TurnRunner:
         view: AssistantView | None = None,
         node_id: str | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> TurnResult:
-        """The sampled tokens as a node (with its parsed view, routing and policy versions), stored once;
-        ``view``, ``node_id``: what a streamed turn already parsed (``parse``) and named (its chunks carry both)."""
+        """The sampled tokens as a node (with its parsed view, routing and policy versions), stored once with
+        ``images`` (those its new messages hold); ``view``, ``node_id``: what a streamed turn already parsed
+        (``parse``) and named (its chunks carry both)."""
         completion = sampled.completion
         routing, disagreements = await align_routing(
             self._store,
@@ -308,10 +366,12 @@ class TurnRunner:
             meta=node_meta,
             policy_versions=sampled.versions,
             output_topk=completion.output_topk,
+            images=turn.delta_images,
         ).with_routing(routing)
         hashes = [*placement.new_hashes, extend_path_hash(placement.end_hash, node.messages[-1])]
         moved_to = sampled.engine.url if sampled.engine.url != session.engine else None
-        await self._save(session, node, hashes, engine=moved_to, lease=lease)  # the node and the move: one round trip
+        # the node, its images and the move: one round trip
+        await self._save(session, node, hashes, engine=moved_to, lease=lease, images=images)
         node.path_ids = np.concatenate([turn.prompt, output_ids]).astype(np.int32, copy=False)
         if placement.parent:  # the conversation moved on: only its latest node keeps its path's ids
             placement.parent[-1].path_ids = None
@@ -334,15 +394,20 @@ class TurnRunner:
         api: str,
         idempotency: Idempotency | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> ResponseNode:
         """Append messages the policy did not generate, as a node with loss weight 0
-        (the earlier node instead, when ``idempotency`` repeats a key already used)."""
+        (the earlier node instead, when ``idempotency`` repeats a key already used); ``images``: those the
+        messages hold, stored with the node (their spans recorded on it)."""
 
-        async def render(engine: GenerationEngine) -> tuple[EngineInfo, np.ndarray]:
+        async def render(engine: GenerationEngine) -> tuple[EngineInfo, tuple[np.ndarray, tuple[ImageSpan, ...]]]:
             info = await engine.info()
-            return info, await self._render(engine, session, placement, session.tools, generation_prompt=False)
+            rendered = await self._render(
+                engine, session, placement, session.tools, generation_prompt=False, images=images
+            )
+            return info, rendered
 
-        info, delta = await self._on_an_engine(session, render)
+        info, (delta, delta_images) = await self._on_an_engine(session, render)
         total = sum(len(node.prompt_ids) + len(node.output_ids) for node in placement.parent) + len(delta)
         if total >= info.max_model_len:
             raise ContextLengthExceeded(
@@ -362,11 +427,14 @@ class TurnRunner:
             usage={"prompt_tokens": len(delta), "completion_tokens": 0, "total_tokens": len(delta)},
             created_at=time.time(),
             model=info.model,
+            images=delta_images,
         )
         self._note_sample(placement, api, node.meta)
         if placement.ambiguity is not None:
             node.meta["parent_ambiguity"] = placement.ambiguity
-        node = await self._save(session, node, placement.new_hashes, idempotency=idempotency, lease=lease)
+        node = await self._save(
+            session, node, placement.new_hashes, idempotency=idempotency, lease=lease, images=images
+        )
         if placement.parent:  # only a conversation's latest generated node keeps its path's ids
             placement.parent[-1].path_ids = None
         self._metrics.inc("injected_nodes_total")
@@ -382,15 +450,72 @@ class TurnRunner:
         tools: Sequence[dict[str, Any]] | None,
         *,
         generation_prompt: bool,
-    ) -> np.ndarray:
-        """The bridge tokens of ``placement``'s new messages, as the session's template renders them: every
-        render of a turn (a generated one's, a count's, injected messages') is this one call."""
-        return await self._renderers.delta(
-            engine,
-            placement,
-            tools=tools,
-            chat_template_kwargs=session.generation.chat_template_kwargs,
-            add_generation_prompt=generation_prompt,
+        images: Sequence[ImageBlob] = (),
+    ) -> tuple[np.ndarray, tuple[ImageSpan, ...]]:
+        """The bridge tokens of ``placement``'s new messages, as the session's template renders them, and where
+        their images' spans are in them (``images``: theirs; one the turn was not given is read from the
+        session's image store): every render of a turn (a generated one's, a count's, injected messages') is
+        this one call."""
+        kwargs = session.generation.chat_template_kwargs
+        hashes = image_part_hashes(placement.new_messages)
+        if not hashes:
+            delta = await self._renderers.delta(
+                engine, placement, tools=tools, chat_template_kwargs=kwargs, add_generation_prompt=generation_prompt
+            )
+            return delta, ()
+        blobs = await self._images_of(session, hashes, images)
+        return await self._renderers.image_delta(
+            engine, placement, blobs, tools=tools, chat_template_kwargs=kwargs, add_generation_prompt=generation_prompt
+        )
+
+    async def _images_of(
+        self, session: SessionRecord, hashes: Sequence[str], given: Sequence[ImageBlob]
+    ) -> dict[str, ImageBlob]:
+        """The images of ``hashes``: those ``given``, the others read from the session's image store (one
+        round trip); a ``ProxyError`` for one it does not hold."""
+        found = {image.sha256: image for image in given}
+        wanted = list(dict.fromkeys(sha for sha in hashes if sha not in found))
+        if wanted:
+            found.update(await self._store.get_images(session.id, wanted))
+            missing = [sha for sha in wanted if sha not in found]
+            if missing:
+                raise ProxyError(
+                    f"the session's image store does not hold {len(missing)} image(s) of this conversation "
+                    f"({missing[0][:16]}...): the session expired, or the image was never stored"
+                )
+        return found
+
+    async def _prompt_images(
+        self,
+        session: SessionRecord,
+        engine: GenerationEngine,
+        placement: Placement,
+        prompt: np.ndarray,
+        delta_images: Sequence[ImageSpan],
+        given: Sequence[ImageBlob],
+    ) -> PromptImages | None:
+        """The images of the whole prompt for the engine (None: it holds none): every span of the parent's path
+        and of the bridge, at its place in ``prompt``, with its image (the parent's read from the session's
+        image store); the prompt collapsed to one marker per image is checked here (a marker where no image is
+        would be taken for one: a 400 in words)."""
+        spans: list[ImageSpan] = []
+        offset = 0
+        for node in placement.parent:
+            spans += [span.shifted(offset) for span in node.images]
+            offset += len(node.prompt_ids) + len(node.output_ids)
+        spans += [span.shifted(offset) for span in delta_images]
+        if not spans:
+            return None
+        rule = await self._renderers.image_rule(engine)
+        try:
+            rule.collapse(prompt, spans)
+        except ValueError as exc:
+            raise InvalidRequest(f"this conversation cannot be sent with its images: {exc}", param="messages") from None
+        blobs = await self._images_of(session, [span.sha256 for span in spans], given)
+        return PromptImages(
+            rule.marker_id,
+            tuple((span.start, span.length) for span in spans),
+            tuple(blobs[span.sha256] for span in spans),
         )
 
     async def _on_an_engine(self, session: SessionRecord, step: Callable[[GenerationEngine], Awaitable[T]]) -> T:
@@ -462,10 +587,11 @@ class TurnRunner:
         idempotency: Idempotency | None = None,
         engine: str | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> ResponseNode:
-        """Store the node with the path hashes of its messages (the last one names the node), and the
-        session's new engine if it moved (and give back ``lease``'s slot); returns the node, or the one an
-        earlier request with the same idempotency key stored."""
+        """Store the node with the path hashes of its messages (the last one names the node), the images its
+        messages hold, and the session's new engine if it moved (and give back ``lease``'s slot); returns the
+        node, or the one an earlier request with the same idempotency key stored."""
         node.path_hash = hashes[-1]
         partial = {path_hash: f"{node.id}#{index + 1}" for index, path_hash in enumerate(hashes[:-1])}
         partial.update(node_entries(node))  # what tells it apart from siblings of the same content (core.tree)
@@ -478,6 +604,7 @@ class TurnRunner:
             idempotency=idempotency,
             engine=engine,
             lease=lease,
+            images=images,
         )
         if stored_id == node.id:
             return node

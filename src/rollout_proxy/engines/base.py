@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from rollout_proxy.records import TopLogprobs
+from rollout_proxy.wire.images import ImageBlob
 
 #: vLLM's own floor for -inf logprobs; non-finite values are clamped to it and counted.
 LOGPROB_FLOOR = -9999.0
@@ -51,6 +52,30 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptImages:
+    """The images of a prompt, for an engine that expands them itself (vLLM's ``/inference/v1/generate``): the
+    prompt the proxy holds has each image's placeholder span at ``spans`` (offset, length), in order; the engine
+    is sent the prompt with each span collapsed to the one ``marker_id`` (``collapse``) and ``images`` in the
+    same order, and echoes the spans it expanded (``EngineCompletion.image_spans``)."""
+
+    marker_id: int
+    spans: tuple[tuple[int, int], ...]
+    images: tuple[ImageBlob, ...]
+
+    def collapse(self, prompt: np.ndarray) -> np.ndarray:
+        """``prompt`` (the expanded one, maybe followed by tokens of a continued turn) with each span replaced by
+        the marker; ``core`` has checked that the spans are the model's (``tokenization.images``)."""
+        parts: list[np.ndarray] = []
+        start = 0
+        marker = np.asarray([self.marker_id], dtype=np.int32)
+        for offset, length in self.spans:
+            parts += [prompt[start:offset], marker]
+            start = offset + length
+        parts.append(prompt[start:])
+        return np.concatenate(parts).astype(np.int32, copy=False)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineInfo:
     url: str
     model: str
@@ -70,6 +95,9 @@ class EngineCompletion:
     output_topk: TopLogprobs | None = None  # with ``SamplingParams.top_logprobs``
     #: vLLM's ``stop_reason``: the stop string (or token id) that ended it; None for EOS or a length cut
     stop_reason: str | int | None = None
+    #: with ``PromptImages``: the (offset, length) of each image's span in the prompt the engine expanded, as it
+    #: reports them (vLLM's ``mm_placeholders``); None when it does not say
+    image_spans: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +153,13 @@ class GenerationEngine(Protocol):
         *,
         on_sent: Callable[[], None] | None = None,
         sink: PieceSink | None = None,
+        images: PromptImages | None = None,
     ) -> EngineCompletion:
         """``on_sent`` is called once the request has left for the engine (the fleet's pause waits for it).
         With a ``sink`` the output also goes there in pieces as it is sampled, where the engine can stream it
-        exactly (else nothing goes there: the caller relays the completion); the completion is the same."""
+        exactly (else nothing goes there: the caller relays the completion); the completion is the same.
+        ``images``: the prompt's images (its spans expanded in ``prompt_ids``); only passed when there are some,
+        so an engine that takes none never sees the argument."""
         ...
 
 

@@ -36,7 +36,7 @@ import structlog
 
 from rollout_proxy.engines import sampling
 from rollout_proxy.engines import shared as sharing
-from rollout_proxy.engines.base import Engine, EngineInfo, GenerationEngine, PieceSink, SamplingParams
+from rollout_proxy.engines.base import Engine, EngineInfo, GenerationEngine, PieceSink, PromptImages, SamplingParams
 from rollout_proxy.engines.gate import PauseGate
 from rollout_proxy.engines.health import (
     Breaker,
@@ -292,10 +292,11 @@ class Fleet:
         *,
         sink: PieceSink | None = None,
         policy: str | None = None,
+        images: PromptImages | None = None,
     ) -> sampling.Sampled:
         """One turn's engine call through this fleet (``engines.sampling``: failover, pauses, aborted turns,
-        the ``policy`` that samples)."""
-        return await sampling.sample(self, engine, prompt, params, sink=sink, policy=policy)
+        the ``policy`` that samples, the prompt's ``images``)."""
+        return await sampling.sample(self, engine, prompt, params, sink=sink, policy=policy, images=images)
 
     def check_policy(self, policy: str) -> None:
         registry = self.policies

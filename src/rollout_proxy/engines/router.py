@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from rollout_proxy.engines.base import GenerationEngine, PieceSink, SamplingParams
+from rollout_proxy.engines.base import GenerationEngine, PieceSink, PromptImages, SamplingParams
 from rollout_proxy.engines.sampling import Sampled
 
 
@@ -61,9 +61,10 @@ class EngineRouter(Protocol):
         *,
         sink: PieceSink | None = None,
         policy: str | None = None,
+        images: PromptImages | None = None,
     ) -> Sampled:
         """One turn's engine call, ``engine`` first, failing over (``engines.sampling``); ``policy``: the
-        session's (``engines.policies``; None: the base)."""
+        session's (``engines.policies``; None: the base); ``images``: the prompt's, if it holds any."""
         ...
 
     def check_policy(self, policy: str) -> None:

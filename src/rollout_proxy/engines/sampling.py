@@ -44,6 +44,7 @@ from rollout_proxy.engines.base import (
     EngineCompletion,
     GenerationEngine,
     PieceSink,
+    PromptImages,
     SamplingParams,
 )
 from rollout_proxy.engines.gate import Deadline
@@ -136,6 +137,7 @@ class _Kept:
             nonfinite_logprobs=self.nonfinite + last.nonfinite_logprobs,
             routed_experts=last.routed_experts,
             stop_reason=last.stop_reason,
+            image_spans=last.image_spans,
         )
         return merged, spans
 
@@ -148,10 +150,12 @@ async def sample(
     *,
     sink: PieceSink | None = None,
     policy: str | None = None,
+    images: PromptImages | None = None,
 ) -> Sampled:
     """Sample one turn: ``engine`` first (the session's, if it is routable), failing over as the module says.
     With a ``sink``, every call streams its pieces there (``core.streaming`` decides what a retry means).
-    ``policy``: the policy that samples (``engines.policies``; None: the base model)."""
+    ``policy``: the policy that samples (``engines.policies``; None: the base model); ``images``: the prompt's
+    (each call sends them; a continued turn's spans stay where they were, in the prompt it extends)."""
     settings = fleet.settings
     registry = fleet.policies
     deadline = Deadline(fleet.gate, settings.turn_deadline)
@@ -176,7 +180,9 @@ async def sample(
                 continue  # an engine that lost its adapters was being loaded again: choose again
             raise registry.unavailable(policy) from exc
         try:
-            attempt = await _attempt(fleet, member, kept.prompt(prompt), params, kept.count, deadline, sink, policy)
+            attempt = await _attempt(
+                fleet, member, kept.prompt(prompt), params, kept.count, deadline, sink, policy, images
+            )
         except _Requeue:
             continue
         except FleetPaused:
@@ -267,6 +273,7 @@ async def _attempt(
     deadline: Deadline,
     sink: PieceSink | None = None,
     policy: str | None = None,
+    images: PromptImages | None = None,
 ) -> _Attempt:
     """One call on ``member``: gated, slotted, watched (its deadline, the engine going down, the pause's bound)."""
     waiting = time.perf_counter()
@@ -293,7 +300,9 @@ async def _attempt(
         epoch, down = member.epoch, member.down
         call_deadline = Deadline(fleet.gate, fleet.settings.call_timeout)
         # engines without streaming never see the argument; each streamed piece says the engine is alive
-        streamed = {"sink": _Heard(sink, member)} if sink is not None else {}
+        streamed: dict[str, Any] = {"sink": _Heard(sink, member)} if sink is not None else {}
+        if images is not None:  # likewise: an engine that takes no images never sees the argument
+            streamed["images"] = images
         task = asyncio.ensure_future(member.client.complete(prompt, params, on_sent=sent.set, **streamed))
         try:
             completion = await _watch(fleet, task, down, call_deadline, deadline)

@@ -21,6 +21,7 @@ They become ``AdapterRefused`` (a 400) in words. A call naming a served model th
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import json
@@ -44,6 +45,7 @@ from rollout_proxy.engines.base import (
     EngineInfo,
     PauseMode,
     PieceSink,
+    PromptImages,
     SamplingParams,
     clamped_logprob,
 )
@@ -84,6 +86,9 @@ _REFUSALS = frozenset({400, 404, 422, 500})
 
 T = TypeVar("T")
 
+
+#: vLLM's token-in route that also takes images (``--enable-scale-out``)
+GENERATE_PATH = "/inference/v1/generate"
 
 #: the ``request_id`` prefix of ``VLLMEngine.learn_routing``'s probe (vLLM takes a client's request id)
 ROUTING_PROBE_ID = "rollout-proxy-routing-probe"
@@ -196,6 +201,80 @@ def _top_logprobs(choice: dict[str, Any], output_ids: np.ndarray, k: int) -> Top
             raise EngineError(f"the engine returned {len(ranked)} top logprobs at token {position}, not {k}")
         ids[position] = [token for token, _ in ranked]
         values[position] = [value for _, value in ranked]
+    return TopLogprobs(ids=ids, logprobs=values)
+
+
+def generated(response: Any, *, top_logprobs: int = 0) -> EngineCompletion:
+    """vLLM's ``GenerateTextResponse`` (``/inference/v1/generate``, ``output_mode: "text"``) as a completion:
+    ``choices[0]``'s ``token_ids``, ``text``, ``logprobs.content[i].logprob`` (and its ``top_logprobs``, keyed
+    ``token_id:N``), the expanded ``prompt_token_ids`` and ``mm_placeholders["image"]``."""
+    try:
+        choice = response["choices"][0]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise EngineError("the engine returned a generation without choices") from exc
+    token_ids = choice.get("token_ids")
+    if not isinstance(token_ids, list):
+        raise EngineError("the engine returned no token_ids")
+    output_ids = np.asarray(token_ids, dtype=np.int32)
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or len(content) != len(output_ids):
+        raise EngineError("the engine returned no sampled logprob for every token (was logprobs=0 ignored?)")
+    values = [clamped_logprob(entry.get("logprob") if isinstance(entry, dict) else None) for entry in content]
+    nonfinite = sum(
+        1
+        for entry in content
+        if not isinstance(entry, dict) or entry.get("logprob") is None or not math.isfinite(float(entry["logprob"]))
+    )
+    topk = _generated_topk(content, top_logprobs) if top_logprobs else None
+    prompt = response.get("prompt_token_ids")
+    placeholders = response.get("mm_placeholders")
+    spans = None
+    if isinstance(placeholders, dict):
+        try:
+            spans = tuple((int(item["offset"]), int(item["length"])) for item in placeholders.get("image") or ())
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError("the engine's mm_placeholders are not offsets and lengths") from exc
+    return EngineCompletion(
+        prompt_ids=None if prompt is None else np.asarray(prompt, dtype=np.int32),
+        output_ids=output_ids,
+        output_logprobs=np.asarray(values, dtype=np.float32),
+        text=choice.get("text") or "",
+        finish_reason=choice.get("finish_reason") or "stop",
+        nonfinite_logprobs=nonfinite,
+        routed_experts=choice.get("routed_experts"),
+        output_topk=topk,
+        stop_reason=_stop_reason(choice),
+        image_spans=spans,
+    )
+
+
+def _generated_topk(content: list[Any], k: int) -> TopLogprobs:
+    """The top ``k`` per sampled token from a text-mode generation asked for ``k + 1`` (vLLM lists the sampled
+    token first, then the best, and keeps only the first ``k + 1`` of them: with one more asked for, those hold
+    the top ``k`` whether or not the sampled token is among them). Keys must be ``token_id:N``."""
+    ids = np.empty((len(content), k), dtype=np.int32)
+    values = np.empty((len(content), k), dtype=np.float32)
+    for position, entry in enumerate(content):
+        items = entry.get("top_logprobs") if isinstance(entry, dict) else None
+        if not isinstance(items, list):
+            raise EngineError(f"the engine returned no top logprobs at token {position}")
+        try:
+            ranked = [
+                (int(str(item["token"]).removeprefix("token_id:")), clamped_logprob(item.get("logprob")))
+                for item in items
+            ]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(
+                "the engine's top logprobs are not keyed by token id: an image turn's top logprobs need vLLM "
+                "started with --return-tokens-as-token-ids"
+            ) from exc
+        ranked = list(dict(ranked).items())  # each token once
+        ranked.sort(key=lambda item: -item[1])  # stable: ties keep vLLM's order
+        if len(ranked) < k:
+            raise EngineError(f"the engine returned {len(ranked)} top logprobs at token {position}, not {k}")
+        ids[position] = [token for token, _ in ranked[:k]]
+        values[position] = [value for _, value in ranked[:k]]
     return TopLogprobs(ids=ids, logprobs=values)
 
 
@@ -695,10 +774,16 @@ class VLLMEngine:
         *,
         on_sent: Callable[[], None] | None = None,
         sink: PieceSink | None = None,
+        images: PromptImages | None = None,
     ) -> EngineCompletion:
         """With a ``sink``: streamed (``engines.streaming``) once this engine is known not to return routing
         (vLLM does not stream ``routed_experts``); else one plain call, whose output the sink's owner relays
-        from the completion returned."""
+        from the completion returned. A prompt with ``images`` goes to ``/inference/v1/generate`` in one plain
+        call (``_generate``), streamed or not."""
+        if images is not None:
+            if sink is not None:
+                await sink.begin(prompt_ids)
+            return await self._generate(prompt_ids, params, images, on_sent=on_sent)
         info = await self.info()
         echo = PromptEcho(prompt_ids)
         payload: dict[str, Any] = {
@@ -738,6 +823,70 @@ class VLLMEngine:
                 if self.returns_routing is False:
                     return await self._stream(payload, echo, sink, on_sent=on_sent)
         return await self._complete_once(payload, echo, on_sent=on_sent)
+
+    async def _generate(
+        self,
+        prompt_ids: np.ndarray,
+        params: SamplingParams,
+        images: PromptImages,
+        *,
+        on_sent: Callable[[], None] | None,
+    ) -> EngineCompletion:
+        """A prompt with images through vLLM's ``/inference/v1/generate`` (served with ``--enable-scale-out``): the
+        only route that takes token ids and images together. Each image's span is collapsed to its marker and
+        the images go as ``content_parts`` (data URLs, in prompt order, ``uuid``: the sha256, which vLLM then
+        uses as the image's cache key); vLLM expands every marker again and, with ``return_token_ids``, echoes
+        the expanded prompt and where it put each span (``mm_placeholders``). ``output_mode: "text"``: vLLM's
+        text, stop strings cut as on ``/v1/completions``; top logprobs come back by id only from an engine
+        started with ``--return-tokens-as-token-ids``."""
+        info = await self.info()
+        path = GENERATE_PATH
+        sampling: dict[str, Any] = {
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "n": 1,
+            "logprobs": params.top_logprobs + 1 if params.top_logprobs else 0,  # see ``_generated_topk``
+            "min_p": 0.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+        }
+        if params.seed is not None:
+            sampling["seed"] = params.seed
+        if params.stop:
+            sampling["stop"] = list(params.stop)
+        if params.routed_experts_prompt_start is not None:
+            sampling["routed_experts_prompt_start"] = params.routed_experts_prompt_start
+        payload: dict[str, Any] = {
+            "model": params.served_model or info.model,
+            "token_ids": images.collapse(prompt_ids).tolist(),
+            "content_parts": [
+                {
+                    "type": "image_url",
+                    "url": f"data:{image.mime};base64,{base64.b64encode(image.data).decode('ascii')}",
+                    "uuid": image.sha256,
+                }
+                for image in images.images
+            ],
+            "sampling_params": sampling,
+            "return_token_ids": True,
+            "output_mode": "text",
+            "stream": False,
+        }
+        if params.cache_salt is not None:
+            payload["cache_salt"] = params.cache_salt
+        response = await self._request(
+            "POST", path, payload, limits=self._completion_timeout, on_sent=on_sent, pooled=True
+        )
+        try:
+            completion = generated(response, top_logprobs=params.top_logprobs)
+        except EngineError as exc:
+            raise self._failed(exc, path) from None
+        if completion.routed_experts is not None or completion.finish_reason != "abort":
+            self.returns_routing = completion.routed_experts is not None  # as ``_complete_once`` learns it
+        return completion
 
     async def learn_routing(self, token: int) -> None:
         """Whether this engine attaches MoE routing to its completions, found before its first streamed call

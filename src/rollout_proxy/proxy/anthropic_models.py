@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from rollout_proxy.proxy.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOLS
 from rollout_proxy.proxy.validation import TOOLS_CHECKED, field_error, sent_as, sent_as_items, tag
-from rollout_proxy.wire.anthropic import ASSISTANT_BLOCKS, CUSTOM_TOOL, TEXT_ONLY, USER_BLOCKS
+from rollout_proxy.wire.anthropic import ASSISTANT_BLOCKS, CUSTOM_TOOL, RESULT_BLOCKS, TEXT_ONLY, USER_BLOCKS
 from rollout_proxy.wire.messages import describe
 
 OPEN = ConfigDict(extra="allow", strict=True)
@@ -31,6 +31,51 @@ class TextBlock(BaseModel):
 
     type: Literal["text"]
     text: str
+
+
+class Base64Source(BaseModel):
+    model_config = OPEN
+
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class UrlSource(BaseModel):
+    """Fetched where the proxy fetches image URLs (``--image-urls``), refused otherwise."""
+
+    model_config = OPEN
+
+    type: Literal["url"]
+    url: str
+
+
+class FileSource(BaseModel):
+    """A file of Anthropic's Files API: refused by the normalizer, in words (the proxy has none)."""
+
+    model_config = OPEN
+
+    type: Literal["file"]
+    file_id: str
+
+
+ImageSource = Annotated[
+    Annotated[Base64Source, tag("base64")] | Annotated[UrlSource, tag("url")] | Annotated[FileSource, tag("file")],
+    Discriminator(
+        lambda value: f"<{value.get('type')}>" if isinstance(value, dict) else None,
+        custom_error_type="image_source",
+        custom_error_message="an image source is base64 (media_type, data) or url",
+    ),
+]
+
+
+class ImageBlock(BaseModel):
+    """An image, in a user message or a ``tool_result``'s content (``wire.anthropic``)."""
+
+    model_config = OPEN
+
+    type: Literal["image"]
+    source: ImageSource
 
 
 class ThinkingBlock(BaseModel):
@@ -68,7 +113,7 @@ def _only(allowed: frozenset[str]) -> BeforeValidator:
         if not (isinstance(found, str) and found in allowed):
             raise PydanticCustomError(
                 "content_block",
-                "unsupported content block {kind}: this message takes {allowed} blocks (the policy reads text only)",
+                "unsupported content block {kind}: this message takes {allowed} blocks",
                 {
                     "kind": describe(found) if isinstance(value, dict) else describe(value),
                     "allowed": ", ".join(sorted(allowed)),
@@ -106,7 +151,10 @@ def content_of(block: Any, *, nullable: bool = False) -> Any:
     ]
 
 
-ResultContent = content_of(TextOnly, nullable=True)
+ResultBlock = Annotated[
+    Annotated[TextBlock, tag("text")] | Annotated[ImageBlock, tag("image")], BY_TYPE, _only(RESULT_BLOCKS)
+]
+ResultContent = content_of(ResultBlock, nullable=True)
 
 
 class ToolResultBlock(BaseModel):
@@ -119,7 +167,9 @@ class ToolResultBlock(BaseModel):
 
 
 UserBlock = Annotated[
-    Annotated[TextBlock, tag("text")] | Annotated[ToolResultBlock, tag("tool_result")],
+    Annotated[TextBlock, tag("text")]
+    | Annotated[ImageBlock, tag("image")]
+    | Annotated[ToolResultBlock, tag("tool_result")],
     BY_TYPE,
     _only(USER_BLOCKS),
 ]

@@ -5,7 +5,9 @@
     3 known      which items of the body's list (and whether its tools) were checked before   the memory
     4 limits     depth and string bounds, on the rest                        ``proxy.limits``
     5 validate   the API's request model, on the rest                        ``proxy.validation``
+   5b fetch      its image URLs' bytes (only with ``--image-urls``)          ``proxy.images``
     6 normalize  the API's conversation: normal forms, keys, path hashes     the API's ``Spec.normalize``
+   6b images     the images it adds decoded and checked (Pillow), counted    ``proxy.images``
     7 session    the open session, read with what the turn reads next        ``core.sessions`` (one round trip)
     8 sampling   the generation parameters sent, against ``client_sampling``   ``proxy.client_sampling``
 
@@ -19,9 +21,9 @@ body is then taken in whole, and a test holds both ways to the same result.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -35,8 +37,17 @@ from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.proxy.validation import CHECK_ITEMS, TOOLS_CHECKED, M, validate
 from rollout_proxy.records import SessionRecord
 from rollout_proxy.state.store import ReadAhead, SessionLease
+from rollout_proxy.wire.images import ImageSet
 
-C = TypeVar("C")
+
+class Imaged(Protocol):
+    """A conversation taken in: it holds its images (``wire.images``)."""
+
+    @property
+    def images(self) -> ImageSet: ...
+
+
+C = TypeVar("C", bound=Imaged)
 #: ``--resent-history``: "reuse" what the list memory holds, or "check" every body whole
 RESENT_HISTORY_MODES = ("reuse", "check")
 
@@ -49,8 +60,9 @@ class Spec(Generic[M, C]):
     api: str  # whose lists the memory keeps: "chat", "responses" or "messages"
     key: str  # the body's long list: "messages" or "input"
     sampling: tuple[SamplingField, ...]  # the API's generation parameters (``proxy.client_sampling``)
-    #: the conversation of a validated body (with the memory's view of its list, or None: taken whole)
-    normalize: Callable[[M, HistoryIntake | None], C]
+    #: the conversation of a validated body (with the memory's view of its list, or None: taken whole), its URL
+    #: images' bytes as fetched (None: URLs are refused)
+    normalize: Callable[[M, HistoryIntake | None, Mapping[str, bytes] | None], C]
     #: what the turn reads right after the session (read with it, in the same round trip)
     read_ahead: Callable[[M, C], ReadAhead | None]
 
@@ -93,7 +105,10 @@ async def take_in(request: web.Request, spec: Spec[M, C]) -> Taken[M, C]:
     if tools_checked:
         context[TOOLS_CHECKED] = True
     body = validate(spec.model, payload, context=context or None)  # 5
-    conversation = spec.normalize(body, history)  # 6
+    images = request.app[keys.IMAGES]
+    urls = await images.fetch(payload.get(spec.key), spec.key, session_id=session_id, until=expires_at)  # 5b
+    conversation = spec.normalize(body, history, urls)  # 6
+    await images.check(conversation.images, key=spec.key)  # 6b
     ahead = spec.read_ahead(body, conversation)
     if caller.bound is not None:  # the session's request bound: its slot taken in the same round trip
         ahead = dataclasses.replace(ahead or ReadAhead(), bound=caller.bound)

@@ -12,6 +12,7 @@ from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.policies import Policies
 from rollout_proxy.metrics import Metrics
 from rollout_proxy.proxy.auth import SessionTokens
+from rollout_proxy.proxy.images import ImageIntake
 from rollout_proxy.proxy.resent_history import ResentHistory
 from rollout_proxy.settings import Settings
 from rollout_proxy.state.feed import Feed
@@ -26,6 +27,7 @@ TELEMETRY = web.AppKey("telemetry", Telemetry)
 TOKENS = web.AppKey("tokens", SessionTokens)
 RESENT_HISTORY = web.AppKey("resent_history", ResentHistory)  # resent lists taken in once (``resent_history``)
 STORE = web.AppKey("store", StateStore)
+IMAGES = web.AppKey("images", ImageIntake)  # the images requests send, taken in (``proxy.images``)
 FEED = web.AppKey("feed", Feed)
 ENGINES = web.AppKey("engines", Fleet)
 POLICIES = web.AppKey("policies", Policies)  # the fleet's LoRA policies (``engines.policies``)

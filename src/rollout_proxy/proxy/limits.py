@@ -7,9 +7,10 @@ Why these numbers:
   free-form objects (``extra``, ``context``, tool ``parameters``, ``arguments``) ~55
   levels of their own. The normalizers apply the same bound inside tool arguments sent
   as a JSON string.
-- ``MAX_STRING_CHARS`` (4 Mi characters): one string may fill the largest context an
-  engine serves (1M tokens is ~4M characters); past that it can only be refused later,
-  after costing a tokenization. Context length itself is checked on every path.
+- ``MAX_STRING_CHARS`` (8 Mi characters): one string may fill the largest context an
+  engine serves (1M tokens is ~4M characters), or hold an image as a base64 data URL (8 Mi
+  characters are ~6 MiB of image: ``--max-image-bytes`` is 5 MiB by default); past that it can
+  only be refused later, after costing a tokenization. Context length itself is checked on every path.
 - ``MAX_NAME_CHARS`` (256): names and ids (function names, call ids, response ids);
   OpenAI's own limits are lower (64 for function names).
 - ``MAX_MESSAGES`` (10,000): a long agent run resends its whole history each turn;
@@ -29,7 +30,7 @@ from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.wire.messages import MAX_JSON_DEPTH
 
 MAX_DEPTH = MAX_JSON_DEPTH
-MAX_STRING_CHARS = 4 * 1024 * 1024
+MAX_STRING_CHARS = 8 * 1024 * 1024
 MAX_NAME_CHARS = 256
 MAX_MESSAGES = 10_000
 MAX_TOOLS = 1024

@@ -1,6 +1,8 @@
 """The OpenAI chat shapes the proxy takes: messages, content, tool calls, function tools.
 
-Strict (no coercion) and open to unknown fields: the openai SDK's ``model_dump()`` adds
+Content parts are text and images (``image_url``, ``input_image``); which roles take images is the
+normalizer's to say (``wire.messages``). Strict (no coercion) and open to unknown fields: the openai SDK's
+``model_dump()`` adds
 ``refusal``, ``audio``, ``annotations``, ``function_call``... and an echoed assistant
 message must still be taken. A dataset's conveniences stay accepted as the wire
 normalizers accept them: bare strings among content parts, a single part as content.
@@ -15,7 +17,7 @@ from pydantic_core import PydanticCustomError
 
 from rollout_proxy.proxy.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOL_CALLS, MAX_TOOLS
 from rollout_proxy.proxy.validation import TOOLS_CHECKED, field_error, sent_as, sent_as_items, tag
-from rollout_proxy.wire.messages import LEFT_OUT_TOOL_TYPES, describe, is_text_part
+from rollout_proxy.wire.messages import LEFT_OUT_TOOL_TYPES, describe, is_image_part, is_text_part
 
 OPEN = ConfigDict(extra="allow", strict=True)
 
@@ -41,31 +43,71 @@ class TextPart(BaseModel):
     type: Literal["text", "input_text", "output_text"]
     text: str
 
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        if not is_text_part(value):
-            kind = describe(value.get("type")) if isinstance(value, dict) else describe(value)
-            raise PydanticCustomError(
-                "content_part", "only text content parts are supported, got {kind}", {"kind": kind}
-            )
+
+class ImageUrl(BaseModel):
+    model_config = OPEN
+
+    url: str  # a data: URL (base64), or an http(s) URL where the proxy fetches them (--image-urls)
+    detail: str | None = None
+
+
+class ImageUrlPart(BaseModel):
+    """Chat Completions' image part (taken in user messages: ``wire.messages``)."""
+
+    model_config = OPEN
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class InputImagePart(BaseModel):
+    """The Responses API's image part: ``image_url`` a data: URL (or an http(s) one where the proxy fetches
+    them); a ``file_id`` is refused (the proxy has no Files API)."""
+
+    model_config = OPEN
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+def _part_kind(value: Any) -> str | None:
+    """The tag of a content part: a string, or an object by its ``type`` (``_known_part`` refused the rest)."""
+    if isinstance(value, str):
+        return "<string>"
+    if is_text_part(value):
+        return "<text>"
+    return f"<{value['type']}>" if is_image_part(value) else None
+
+
+def _known_part(value: Any) -> Any:
+    """Refuse a part of another type where it is (raised by the discriminator, the error would lose its place)."""
+    if isinstance(value, str) or is_text_part(value) or is_image_part(value):
         return value
+    kind = describe(value.get("type")) if isinstance(value, dict) else describe(value)
+    raise PydanticCustomError(
+        "content_part", "only text and image content parts are supported, got {kind}", {"kind": kind}
+    )
 
 
-Part = Annotated[
-    Annotated[str, tag("string")] | Annotated[TextPart, tag("object")],
-    Discriminator(lambda value: "<string>" if isinstance(value, str) else "<object>"),
-]
+ObjectPart = (
+    Annotated[TextPart, tag("text")]
+    | Annotated[ImageUrlPart, tag("image_url")]
+    | Annotated[InputImagePart, tag("input_image")]
+)
+Part = Annotated[Annotated[str, tag("string")] | ObjectPart, Discriminator(_part_kind), BeforeValidator(_known_part)]
+OnePart = Annotated[ObjectPart, Discriminator(_part_kind), BeforeValidator(_known_part)]
 
 Content = Annotated[
     Annotated[None, tag("null")]
     | Annotated[str, tag("string")]
     | Annotated[list[Part], Field(max_length=MAX_CONTENT_PARTS), tag("list")]
-    | Annotated[TextPart, tag("object")],  # a single part, as some datasets store it
+    | Annotated[OnePart, tag("object")],  # a single part, as some datasets store it
     Discriminator(
         json_kind,
         custom_error_type="invalid_content",
-        custom_error_message="content must be a string, a list of text parts or null",
+        custom_error_message="content must be a string, a list of text and image parts or null",
     ),
 ]
 

@@ -55,7 +55,7 @@ async def request_middleware(request: web.Request, handler) -> web.StreamRespons
     except ProxyError as exc:
         response = _error_response(exc, anthropic=anthropic)
     except WireFormatError as exc:
-        response = _error_response(InvalidRequest(exc.message, param=exc.param), anthropic=anthropic)
+        response = _error_response(InvalidRequest(exc.message, param=exc.param, code=exc.code), anthropic=anthropic)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

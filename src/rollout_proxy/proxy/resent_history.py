@@ -30,7 +30,7 @@ at most and forgotten at its finish (``proxy.session_memory``); a miss is only s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -40,6 +40,7 @@ from rollout_proxy.bounded import BoundedCache
 from rollout_proxy.proxy.limits import load_json_object
 from rollout_proxy.proxy.session_conversations import SessionConversations
 from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, extend_path_hash_by_key
+from rollout_proxy.wire.images import ImageSet
 from rollout_proxy.wire.json_bytes import right_sized, value_at
 
 #: kept lists: per session and API, ``session_conversations.PER_SESSION`` of them
@@ -59,6 +60,11 @@ class Fold(Protocol):
     """Items folded into messages one by one, so that what a longer list adds is folded alone."""
 
     messages: list[dict[str, Any]]
+
+    @property
+    def images(self) -> ImageSet | None:
+        """The images the messages hold (``wire.images``)."""
+        ...
 
     @property
     def settled(self) -> int:
@@ -96,8 +102,10 @@ class KeptList:
     @property
     def size(self) -> int:
         """About what this keeps alive: the JSON, the items as parsed (a few times their JSON), the messages
-        and their keys and hashes, and the lists."""
-        return 6 * len(self.encoded) + 400 * len(self.items) + len(self.context) + 200
+        and their keys and hashes, the lists, and the images' bytes (a fetched URL's are not in the JSON)."""
+        images = self.fold.images
+        held = 0 if images is None else images.nbytes
+        return 6 * len(self.encoded) + 400 * len(self.items) + len(self.context) + held + 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,11 +284,18 @@ class HistoryIntake:
         return False
 
     def take(
-        self, items: list[Any], start: Callable[[], F], *, context: bytes = b"", param: str | None = None
+        self,
+        items: list[Any],
+        start: Callable[[], F],
+        *,
+        context: bytes = b"",
+        param: str | None = None,
+        urls: Mapping[str, bytes] | None = None,
     ) -> Folded[F]:
         """The fold of ``items`` (the list ``look_up`` was given, checked since), its messages' keys and path
         hashes: a kept fold (or its start) extended by the items after those reused, when ``context`` is the
-        same, else ``start()`` and every item."""
+        same, else ``start()`` and every item. ``urls``: the request's image URLs' bytes, as fetched (None:
+        image URLs are refused)."""
         where = param or self.key
         looked_up = items is self._looked_up
         alike = [(same, kept) for same, kept in self._shared if kept.context == context] if looked_up else []
@@ -291,6 +306,8 @@ class HistoryIntake:
                 last, reused = kept, same
                 break
         fold: F = start() if base is None else base
+        if fold.images is not None:
+            fold.images.urls = urls
         settled = 0 if last is None else min(last.ends[reused - 1], fold.settled)
         ends = [] if last is None else last.ends[:reused]
         for index in range(reused, len(items)):

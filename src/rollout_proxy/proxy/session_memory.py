@@ -1,7 +1,7 @@
 """What the app keeps per session, dropped once the session has expired; and the freed memory given back.
 
 The app remembers, per session, its last few lists of each API and the items it sent
-(``resent_history``), its verified token (``auth``) and its place in the open-session gauge (``metrics``); a finish drops the conversations
+(``resent_history``), the image URLs it fetched (``images``), its verified token (``auth``) and its place in the open-session gauge (``metrics``); a finish drops the conversations
 at once, and a timer (``sweep_forever``, each ``SWEEP_EVERY`` seconds) drops what only expired sessions
 used, with or without traffic. The stores drop the sessions themselves (the memory store on its own
 timer, Redis by key expiry).
@@ -37,7 +37,7 @@ QUIET_BEFORE_RELEASE = 5.0
 
 def expire(app: web.Application, now: float) -> int:
     """Drop what the app keeps for sessions expired by ``now``; how many entries went."""
-    dropped = app[keys.RESENT_HISTORY].expire(now) + app[keys.TOKENS].expire(now)
+    dropped = app[keys.RESENT_HISTORY].expire(now) + app[keys.TOKENS].expire(now) + app[keys.IMAGES].expire(now)
     app[keys.METRICS].sessions.count(now)
     return dropped
 
@@ -46,7 +46,7 @@ def held(app: web.Application) -> int:
     """Entries the app keeps for sessions (lists, items, path hashes, tokens, open sessions)."""
     known = app[keys.RESENT_HISTORY].held()
     entries = known["conversations"] + known["messages"] + known["path_hashes"]
-    return entries + len(app[keys.TOKENS]) + app[keys.METRICS].sessions.count(time.time())
+    return entries + len(app[keys.TOKENS]) + len(app[keys.IMAGES]) + app[keys.METRICS].sessions.count(time.time())
 
 
 def release_free_memory() -> bool:

@@ -28,8 +28,9 @@ import numpy as np
 import orjson
 import zstandard
 
-from rollout_proxy.records import BASE_POLICY, NodeKind, PolicySpan, ResponseNode, TeacherScores, TopLogprobs
+from rollout_proxy.records import BASE_POLICY, ImageSpan, NodeKind, PolicySpan, ResponseNode, TeacherScores, TopLogprobs
 from rollout_proxy.routing.rows import RoutingRows, RoutingSpan
+from rollout_proxy.wire.images import ImageBlob
 
 MAGIC = b"RPN1"
 _LENGTH = struct.Struct("<I")
@@ -125,6 +126,10 @@ def encode_node(node: ResponseNode) -> tuple[bytes, bytes | None]:
         header["routing"] = node.routing_span.to_dict()
     if node.policy_versions:
         header["versions"] = [_span_entry(span) for span in node.policy_versions]
+    if node.images:
+        header["images"] = [
+            [span.start, span.length, span.sha256, span.width, span.height, span.nbytes] for span in node.images
+        ]
     if node.output_topk is not None:
         header["topk"] = node.output_topk.k
         chunks += _topk_chunks(node.output_topk)
@@ -156,10 +161,18 @@ def decode_node(blob: bytes, routing: bytes | None = None, *, compressor: BlobCo
     rows = None if span is None or routing is None else RoutingRows.from_bytes(span, routing)
     kind = NodeKind(header.pop("kind"))
     versions = tuple(PolicySpan(*entry) for entry in header.pop("versions", ()))  # 3 long: the base's
+    images = tuple(ImageSpan(*entry) for entry in header.pop("images", ()))
     k = header.pop("topk", 0)
     topk = _read_topk(blob, offset, len(arrays["output_ids"]), k) if k else None
     return ResponseNode(
-        kind=kind, routing_span=span, routing=rows, policy_versions=versions, output_topk=topk, **header, **arrays
+        kind=kind,
+        routing_span=span,
+        routing=rows,
+        policy_versions=versions,
+        output_topk=topk,
+        images=images,
+        **header,
+        **arrays,
     )
 
 
@@ -189,3 +202,18 @@ def decode_scores(blob: bytes) -> TeacherScores:
     return TeacherScores(
         teacher=header["teacher"], logprobs=logprobs, topk=topk, n_tokens_injected=header["n_tokens_injected"]
     )
+
+
+IMAGE_MAGIC = b"RPI1"
+
+
+def encode_image(image: ImageBlob) -> bytes:
+    """An image as one blob: ``RPI1`` | u32 header length | header (mime, width, height) | its bytes as sent
+    (images are compressed already: stored as they are)."""
+    encoded = orjson.dumps({"mime": image.mime, "width": image.width, "height": image.height})
+    return b"".join([IMAGE_MAGIC, _LENGTH.pack(len(encoded)), encoded, image.data])
+
+
+def decode_image(blob: bytes, sha256: str) -> ImageBlob:
+    header, offset = _header(blob, IMAGE_MAGIC, "image")
+    return ImageBlob(blob[offset:], header["mime"], header["width"], header["height"], sha256)

@@ -61,6 +61,16 @@ def teacher_key(session_id: str) -> str:
     return f"{PREFIX}:{{{session_id}}}:teacher"
 
 
+def images_key(session_id: str) -> str:
+    """Hash: sha256 (hex) of an image's bytes -> the packed image (``codec.encode_image``)."""
+    return f"{PREFIX}:{{{session_id}}}:images"
+
+
+def image_bytes_key(session_id: str) -> str:
+    """String: the bytes of the session's images, summed (its bound is checked against it)."""
+    return f"{PREFIX}:{{{session_id}}}:image_bytes"
+
+
 def session_keys(session_id: str) -> list[str]:
     """Every key of a session, in the order the node-writing script takes them."""
     return [
@@ -73,6 +83,8 @@ def session_keys(session_id: str) -> list[str]:
         finished_key(session_id),
         idempotency_key(session_id),
         engine_key(session_id),
+        images_key(session_id),
+        image_bytes_key(session_id),
     ]
 
 

@@ -27,12 +27,15 @@ from rollout_proxy.state.listing import SessionPage, SessionSummary, Where
 from rollout_proxy.state.store import (
     HeldSlot,
     Idempotency,
+    ImageBound,
     ReadAhead,
     RequestBound,
     SessionLease,
     json_bytes,
+    new_images,
     with_sibling,
 )
+from rollout_proxy.wire.images import ImageBlob
 
 #: Seconds between expiry sweeps: how long an expired session may still hold memory.
 SWEEP_EVERY = 1.0
@@ -47,6 +50,8 @@ class _SessionState:
     idempotency: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (fingerprint, response id)
     summary: SessionSummary | None = None  # written at create and at finish (the listing's index)
     teacher: dict[str, TeacherScores] = field(default_factory=dict)  # response id -> its teacher pass
+    images: dict[str, ImageBlob] = field(default_factory=dict)  # sha256 -> image, each once
+    image_bytes: int = 0  # their bytes, summed
     # the root-to-leaf path last written or read (nodes never change): the next turn's path is this one, or
     # this one and one node more, so a conversation's path is not walked up node by node every turn
     held_path: list[ResponseNode] = field(default_factory=list)
@@ -82,8 +87,11 @@ class _TakenSlot:
 
 
 class MemoryStore:
-    def __init__(self, *, clock=time.time, sweep_every: float = SWEEP_EVERY) -> None:
+    def __init__(
+        self, *, clock=time.time, sweep_every: float = SWEEP_EVERY, image_bound: ImageBound | None = None
+    ) -> None:
         self._clock = clock
+        self._image_bound = image_bound or ImageBound()
         self._sweep_every = sweep_every
         self._sessions: dict[str, _SessionState] = {}
         self._expiries: list[tuple[float, str]] = []  # a heap; entries of dropped sessions go when popped
@@ -201,9 +209,10 @@ class MemoryStore:
         idempotency: Idempotency | None = None,
         engine: str | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> str:
         try:
-            return self._write(session_id, node, paths, partial_paths, latest, idempotency, engine)
+            return self._write(session_id, node, paths, partial_paths, latest, idempotency, engine, images)
         finally:
             if lease is not None:  # the turn is done with what it read, and with its slot
                 lease.written()
@@ -218,6 +227,7 @@ class MemoryStore:
         latest: str | None,
         idempotency: Idempotency | None,
         engine: str | None,
+        images: Sequence[ImageBlob] = (),
     ) -> str:
         """No await: the checks and the write are one step of the event loop."""
         state = self._state(session_id)
@@ -229,7 +239,13 @@ class MemoryStore:
             held = state.idempotency.get(idempotency.key)
             if held is not None:
                 return idempotency.replay(*held)
+        adding = new_images(images, state.images)
+        self._image_bound.check(len(state.images), state.image_bytes, adding)
+        if idempotency is not None:
             state.idempotency[idempotency.key] = (idempotency.fingerprint, node.id)
+        for image in adding:
+            state.images[image.sha256] = image
+            state.image_bytes += len(image.data)
         state.nodes[node.id] = node
         path = state.held_path
         if node.parent_id is None:
@@ -266,6 +282,17 @@ class MemoryStore:
             bound.users -= 1
             if not bound.users and self._limits.get(key) is bound:
                 del self._limits[key]
+
+    async def check_images(self, session_id: str, images: Sequence[ImageBlob]) -> None:
+        state = self._state(session_id)
+        if state is not None:
+            self._image_bound.check(len(state.images), state.image_bytes, new_images(images, state.images))
+
+    async def get_images(self, session_id: str, hashes: Sequence[str]) -> dict[str, ImageBlob]:
+        state = self._state(session_id)
+        if state is None:
+            return {}
+        return {sha: state.images[sha] for sha in hashes if sha in state.images}
 
     async def set_session_engine(self, session_id: str, engine: str) -> bool:
         state = self._state(session_id)

@@ -24,6 +24,10 @@ the session and its index entry in one pipelined round trip, a finish rewrites t
 summary once it has committed (best effort: the index is a view, the session record is the
 truth), and the index drops entries as their sessions expire.
 
+A session's images (``keys.images_key``) are written by the node script too, each once by its hash, the
+session's bound (``ImageBound``: how many, how many bytes, against a running sum) checked before anything
+is written; they expire with the session.
+
 Node blobs are stored zstd-compressed (``--redis-node-compression``, level 3 by default; 0 stores them
 plain), about 0.6x the bytes at ~40 µs a turn; either form is read back, whatever the setting.
 """
@@ -52,7 +56,15 @@ from rollout_proxy.bounded import BoundedCache
 from rollout_proxy.errors import Conflict, SessionFinished, SessionNotFound
 from rollout_proxy.records import ResponseNode, SessionRecord, SessionStatus, TeacherScores
 from rollout_proxy.state import keys, listing
-from rollout_proxy.state.codec import BlobCompressor, decode_node, decode_scores, encode_node, encode_scores
+from rollout_proxy.state.codec import (
+    BlobCompressor,
+    decode_image,
+    decode_node,
+    decode_scores,
+    encode_image,
+    encode_node,
+    encode_scores,
+)
 from rollout_proxy.state.connection import ConnectionGate, RedisOptions, connect_redis, translate_errors
 from rollout_proxy.state.listing import SessionPage, SessionSummary, Where
 from rollout_proxy.state.store import (
@@ -60,11 +72,14 @@ from rollout_proxy.state.store import (
     SIBLINGS,
     HeldSlot,
     Idempotency,
+    ImageBound,
     ReadAhead,
     RequestBound,
     SessionLease,
     json_bytes,
+    new_images,
 )
+from rollout_proxy.wire.images import ImageBlob
 
 log = structlog.get_logger(__name__)
 
@@ -144,18 +159,48 @@ return blobs
 """
 
 _PUT_NODE = """
--- KEYS: session, nodes, parents, paths, latest, routing, finished marker, idempotency, engine
+-- KEYS: session, nodes, parents, paths, latest, routing, finished marker, idempotency, engine, images, image bytes
 -- ARGV: id, blob, parent, latest api, routing blob ("" = none),
 --       idempotency key ("" = none), its fingerprint, engine to move the session to ("" = stay),
---       n partial, siblings kept, partial pairs, full pairs
+--       n partial, siblings kept, n images, most images, most image bytes,
+--       image triples (hash, bytes, packed image), partial pairs, full pairs
 -- Returns 1 when written, or what the idempotency key already holds ("<fingerprint> <id>").
 -- A full pair whose hash already names another whole node keeps it: "<new>|<older>..." (state.store.SIBLINGS).
+-- Images the session does not hold yet are added only within the bound, else nothing is written:
+-- "IMAGES <held> <held bytes> <adding> <added bytes>".
 local ttl = redis.call("PTTL", KEYS[1])
 if ttl < 0 then return redis.error_reply("NOSESSION session expired or unknown") end
 if redis.call("EXISTS", KEYS[7]) == 1 then return redis.error_reply("FINISHED session already finished") end
 if ARGV[6] ~= "" then
   local held = redis.call("HGET", KEYS[8], ARGV[6])
   if held then return held end
+end
+local n_images = tonumber(ARGV[11])
+local adding, added_bytes, seen = 0, 0, {}
+for k = 0, n_images - 1 do
+  local at = 14 + 3 * k
+  if not seen[ARGV[at]] and redis.call("HEXISTS", KEYS[10], ARGV[at]) == 0 then
+    seen[ARGV[at]] = true
+    adding = adding + 1
+    added_bytes = added_bytes + tonumber(ARGV[at + 1])
+  end
+end
+if adding > 0 then
+  local held = redis.call("HLEN", KEYS[10])
+  local held_bytes = tonumber(redis.call("GET", KEYS[11]) or "0")
+  if held + adding > tonumber(ARGV[12]) or held_bytes + added_bytes > tonumber(ARGV[13]) then
+    return redis.error_reply("IMAGES " .. held .. " " .. held_bytes .. " " .. adding .. " " .. added_bytes)
+  end
+  for k = 0, n_images - 1 do
+    local at = 14 + 3 * k
+    if redis.call("HSETNX", KEYS[10], ARGV[at], ARGV[at + 2]) == 1 then
+      redis.call("INCRBY", KEYS[11], ARGV[at + 1])
+    end
+  end
+  redis.call("PEXPIRE", KEYS[10], ttl)
+  redis.call("PEXPIRE", KEYS[11], ttl)
+end
+if ARGV[6] ~= "" then
   redis.call("HSET", KEYS[8], ARGV[6], ARGV[7] .. " " .. ARGV[1])
   redis.call("PEXPIRE", KEYS[8], ttl)
 end
@@ -164,7 +209,7 @@ redis.call("HSET", KEYS[3], ARGV[1], ARGV[3])
 if ARGV[5] ~= "" then redis.call("HSET", KEYS[6], ARGV[1], ARGV[5]) end
 local n_partial = tonumber(ARGV[9])
 local kept_siblings = tonumber(ARGV[10])
-local i = 11
+local i = 14 + 3 * n_images
 for _ = 1, n_partial do
   redis.call("HSETNX", KEYS[4], ARGV[i], ARGV[i + 1])
   i = i + 2
@@ -434,8 +479,11 @@ def _store_call(
 
 
 class RedisStore:
-    def __init__(self, client: aioredis.Redis, *, options: RedisOptions | None = None) -> None:
+    def __init__(
+        self, client: aioredis.Redis, *, options: RedisOptions | None = None, image_bound: ImageBound | None = None
+    ) -> None:
         self._redis = client
+        self._image_bound = image_bound or ImageBound()
         self._cluster = isinstance(client, RedisCluster)
         # a blocking pool waits by itself; a cluster's per-node pools do not: a store call waits here instead
         options = options or RedisOptions()
@@ -460,10 +508,17 @@ class RedisStore:
 
     @classmethod
     async def connect(
-        cls, url: str, *, retries: int = 5, delay: float = 0.5, options: RedisOptions | None = None
+        cls,
+        url: str,
+        *,
+        retries: int = 5,
+        delay: float = 0.5,
+        options: RedisOptions | None = None,
+        image_bound: ImageBound | None = None,
     ) -> RedisStore:
         """Connect and ping, retrying while the server comes up."""
-        return cls(await connect_redis(url, retries=retries, delay=delay, options=options), options=options)
+        client = await connect_redis(url, retries=retries, delay=delay, options=options)
+        return cls(client, options=options, image_bound=image_bound)
 
     def _start_sweeper(self) -> None:
         if self._sweeper is None or self._sweeper.done():
@@ -778,6 +833,7 @@ class RedisStore:
         idempotency: Idempotency | None = None,
         engine: str | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> str:
         slot = None
         if lease is not None:
@@ -801,6 +857,10 @@ class RedisStore:
             len(partial_paths),
             SIBLINGS,
         ]
+        adding = new_images(images, ())
+        args += [len(adding), self._image_bound.count, self._image_bound.bytes]
+        for image in adding:
+            args += [image.sha256, len(image.data), encode_image(image)]
         for entries in (partial_paths, paths):
             for path_hash, value in entries.items():
                 args += [path_hash, value]
@@ -816,6 +876,9 @@ class RedisStore:
                 ) from None
             if "FINISHED" in str(exc):
                 raise SessionFinished(f"session {session_id!r} is already finished", param="session_id") from None
+            if str(exc).startswith("IMAGES "):
+                held, held_bytes, adding_n, added = (int(value) for value in str(exc).split()[1:5])
+                raise self._image_bound.refusal(held, held_bytes, adding_n, added) from None
             raise
         if written == 1:  # the session's new leaf: a root starts a path, a child extends the held one
             if node.parent_id is None:
@@ -846,6 +909,31 @@ class RedisStore:
         if isinstance(written, Exception):
             raise written
         return written
+
+    @_store_call
+    async def check_images(self, session_id: str, images: Sequence[ImageBlob]) -> None:
+        """The count, the bytes and which of ``images`` are held: one pipelined round trip."""
+        distinct = new_images(images, ())
+        if not distinct:
+            return
+        images_key = keys.images_key(session_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hlen(images_key)
+            pipe.get(keys.image_bytes_key(session_id))
+            for image in distinct:
+                pipe.hexists(images_key, image.sha256)
+            held, held_bytes, *present = await pipe.execute()
+        adding = [image for image, there in zip(distinct, present, strict=True) if not there]
+        self._image_bound.check(int(held), int(held_bytes or 0), adding)
+
+    @_store_call
+    async def get_images(self, session_id: str, hashes: Sequence[str]) -> dict[str, ImageBlob]:
+        if not hashes:
+            return {}
+        blobs = await self._redis.hmget(keys.images_key(session_id), list(hashes))
+        return {
+            sha: decode_image(_bytes(blob), sha) for sha, blob in zip(hashes, blobs, strict=True) if blob is not None
+        }
 
     @_store_call
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:

@@ -35,7 +35,12 @@ Contract (tested once, over both, in tests/state/test_store_contract.py):
 - ``list_sessions`` pages the live sessions' summaries newest first (``state.listing``):
   a summary is written at create and at finish only, and goes when its session expires;
 - ``put_fleet_state``/``get_fleet_state`` keep one JSON object, the engine fleet's shared state
-  (``engines.shared``), for every worker and proxy sharing the store; it never expires.
+  (``engines.shared``), for every worker and proxy sharing the store; it never expires;
+- images (``wire.images.ImageBlob``) are kept per session by the sha256 of their bytes, each once: ``put_node``
+  writes the images its node's messages need with it (put-if-absent, in the same atomic write), within the
+  store's ``ImageBound`` (distinct images and their bytes per session): a write past it raises
+  ``TooManyImages`` and leaves nothing behind; ``check_images`` says so ahead (as of its read);
+  ``get_images`` reads many in one round trip; they expire with their session, as its nodes do.
 """
 
 from __future__ import annotations
@@ -48,9 +53,11 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from rollout_proxy.errors import IdempotencyKeyReused, InvalidRequest
+from rollout_proxy.errors import IdempotencyKeyReused, InvalidRequest, TooManyImages
 from rollout_proxy.records import ResponseNode, SessionRecord, TeacherScores
+from rollout_proxy.settings import from_setting
 from rollout_proxy.state.listing import SessionPage, Where
+from rollout_proxy.wire.images import ImageBlob
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +200,37 @@ class SessionLease:
         await self.close()
 
 
+@dataclass(frozen=True, slots=True)
+class ImageBound:
+    """What one session may store of images: distinct images (each once, by content), and their bytes."""
+
+    count: int = from_setting("max_images_per_session")
+    bytes: int = from_setting("max_image_session_bytes")
+
+    def check(self, held: int, held_bytes: int, adding: Sequence[ImageBlob]) -> None:
+        """``TooManyImages`` when ``adding`` (not held yet, distinct) would take a session holding ``held``
+        images of ``held_bytes`` past the bound."""
+        added = sum(len(image.data) for image in adding)
+        if adding and (held + len(adding) > self.count or held_bytes + added > self.bytes):
+            raise self.refusal(held, held_bytes, len(adding), added)
+
+    def refusal(self, held: int, held_bytes: int, adding: int, added: int) -> TooManyImages:
+        return TooManyImages(
+            f"this turn would store {adding} new image(s) of {added} bytes in a session holding {held} image(s) of "
+            f"{held_bytes} bytes: past what a session may store ({self.count} images, {self.bytes} bytes; "
+            "--max-images-per-session, --max-image-session-bytes)",
+        )
+
+
+def new_images(images: Sequence[ImageBlob], held: Any) -> list[ImageBlob]:
+    """``images`` not in ``held`` (a container of hashes), each once."""
+    found: dict[str, ImageBlob] = {}
+    for image in images:
+        if image.sha256 not in held and image.sha256 not in found:
+            found[image.sha256] = image
+    return list(found.values())
+
+
 def json_bytes(value: Any, what: str) -> bytes:
     """``value`` as JSON, or ``InvalidRequest``: a store never commits what it could not read back."""
     try:
@@ -228,8 +266,10 @@ class StateStore(Protocol):
         idempotency: Idempotency | None = None,
         engine: str | None = None,
         lease: SessionLease | None = None,
+        images: Sequence[ImageBlob] = (),
     ) -> str:
-        """Store a node (and, with ``engine``, move the session there, as ``set_session_engine``); returns the
+        """Store a node (and, with ``engine``, move the session there, as ``set_session_engine``; with
+        ``images``, those of them the session does not hold yet, within the store's ``ImageBound``); returns the
         id stored for this write: ``node.id``, or, for an idempotency key already used with the same request,
         the earlier node's (and nothing is written). ``lease``: the turn's; its slot goes back with the write
         (the Redis store: in its round trip) and its read-ahead is dropped, whether or not the write succeeds. ``paths`` entries overwrite a partial entry and keep a whole-node one's
@@ -238,7 +278,17 @@ class StateStore(Protocol):
 
         Raises ``SessionNotFound`` when the session is unknown or expired,
         ``SessionFinished`` when it is finished, ``IdempotencyKeyReused`` when the key
-        came with another request."""
+        came with another request, ``TooManyImages`` past the image bound (nothing written)."""
+        ...
+
+    async def check_images(self, session_id: str, images: Sequence[ImageBlob]) -> None:
+        """``TooManyImages`` when storing ``images`` now would take the session past the store's ``ImageBound``
+        (as of this read: ``put_node`` checks again as it writes), in one round trip; nothing for a session that
+        is gone (its write says so)."""
+        ...
+
+    async def get_images(self, session_id: str, hashes: Sequence[str]) -> dict[str, ImageBlob]:
+        """The session's images of ``hashes`` (those it holds), by hash, in one round trip."""
         ...
 
     async def get_path(self, session_id: str, node_id: str, *, routing: bool = False) -> list[ResponseNode] | None:

@@ -37,6 +37,7 @@ import orjson
 
 from rollout_proxy.errors import TemplateRenderError
 from rollout_proxy.tokenization import vllm_chat
+from rollout_proxy.tokenization.images import ImagePlaceholders, ImagesUnavailable, load_placeholders
 from rollout_proxy.tokenization.pieces import PieceEncoder, exact_split_tokens
 
 #: Renders of more input characters than this leave the event loop (measured: README, "Rendering").
@@ -131,10 +132,15 @@ class LocalTemplate:
         content_format: str = "auto",
         origin: str = "",
         in_pieces: bool = True,
+        directory: Path | None = None,
     ):
+        """``directory``: where the tokenizer was read from; the model's image placeholder rule is read there
+        (``tokenization.images``), when a turn first needs it."""
         if content_format not in vllm_chat.CONTENT_FORMATS:
             raise ValueError(f"chat template content format must be one of {vllm_chat.CONTENT_FORMATS}")
         self._tokenizer = tokenizer
+        self._directory = directory
+        self._images: ImagePlaceholders | ImagesUnavailable | None = None
         whole = _encoder(tokenizer)
         self._encode = PieceEncoder(whole, exact_split_tokens(tokenizer, whole) if in_pieces else ())
         self.origin = origin
@@ -176,6 +182,21 @@ class LocalTemplate:
         )
         return _load_cached(str(directory.resolve()), stamps, template, content_format)
 
+    def image_placeholders(self) -> ImagePlaceholders:
+        """The model's image placeholder rule, read once from the tokenizer's directory; ``ImagesUnavailable``
+        (why not) for a model that takes no images here."""
+        if self._images is None:
+            if self._directory is None:
+                self._images = ImagesUnavailable("the proxy has no model directory to read its processor config from")
+            else:
+                try:
+                    self._images = load_placeholders(self._directory, self._encode.ids)
+                except ImagesUnavailable as exc:
+                    self._images = exc
+        if isinstance(self._images, ImagesUnavailable):
+            raise self._images
+        return self._images
+
     # -- rendering (blocking; thread-safe) ---------------------------------------------------------
 
     def render_text(
@@ -190,9 +211,16 @@ class LocalTemplate:
         tool_dicts = vllm_chat.vllm_tools(tools or None)
         template = self._tokenizer.get_chat_template(self._template, tool_dicts)
         prepared = self._prepared.get(template) or self._prepare(template, self._content_format)
-        conversation = vllm_chat.vllm_conversation(
-            messages, content_format=prepared.content_format, names_developer=prepared.names_developer
-        )
+        marker = self._images.marker if isinstance(self._images, ImagePlaceholders) else None
+        try:
+            conversation = vllm_chat.vllm_conversation(
+                messages,
+                content_format=prepared.content_format,
+                names_developer=prepared.names_developer,
+                image_marker=marker,
+            )
+        except ValueError as exc:  # images vLLM would refuse to place (its 400)
+            raise TemplateRenderError(f"the messages' images cannot be rendered: {exc}", param="messages") from exc
         kwargs = vllm_chat.accepted_kwargs(
             chat_template_kwargs, template_vars=prepared.variables, call_params=self._call_params
         )
@@ -291,4 +319,4 @@ def _load_cached(
     except Exception as exc:  # any failure to load means: render through the engine
         raise LocalTemplateUnavailable(f"cannot load the tokenizer in {directory}: {exc}") from exc
     origin = f"{directory} (template: {'given' if template is not None else 'the tokenizer own'})"
-    return LocalTemplate(tokenizer, template, content_format=content_format, origin=origin)
+    return LocalTemplate(tokenizer, template, content_format=content_format, origin=origin, directory=Path(directory))

@@ -6,7 +6,11 @@ Local rendering is exact only if the template sees what it sees inside vLLM (0.3
 - content: text parts joined with ``"\\n"`` (a ``None`` content is ``""``), or, for a template
   that loops over ``message.content`` (vLLM's "openai" content format, detected from the
   template's AST), a list of ``{"type": "text", "text": ...}`` parts; a tool message's content
-  is always joined back into a string;
+  is always joined back into a string unless it holds an image;
+- images (``{"type": "image", "image": sha256}`` parts, ``wire.images``): in the "openai" format a
+  ``{"type": "image"}`` part in place (a tool message's parts then stay a list); in the "string" format
+  the model's image marker (``image_marker``: ``<image>``), one per image not already written in the
+  text, in front of the text, joined with ``"\\n"`` (vLLM's ``_get_full_multimodal_text_prompt``);
 - only ``role``, ``content``, ``tool_calls``, ``reasoning`` (copied to ``reasoning_content``),
   ``tool_call_id``, ``name`` reach the template: ``reasoning_content`` alone is dropped, as
   vLLM's ``/tokenize`` drops it;
@@ -35,6 +39,8 @@ import jinja2.sandbox
 import orjson
 
 ContentFormat = Literal["string", "openai"]
+#: the normal form's image part type (``wire.images.IMAGE_PART``)
+IMAGE_PART = "image"
 CONTENT_FORMATS = ("auto", "string", "openai")
 _BILLING_HEADER = "x-anthropic-billing-header"
 #: ``chat_template_kwargs`` vLLM never forwards (it refuses them; the proxy's edge does too).
@@ -206,16 +212,44 @@ def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return prepared
 
 
-def _message(message: dict[str, Any], content_format: ContentFormat) -> dict[str, Any]:
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == IMAGE_PART
+
+
+def _image_content(
+    content: list[Any], content_format: ContentFormat, image_marker: str | None
+) -> str | list[dict[str, Any]]:
+    """Content with images, as vLLM hands it to the template (see the module docstring)."""
+    if content_format == "openai":
+        return [
+            {"type": "image"} if _is_image(part) else {"type": "text", "text": _texts([part])[0]} for part in content
+        ]
+    if image_marker is None:
+        raise ValueError("this model's image marker is not known: its messages with images cannot be rendered")
+    texts = _texts([part for part in content if not _is_image(part)])
+    text = "\n".join(texts)
+    missing = sum(1 for part in content if _is_image(part)) - text.count(image_marker)
+    if missing < 0:
+        raise ValueError(f"Found more '{image_marker}' placeholders in input prompt than actual multimodal data items.")
+    if text:
+        return "\n".join([image_marker] * missing + [text])
+    return "\n".join([image_marker] * missing)
+
+
+def _message(message: dict[str, Any], content_format: ContentFormat, image_marker: str | None = None) -> dict[str, Any]:
     role = message["role"]
-    texts = _texts(message.get("content"))
-    if role == "system":
-        texts = _strip_billing_header(texts)
+    content = message.get("content")
     prepared: dict[str, Any] = {"role": role}
-    if content_format == "openai" and role != "tool":
-        prepared["content"] = [{"type": "text", "text": text} for text in texts]
+    if isinstance(content, list) and any(_is_image(part) for part in content):
+        prepared["content"] = _image_content(content, content_format, image_marker)
     else:
-        prepared["content"] = "\n".join(texts)
+        texts = _texts(content)
+        if role == "system":
+            texts = _strip_billing_header(texts)
+        if content_format == "openai" and role != "tool":
+            prepared["content"] = [{"type": "text", "text": text} for text in texts]
+        else:
+            prepared["content"] = "\n".join(texts)
     if role == "assistant":
         if message.get("tool_calls") is not None:
             prepared["tool_calls"] = [_tool_call(call) for call in message["tool_calls"]]
@@ -251,12 +285,17 @@ def developer_as_system(conversation: Sequence[dict[str, Any]]) -> list[dict[str
 
 
 def vllm_conversation(
-    messages: Sequence[dict[str, Any]], *, content_format: ContentFormat, names_developer: bool
+    messages: Sequence[dict[str, Any]],
+    *,
+    content_format: ContentFormat,
+    names_developer: bool,
+    image_marker: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The conversation vLLM passes to ``apply_chat_template`` for these (normalized) messages.
+    """The conversation vLLM passes to ``apply_chat_template`` for these (normalized) messages;
+    ``image_marker``: the model's (``tokenization.images``), for images in the "string" content format.
 
     New dicts throughout: the caller's messages are never changed (the template gets its own copy)."""
-    conversation = [_message(message, content_format) for message in messages]
+    conversation = [_message(message, content_format, image_marker) for message in messages]
     if not names_developer and any(message["role"] == "developer" for message in conversation):
         conversation = developer_as_system(conversation)
     return conversation

@@ -7,7 +7,9 @@ content blocks, and ``tools``. In the normal form:
   newlines as every content's are; a ``role: "system"`` message inside the conversation (Claude Code sends
   them) stays where it is;
 - a user message's ``tool_result`` blocks become ``tool`` messages (their content a string, or text
-  blocks joined), in order, and its text blocks around them ``user`` messages;
+  blocks joined), in order, and its text and image blocks around them ``user`` messages; an ``image``
+  block (``source``: ``base64`` with its ``media_type``, or ``url``) is an image part (``wire.images``), in
+  a user message or a ``tool_result``'s content, which then keeps its parts as a list;
 - an assistant message is one assistant message: its text blocks as ``content``, its ``tool_use`` blocks
   as ``tool_calls`` (``input`` encoded as the arguments), its ``thinking`` blocks as
   ``reasoning_content``. A ``redacted_thinking`` block is opaque (the proxy never issues one): accepted,
@@ -28,13 +30,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_proxy.wire.errors import WireFormatError
+from rollout_proxy.wire.images import INVALID_IMAGE, ImageSet, decode_base64, inline_image, url_image
 from rollout_proxy.wire.messages import ToolSet, arguments_json, describe, function_tool
 
 #: Block types an assistant message may hold; ``redacted_thinking`` is accepted and not rendered.
 ASSISTANT_BLOCKS = frozenset({"text", "thinking", "redacted_thinking", "tool_use"})
-#: Block types a user (or system) message may hold.
-USER_BLOCKS = frozenset({"text", "tool_result"})
-#: Block types of a system prompt, a system message and a ``tool_result``'s content.
+#: Block types a user message may hold.
+USER_BLOCKS = frozenset({"text", "image", "tool_result"})
+#: Block types of a ``tool_result``'s content.
+RESULT_BLOCKS = frozenset({"text", "image"})
+#: Block types of a system prompt and a system message.
 TEXT_ONLY = frozenset({"text"})
 #: The tool type rendered as a function (also when ``type`` is left out).
 CUSTOM_TOOL = "custom"
@@ -58,12 +63,14 @@ class Conversation:
 
     messages: list[dict[str, Any]]
     signed: list[SignedThinking] = field(default_factory=list)
+    #: the images the messages hold (None: only named, ``wire.images``; a conversation the proxy keeps has one)
+    images: ImageSet | None = field(default_factory=ImageSet)
 
     @classmethod
-    def starting(cls, system: Any, *, param: str = "system") -> Conversation:
+    def starting(cls, system: Any, *, param: str = "system", images: ImageSet | None = None) -> Conversation:
         """A conversation that begins with the request's top-level ``system`` (if any)."""
         head = system_message(system, param=param)
-        return cls(messages=[] if head is None else [head])
+        return cls(messages=[] if head is None else [head], images=ImageSet() if images is None else images)
 
     @property
     def settled(self) -> int:
@@ -71,11 +78,14 @@ class Conversation:
         return len(self.messages)
 
     def extended(self) -> Conversation:
-        return Conversation(list(self.messages), list(self.signed))
+        images = None if self.images is None else self.images.extended()
+        return Conversation(list(self.messages), list(self.signed), images)
 
     def upto(self, count: int) -> Conversation:
         """The conversation of the messages that made its first ``count`` (each message folds alone)."""
-        return Conversation(self.messages[:count], [block for block in self.signed if block.message < count])
+        kept = self.messages[:count]
+        images = None if self.images is None else self.images.upto(kept)
+        return Conversation(kept, [block for block in self.signed if block.message < count], images)
 
     def add(self, message: Any, where: str) -> None:
         """One of the request's ``messages`` (at ``where``), folded into the normal form."""
@@ -85,7 +95,7 @@ class Conversation:
         if role == "assistant":
             self.messages.append(_assistant(content, where, len(self.messages), self.signed))
         elif role == "user":
-            self.messages.extend(_user(content, where))
+            self.messages.extend(_user(content, where, self.images))
         elif role == "system":
             text = _text_of(content, param=f"{where}.content", allowed=TEXT_ONLY)
             self.messages.append({"role": "system", "content": text})
@@ -97,17 +107,61 @@ class Conversation:
 
 def _text_of(blocks: Any, *, param: str, allowed: frozenset[str]) -> str:
     """Text blocks joined with newlines (as ``wire.messages.content_text`` joins parts)."""
+    found = _content_of(blocks, param=param, allowed=allowed, images=None)
+    assert isinstance(found, str)  # ``allowed`` takes no image here
+    return found
+
+
+def _content_of(
+    blocks: Any, *, param: str, allowed: frozenset[str], images: ImageSet | None, start: int = 0
+) -> str | list[Any]:
+    """Content in the normal form: text blocks joined with newlines (as ``wire.messages.content_text`` joins
+    parts), or, when an image is among them, the parts in order (``start``: the first block's index in
+    ``param``)."""
     if isinstance(blocks, str):
         return blocks
     if not isinstance(blocks, list):
         raise WireFormatError("content must be a string or a list of content blocks", param=param)
-    texts = []
+    parts: list[dict[str, str]] = []
+    imaged = False
     for index, block in enumerate(blocks):
-        where = f"{param}[{index}]"
+        where = f"{param}[{start + index}]"
         kind = _block_type(block, where, allowed)
         if kind == "text":
-            texts.append(_string(block, "text", where))
-    return "\n".join(texts)
+            parts.append({"type": "text", "text": _string(block, "text", where)})
+        elif kind == "image":
+            parts.append(_image(block, where, images))
+            imaged = True
+    return parts if imaged else "\n".join(part["text"] for part in parts)
+
+
+def _image(block: dict[str, Any], where: str, images: ImageSet | None) -> dict[str, str]:
+    """An ``image`` block: ``source`` ``{"type": "base64", "media_type", "data"}`` (the data must be of that
+    type, as Anthropic checks it) or ``{"type": "url", "url"}``; a ``file`` source names a file of Anthropic's
+    Files API, which the proxy does not have."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise WireFormatError("an image block needs a source object", param=f"{where}.source")
+    kind = source.get("type")
+    at = f"{where}.source"
+    if kind == "base64":
+        media_type = source.get("media_type")
+        if not isinstance(media_type, str) or not media_type:
+            raise WireFormatError("a base64 image source needs its media_type", param=f"{at}.media_type")
+        data = source.get("data")
+        if not isinstance(data, str):
+            raise WireFormatError("a base64 image source needs its data as a string", param=f"{at}.data")
+        decoded = decode_base64(data, param=f"{at}.data")
+        return inline_image(decoded, media_type.lower(), images, param=f"{at}.data", strict=True)
+    if kind == "url":
+        return url_image(source.get("url"), images, param=f"{at}.url")
+    if kind == "file":
+        raise WireFormatError(
+            "an image by file_id is not taken (the proxy has no Files API): send it inline, as a base64 source",
+            param=f"{at}.type",
+            code=INVALID_IMAGE,
+        )
+    raise WireFormatError(f"unsupported image source type {describe(kind)}: base64 or url", param=f"{at}.type")
 
 
 def _block_type(block: Any, where: str, allowed: frozenset[str]) -> str:
@@ -116,7 +170,7 @@ def _block_type(block: Any, where: str, allowed: frozenset[str]) -> str:
         return kind
     raise WireFormatError(
         f"unsupported content block {describe(kind) if isinstance(block, dict) else describe(block)} here: "
-        f"this message takes {', '.join(sorted(allowed))} blocks (the policy reads text only)",
+        f"this message takes {', '.join(sorted(allowed))} blocks",
         param=f"{where}.type" if isinstance(block, dict) else where,
     )
 
@@ -136,41 +190,54 @@ def system_message(system: Any, *, param: str = "system") -> dict[str, Any] | No
     return {"role": "system", "content": text} if text else None
 
 
-def conversation(system: Any, messages: Any, *, param: str = "messages") -> Conversation:
+def conversation(
+    system: Any, messages: Any, *, param: str = "messages", images: ImageSet | None = None
+) -> Conversation:
     """A Messages request's ``system`` and ``messages`` in the normal form (see the module docstring)."""
     if not isinstance(messages, list):
         raise WireFormatError("messages must be a list", param=param)
-    found = Conversation.starting(system)
+    found = Conversation.starting(system, images=images)
     for index, message in enumerate(messages):
         found.add(message, f"{param}[{index}]")
     return found
 
 
-def _user(content: Any, where: str) -> list[dict[str, Any]]:
-    """A user message: its tool results as tool messages, its text blocks around them as user messages."""
+def _user(content: Any, where: str, images: ImageSet | None) -> list[dict[str, Any]]:
+    """A user message: its tool results as tool messages, its text and image blocks around them as user
+    messages."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list):
         raise WireFormatError("content must be a string or a list of content blocks", param=f"{where}.content")
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    run: list[Any] = []  # the text and image blocks since the last tool result
+    first = 0  # the index of the run's first block
     for index, block in enumerate(content):
         at = f"{where}.content[{index}]"
-        if _block_type(block, at, USER_BLOCKS) == "text":
-            texts.append(_string(block, "text", at))
+        if _block_type(block, at, USER_BLOCKS) != "tool_result":
+            run.append(block)
             continue
-        if texts:
-            out.append({"role": "user", "content": "\n".join(texts)})
-            texts = []
+        if run:
+            out.append(_user_turn(run, where, first, images))
+            run = []
+        first = index + 1
         tool_use_id = block.get("tool_use_id")
         if not isinstance(tool_use_id, str) or not tool_use_id:
             raise WireFormatError("a tool_result block needs a tool_use_id", param=f"{at}.tool_use_id")
         result = block.get("content")
-        text = "" if result is None else _text_of(result, param=f"{at}.content", allowed=TEXT_ONLY)
+        text = (
+            "" if result is None else _content_of(result, param=f"{at}.content", allowed=RESULT_BLOCKS, images=images)
+        )
         out.append({"role": "tool", "tool_call_id": tool_use_id, "content": text})
-    if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
+    if run or not out:
+        out.append(_user_turn(run, where, first, images))
     return out
+
+
+def _user_turn(blocks: list[Any], where: str, first: int, images: ImageSet | None) -> dict[str, Any]:
+    """Text and image blocks (the user message's from index ``first`` on) as one user message."""
+    content = _content_of(blocks, param=f"{where}.content", allowed=USER_BLOCKS, images=images, start=first)
+    return {"role": "user", "content": content}
 
 
 def _assistant(content: Any, where: str, position: int, signed: list[SignedThinking]) -> dict[str, Any]:

@@ -10,7 +10,8 @@ class WireFormatError(ValueError):
     plain ``ValueError``.
     """
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code  # the error's code in the server's answer, where it has one of its own

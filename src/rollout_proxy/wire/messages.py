@@ -4,7 +4,9 @@ Clients send and echo messages in many shapes (the openai SDK's ``model_dump()``
 null fields, content as a string or as text parts, with or without the reasoning).
 ``normalize_message`` gives the one form the proxy stores and renders and the SDK keeps:
 ``{"role", "content", ["name"], ["tool_calls"], ["reasoning_content"], ["tool_call_id"]}``
-with text content and JSON-string tool arguments.
+with JSON-string tool arguments and text content: a string, or, in a message that holds images (a user
+message's ``image_url`` / ``input_image`` parts), a list of ``{"type": "text", "text"}`` and
+``{"type": "image", "image": "<sha256>"}`` parts (``wire.images``).
 
 The normalizers take any JSON value (plugin code calls them too) and raise nothing but
 ``WireFormatError``; what they return can always be encoded, hashed and rendered: the
@@ -19,9 +21,12 @@ from typing import Any
 import orjson
 
 from rollout_proxy.wire.errors import WireFormatError
+from rollout_proxy.wire.images import INVALID_IMAGE, ImageSet, url_image
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+#: Chat Completions' image part, and the Responses API's (each API's is taken in the other's too, as text parts are)
+IMAGE_PART_TYPES = frozenset({"image_url", "input_image"})
 #: Nesting allowed in free-form JSON (tool arguments and parameters). JSON encoders refuse
 #: past ~255 levels, and stored records wrap these values a few levels deeper still.
 MAX_JSON_DEPTH = 64
@@ -58,29 +63,79 @@ def is_text_part(value: Any) -> bool:
     return isinstance(value, dict) and isinstance(value.get("type"), str) and value["type"] in TEXT_PART_TYPES
 
 
-def content_text(content: Any, *, param: str = "messages") -> str | None:
+def is_image_part(value: Any) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("type"), str) and value["type"] in IMAGE_PART_TYPES
+
+
+def content_text(content: Any, *, param: str = "messages", field: str = "content") -> str | None:
     """Content as one string: text parts are joined with newlines, as vLLM does."""
+    found = content_parts(content, param=param, field=field, images=None, takes_images=False)
+    assert not isinstance(found, list)  # no image part was taken
+    return found
+
+
+def content_parts(
+    content: Any,
+    *,
+    param: str = "messages",
+    field: str = "content",
+    images: ImageSet | None,
+    takes_images: bool,
+    refusal: str = "",
+) -> str | list[dict[str, str]] | None:
+    """Content in the normal form: one string (text parts joined with newlines, as vLLM does) unless it holds
+    an image (where ``takes_images``: else ``refusal`` says why not), then its parts in order."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, dict):  # a single part, as some datasets store it
         content = [content]
-    if isinstance(content, list):
-        texts = []
-        for index, part in enumerate(content):
-            if isinstance(part, str):
-                texts.append(part)
-                continue
-            if not is_text_part(part):
-                kind = describe(part.get("type")) if isinstance(part, dict) else describe(part)
-                raise WireFormatError(
-                    f"only text content parts are supported, got {kind}", param=f"{param}.content[{index}]"
-                )
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise WireFormatError("a text part needs a string 'text'", param=f"{param}.content[{index}].text")
-            texts.append(text)
-        return "\n".join(texts)
-    raise WireFormatError("content must be a string, a list of text parts or null", param=f"{param}.content")
+    if not isinstance(content, list):
+        raise WireFormatError(
+            f"{field} must be a string, a list of text{' and image' if takes_images else ''} parts or null",
+            param=f"{param}.{field}",
+        )
+    parts: list[dict[str, str]] = []
+    imaged = False
+    for index, part in enumerate(content):
+        where = f"{param}.{field}[{index}]"
+        if isinstance(part, str):
+            parts.append({"type": "text", "text": part})
+            continue
+        if is_image_part(part):
+            if not takes_images:
+                raise WireFormatError(refusal or "images are taken in user messages only", param=where)
+            parts.append(_image(part, images, where))
+            imaged = True
+            continue
+        if not is_text_part(part):
+            kind = describe(part.get("type")) if isinstance(part, dict) else describe(part)
+            taken = "text and image" if takes_images else "text"
+            raise WireFormatError(f"only {taken} content parts are supported here, got {kind}", param=where)
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise WireFormatError("a text part needs a string 'text'", param=f"{where}.text")
+        parts.append({"type": "text", "text": text})
+    if imaged:
+        return parts
+    return "\n".join(part["text"] for part in parts)
+
+
+def _image(part: dict[str, Any], images: ImageSet | None, where: str) -> dict[str, str]:
+    """An ``image_url`` part (``{"url", ["detail"]}``) or an ``input_image`` one (``image_url``: the URL; a
+    ``file_id`` names a file of OpenAI's Files API, which the proxy does not have)."""
+    if part["type"] == "image_url":
+        ref = part.get("image_url")
+        if not isinstance(ref, dict):
+            raise WireFormatError('an image_url part needs an object {"url": ...}', param=f"{where}.image_url")
+        return url_image(ref.get("url"), images, param=f"{where}.image_url.url")
+    if part.get("image_url") is None and part.get("file_id") is not None:
+        raise WireFormatError(
+            "an input_image by file_id is not taken (the proxy has no Files API): send the image inline, as a "
+            "data: URL in image_url",
+            param=f"{where}.file_id",
+            code=INVALID_IMAGE,
+        )
+    return url_image(part.get("image_url"), images, param=f"{where}.image_url")
 
 
 def arguments_json(arguments: Any, *, param: str) -> str:
@@ -128,14 +183,30 @@ def _normalize_tool_calls(tool_calls: Any, param: str) -> list[dict[str, Any]]:
     return normalized
 
 
-def normalize_message(message: Any, *, param: str = "messages") -> dict[str, Any]:
-    """The stored and rendered form of a message; raises WireFormatError on bad shapes."""
+#: why a message of a role other than the user's takes no image (OpenAI's Chat Completions: a tool message's
+#: parts are text parts; the Responses API's tool output is a ``function_call_output`` item, which takes images)
+_NO_IMAGES = {
+    "tool": "a tool message takes text parts only (as in OpenAI's Chat Completions): send the image in a user "
+    "message after it",
+}
+
+
+def normalize_message(message: Any, *, param: str = "messages", images: ImageSet | None = None) -> dict[str, Any]:
+    """The stored and rendered form of a message; raises WireFormatError on bad shapes. ``images``: the
+    conversation's (``wire.images``), which a user message's images join."""
     if not isinstance(message, dict):
         raise WireFormatError("a message must be an object", param=param)
     role = message.get("role")
     if not is_role(role):
         raise WireFormatError(f"unknown message role {describe(role)}", param=f"{param}.role")
-    normalized: dict[str, Any] = {"role": role, "content": content_text(message.get("content"), param=param)}
+    content = content_parts(
+        message.get("content"),
+        param=param,
+        images=images,
+        takes_images=role == "user",
+        refusal=_NO_IMAGES.get(str(role), f"images are taken in user messages only, not in a {role} message"),
+    )
+    normalized: dict[str, Any] = {"role": role, "content": content}
     if role != "assistant" and normalized["content"] is None:
         raise WireFormatError(f"a {role} message needs content", param=f"{param}.content")
     name = message.get("name")
@@ -157,10 +228,14 @@ def normalize_message(message: Any, *, param: str = "messages") -> dict[str, Any
     return normalized
 
 
-def normalize_messages(messages: Any, *, param: str = "messages") -> list[dict[str, Any]]:
+def normalize_messages(
+    messages: Any, *, param: str = "messages", images: ImageSet | None = None
+) -> list[dict[str, Any]]:
     if not isinstance(messages, list):
         raise WireFormatError("messages must be a list", param=param)
-    return [normalize_message(message, param=f"{param}[{index}]") for index, message in enumerate(messages)]
+    return [
+        normalize_message(message, param=f"{param}[{index}]", images=images) for index, message in enumerate(messages)
+    ]
 
 
 @dataclass(slots=True)
@@ -169,6 +244,7 @@ class MessageFold:
     input): each message's normal form is its own, so a resent history is normalized once."""
 
     messages: list[dict[str, Any]] = field(default_factory=list)
+    images: ImageSet = field(default_factory=ImageSet)  # the images the messages hold
 
     @property
     def settled(self) -> int:
@@ -176,13 +252,13 @@ class MessageFold:
         return len(self.messages)
 
     def extended(self) -> MessageFold:
-        return MessageFold(list(self.messages))
+        return MessageFold(list(self.messages), self.images.extended())
 
     def upto(self, count: int) -> MessageFold:
-        return MessageFold(self.messages[:count])
+        return MessageFold(self.messages[:count], self.images.upto(self.messages[:count]))
 
     def add(self, message: Any, where: str) -> None:
-        self.messages.append(normalize_message(message, param=where))
+        self.messages.append(normalize_message(message, param=where, images=self.images))
 
 
 #: Tool types the policy cannot call as a JSON function, left out of the prompt (and recorded): tools the

@@ -1,6 +1,7 @@
 """Responses API input items and answers, as messages.
 
-Input items: messages (string or content parts), ``function_call_output``, and prior
+Input items: messages (string or content parts: text, and a user message's ``input_image``),
+``function_call_output`` (its output a string, or text and ``input_image`` parts), and prior
 ``function_call`` / ``reasoning`` items echoed back by clients (folded into the
 assistant message they came from). The other direction, for replaying a conversation
 where nothing is stored: a conversation as input items, and the assistant message an
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_proxy.wire.errors import WireFormatError
-from rollout_proxy.wire.messages import arguments_json, content_text, describe, normalize_message
+from rollout_proxy.wire.images import ImageSet
+from rollout_proxy.wire.messages import arguments_json, content_parts, describe, normalize_message
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
@@ -38,15 +40,15 @@ def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": arguments}}
 
 
-def input_to_messages(value: Any, *, param: str = "input") -> list[dict[str, Any]]:
-    """Responses ``input`` as normalized chat messages."""
+def input_to_messages(value: Any, *, param: str = "input", images: ImageSet | None = None) -> list[dict[str, Any]]:
+    """Responses ``input`` as normalized chat messages (their images joining ``images``, ``wire.images``)."""
     if value is None:
         return []
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
         raise WireFormatError("input must be a string or a list of items", param=param)
-    fold = InputFold()
+    fold = InputFold(images=images)
     for index, item in enumerate(value):
         fold.add(item, f"{param}[{index}]")
     return fold.messages
@@ -61,6 +63,8 @@ class InputFold:
 
     messages: list[dict[str, Any]] = field(default_factory=list)
     reasoning: str | None = None
+    #: the images the messages hold (None: only named, ``wire.images``; a fold the proxy keeps always has one)
+    images: ImageSet | None = field(default_factory=ImageSet)
 
     @property
     def settled(self) -> int:
@@ -70,7 +74,7 @@ class InputFold:
         )
 
     def extended(self) -> InputFold:
-        return InputFold(list(self.messages), self.reasoning)
+        return InputFold(list(self.messages), self.reasoning, None if self.images is None else self.images.extended())
 
     def upto(self, count: int) -> InputFold | None:
         """None: a later item may have changed an earlier message (a call joins the assistant message
@@ -83,7 +87,9 @@ class InputFold:
         messages = self.messages
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
-            message = normalize_message({"role": item.get("role"), "content": item.get("content")}, param=where)
+            message = normalize_message(
+                {"role": item.get("role"), "content": item.get("content")}, param=where, images=self.images
+            )
             if message["role"] == "assistant" and self.reasoning:
                 message["reasoning_content"], self.reasoning = self.reasoning, None
             messages.append(message)
@@ -102,7 +108,9 @@ class InputFold:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise WireFormatError("a function_call_output item needs call_id", param=where)
-            output = content_text(item.get("output"), param=where)
+            output = content_parts(
+                item.get("output"), param=where, field="output", images=self.images, takes_images=True
+            )
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output or ""})
         else:
             raise WireFormatError(f"unsupported input item type {describe(kind)}", param=f"{where}.type")

@@ -36,6 +36,24 @@ class PolicyVersionSpan(BaseModel):
         return data
 
 
+class TrajectoryImage(BaseModel):
+    """One image of a trajectory: tokens ``[start, start + length)`` of ``total_token_ids`` are its placeholder
+    span, as the engine expanded it (loss weight 0); ``sha256`` names its bytes (the session's image store),
+    ``width`` x ``height`` pixels and ``bytes`` long as sent. A trainer rebuilds the model's inputs from the
+    tokens and the images, in this order."""
+
+    start: int
+    length: int
+    sha256: str
+    width: int
+    height: int
+    bytes: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
 class RolloutCounts(BaseModel):
     """A whole rollout's token and sequence counts, on its main trajectory (a finish that named no responses):
     what the export counted, so that what the finish leaves out (dropped retries are not in ``branches``)
@@ -76,6 +94,8 @@ class Trajectory(BaseModel):
     routing_disagreements: int = 0
     #: which policy version sampled which generated tokens (prompt, bridge and injected tokens: none)
     policy_versions: list[PolicyVersionSpan] = Field(default_factory=list)
+    #: where each image's placeholder span is among ``total_token_ids``, in order (empty: a text-only trajectory)
+    images: list[TrajectoryImage] = Field(default_factory=list)
     #: the trace id (32 hex digits) of each generated turn's request, in order; None where it had none
     trace_ids: list[str | None] = Field(default_factory=list)
     #: on-policy distillation: the teacher that scored this trajectory (``config["teachers"]``), else None
@@ -116,6 +136,13 @@ class Trajectory(BaseModel):
 
     def token_logprobs(self) -> np.ndarray:
         return np.asarray(self.total_token_logprobs or [], dtype=np.float32)
+
+    def image_token_mask(self) -> np.ndarray:
+        """True on the tokens of an image's placeholder span (bool, aligned with ``total_token_ids``)."""
+        mask = np.zeros(len(self.total_token_ids or []), dtype=bool)
+        for image in self.images:
+            mask[image.start : image.end] = True
+        return mask
 
     def routed_experts_array(self) -> np.ndarray | None:
         return decode_routed_experts(self.routed_experts)

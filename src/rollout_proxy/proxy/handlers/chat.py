@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,8 @@ from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.proxy.schemas import ChatRequest
 from rollout_proxy.state.store import ReadAhead
 from rollout_proxy.tokenization.messages import path_hashes
-from rollout_proxy.wire.messages import MessageFold, normalize_messages, split_tools
+from rollout_proxy.wire.images import ImageSet
+from rollout_proxy.wire.messages import MessageFold, split_tools
 
 
 def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | None, top: int = 0) -> dict[str, Any]:
@@ -73,15 +75,18 @@ def completion_body(result: TurnResult, *, model: str | None, logprobs: bool | N
 class ChatConversation:
     messages: list[dict[str, Any]]  # normalized
     hashes: tuple[str, ...]  # their rolling path hashes (the tree attaches by them)
+    images: ImageSet  # the images they hold
 
 
-def _normalized(body: ChatRequest, history: HistoryIntake | None) -> ChatConversation:
+def _normalized(body: ChatRequest, history: HistoryIntake | None, urls: Mapping[str, bytes] | None) -> ChatConversation:
     """The messages' normal forms and path hashes: only those the memory has not seen computed."""
     if history is not None:
-        folded = history.take(body.messages, MessageFold)
-        return ChatConversation(list(folded.fold.messages), tuple(folded.hashes))
-    messages = normalize_messages(body.messages)
-    return ChatConversation(messages, tuple(path_hashes(messages)))
+        folded = history.take(body.messages, MessageFold, urls=urls)
+        return ChatConversation(list(folded.fold.messages), tuple(folded.hashes), folded.fold.images)
+    fold = MessageFold(images=ImageSet(urls=urls))
+    for index, message in enumerate(body.messages):
+        fold.add(message, f"messages[{index}]")
+    return ChatConversation(fold.messages, tuple(path_hashes(fold.messages)), fold.images)
 
 
 #: how a Chat Completions request is taken in (``proxy.intake``)
@@ -110,7 +115,13 @@ def _plan(request: web.Request, call: Taken[ChatRequest, ChatConversation]) -> T
     meta = turn_meta(request, "chat", call, toolset)
     usage = include_usage(body.model_extra) if body.stream else False
     return TurnPlan(
-        Ask(call.conversation.messages, tools=toolset.functions, stop=body.stop_list(), meta=meta),
+        Ask(
+            call.conversation.messages,
+            tools=toolset.functions,
+            stop=body.stop_list(),
+            meta=meta,
+            images=call.conversation.images.checked(),
+        ),
         ChatPlacement(hashes=call.conversation.hashes),
         stream=bool(body.stream),
         body=lambda result: completion_body(

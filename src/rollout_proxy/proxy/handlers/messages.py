@@ -8,6 +8,7 @@ session's ``base_url`` (``…/v1``, hence ``/v1/v1/messages``); ``?beta=true`` a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -31,6 +32,7 @@ from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.state.store import ReadAhead
 from rollout_proxy.tokenization.messages import path_hashes
 from rollout_proxy.wire.anthropic import Conversation, conversation, split_tools, stop_sequences, system_message
+from rollout_proxy.wire.images import ImageSet
 
 MR = TypeVar("MR", bound=CountTokensRequest)
 
@@ -41,6 +43,13 @@ class MessagesConversation:
 
     conversation: Conversation
     hashes: list[str]  # none on a thread: the parent is named
+
+    @property
+    def images(self) -> ImageSet:
+        """The images the conversation holds."""
+        images = self.conversation.images
+        assert images is not None  # a conversation the proxy folds holds its images
+        return images
 
     def signed(self, key: bytes, session_id: str) -> list[tuple[int, str]]:
         """(message index, node id) of every signed thinking block; a signature this proxy did not issue for
@@ -63,7 +72,9 @@ def _thread(body: CountTokensRequest) -> str | None:
     return body.previous_message_id if isinstance(body, MessagesRequest) else None
 
 
-def _normalized(body: CountTokensRequest, history: HistoryIntake | None) -> MessagesConversation:
+def _normalized(
+    body: CountTokensRequest, history: HistoryIntake | None, urls: Mapping[str, bytes] | None
+) -> MessagesConversation:
     """The conversation folded message by message (only what the memory has not seen: a resent history is
     folded once, when its ``system`` is the same); on a thread, the system is the thread's (checked against
     it later), not a new message."""
@@ -72,10 +83,10 @@ def _normalized(body: CountTokensRequest, history: HistoryIntake | None) -> Mess
     hashes = None
     if history is not None:
         context = b"thread" if previous else orjson.dumps(system)
-        folded = history.take(body.messages, lambda: Conversation.starting(system), context=context)
+        folded = history.take(body.messages, lambda: Conversation.starting(system), context=context, urls=urls)
         found, hashes = folded.fold, folded.hashes
     else:
-        found = conversation(system, body.messages)
+        found = conversation(system, body.messages, images=ImageSet(urls=urls))
     messages = found.messages
     if messages[-1]["role"] == "assistant":
         raise InvalidRequest(
@@ -127,7 +138,13 @@ def _plan(request: web.Request, call: Taken[MessagesRequest, MessagesConversatio
     if body.thread is not None and toolset.functions is not None:  # a thread's later turns may leave them out
         meta[THREAD_TOOLS] = toolset.functions
     return TurnPlan(
-        Ask(read.conversation.messages, tools=toolset.functions, stop=stop_sequences(body.stop_sequences), meta=meta),
+        Ask(
+            read.conversation.messages,
+            tools=toolset.functions,
+            stop=stop_sequences(body.stop_sequences),
+            meta=meta,
+            images=read.images.checked(),
+        ),
         MessagesPlacement(hashes=read.hashes or None, signed=signed, thread=thread),
         stream=bool(body.stream),
         body=lambda result: message_body(result, model=body.model, key=key),
@@ -147,7 +164,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         signed = read.signed(signing_key(request.app[keys.SETTINGS].token_secret), call.session.id)
         count = await request.app[keys.TURNS].count_tokens(
             call.lease,
-            Ask(read.conversation.messages, tools=split_tools(call.body.tools).functions),
+            Ask(read.conversation.messages, tools=split_tools(call.body.tools).functions, images=read.images.checked()),
             MessagesPlacement(hashes=read.hashes, signed=signed),
         )
     return json_response({"input_tokens": count})

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -23,6 +24,7 @@ from rollout_proxy.proxy.resent_history import HistoryIntake
 from rollout_proxy.proxy.responses_stream import ResponseEvents
 from rollout_proxy.proxy.schemas import ResponsesRequest
 from rollout_proxy.state.store import ReadAhead
+from rollout_proxy.wire.images import ImageSet
 from rollout_proxy.wire.messages import split_tools
 from rollout_proxy.wire.responses import InputFold, input_to_messages
 
@@ -32,15 +34,21 @@ class InputConversation:
     messages: list[dict[str, Any]]  # the input's items folded into normalized messages
     keys: list[bytes] | None  # their canonical keys (None: the tree computes them)
     hashes: list[str] | None = None  # their rolling path hashes, with the keys (the memory kept them)
+    images: ImageSet = field(default_factory=ImageSet)  # the images they hold
 
 
-def _folded(body: ResponsesRequest, history: HistoryIntake | None) -> InputConversation:
+def _folded(
+    body: ResponsesRequest, history: HistoryIntake | None, urls: Mapping[str, bytes] | None
+) -> InputConversation:
     """The input as messages: a list folded item by item (only what the memory has not seen), a string as
     one user message."""
     if type(body.input) is list and history is not None:
-        folded = history.take(body.input, InputFold)
-        return InputConversation(folded.fold.messages, folded.keys, folded.hashes)
-    return InputConversation(input_to_messages(body.input), None)
+        folded = history.take(body.input, InputFold, urls=urls)
+        images = folded.fold.images
+        assert images is not None  # a fold the proxy keeps holds its images
+        return InputConversation(folded.fold.messages, folded.keys, folded.hashes, images)
+    images = ImageSet(urls=urls)
+    return InputConversation(input_to_messages(body.input, images=images), None, images=images)
 
 
 #: how a Responses request is taken in (``proxy.intake``)
@@ -61,7 +69,12 @@ def _plan(request: web.Request, call: Taken[ResponsesRequest, InputConversation]
     toolset = split_tools(body.tools)
     tools = toolset.functions
     return TurnPlan(
-        Ask(call.conversation.messages, tools=tools, meta=turn_meta(request, "responses", call, toolset)),
+        Ask(
+            call.conversation.messages,
+            tools=tools,
+            meta=turn_meta(request, "responses", call, toolset),
+            images=call.conversation.images.checked(),
+        ),
         ResponsesPlacement(
             previous_response_id=body.previous_response_id,
             instructions=body.instructions,

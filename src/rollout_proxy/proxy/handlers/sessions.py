@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import structlog
 from aiohttp import web
 
 from rollout_proxy.core.responses import ResponsesPlacement, idempotency
 from rollout_proxy.core.turn_service import Ask
+from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.proxy import keys, validation
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response, read_json_object
 from rollout_proxy.proxy.schemas import AppendMessages, FinishRequest, SessionCreate
 from rollout_proxy.state.store import ReadAhead, RequestBound
+from rollout_proxy.wire.images import count_image_parts
 from rollout_proxy.wire.messages import normalize_messages, normalize_tools
+
+
+def text_messages(messages: list[dict[str, Any]], *, param: str, where: str) -> list[dict[str, Any]]:
+    """Messages that hold no image, normalized: the images a turn's request sends are stored with its node,
+    and these (``where``) are stored without a turn."""
+    normalized = normalize_messages(messages, param=param)
+    for index, message in enumerate(normalized):
+        if count_image_parts([message]):
+            raise InvalidRequest(
+                f"images are not taken in {where}: send them in a request of the conversation (a user message)",
+                param=f"{param}[{index}].content",
+            )
+    return normalized
 
 
 def plugin_base_url(request: web.Request) -> str:
@@ -24,7 +41,7 @@ async def create_session(request: web.Request) -> web.Response:
     request_caller(request, admin_only=True)
     body = validation.validate(SessionCreate, await read_json_object(request))
     session = await request.app[keys.SESSIONS].create(
-        messages=normalize_messages(body.sample.messages or [], param="sample.messages"),
+        messages=text_messages(body.sample.messages or [], param="sample.messages", where="a session's sample"),
         tools=normalize_tools(body.sample.tools, param="sample.tools"),
         extra=body.sample.extra,
         generation=body.generation.to_config(body.sample.thinking),
@@ -66,7 +83,7 @@ async def append_messages(request: web.Request) -> web.Response:
     request_caller(request).require_session(session_id)
     body = validation.validate(AppendMessages, await read_json_object(request))
     async with await request.app[keys.SESSIONS].lease_open(session_id, ReadAhead()) as lease:
-        messages = normalize_messages(body.messages)
+        messages = text_messages(body.messages, param="messages", where="appended messages")
         claim = idempotency(request.headers.get("Idempotency-Key"), messages, body.previous_response_id)
         node = await request.app[keys.TURNS].append(
             lease,

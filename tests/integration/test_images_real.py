@@ -1,0 +1,169 @@
+"""Images through the proxy against a real vLLM serving the tiny Idefics3 model (``--enable-scale-out``): on each
+API a multi-turn conversation with images has zero drifted tokens. vLLM's own answers (kept by the recording
+relay) are the reference: each prompt it ran (its ``prompt_token_ids``, expanded by its processor) extends the
+previous turn exactly, the trajectory is the last prompt and output, and the spans it reported
+(``mm_placeholders``) are the trajectory's images, each with loss weight 0."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anthropic
+import pytest
+from PIL import Image, ImageDraw
+
+from tests.harness import ProxyHarness
+from tests.integration.conftest import RecordingRelay, TokenAudit, VLLMServers
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def vlm_server(vllm_servers: VLLMServers) -> Iterator[str]:
+    from devtools.engine_env import ensure_vlm_checkpoint
+
+    ensure_vlm_checkpoint()
+    yield vllm_servers.get("vlm").base_url
+    vllm_servers.stop("vlm")
+
+
+@pytest.fixture
+async def vlm_relay(vlm_server: str) -> AsyncIterator[RecordingRelay]:
+    async with RecordingRelay.serving(vlm_server) as recorder:
+        yield recorder
+
+
+@pytest.fixture
+async def vlm_proxy(vlm_relay: RecordingRelay) -> AsyncIterator[ProxyHarness]:
+    async with ProxyHarness.running(engine_urls=[vlm_relay.url]) as harness:
+        yield harness
+
+
+def picture(size: tuple[int, int], colors: tuple[str, str]) -> bytes:
+    image = Image.new("RGB", size, colors[0])
+    ImageDraw.Draw(image).rectangle((size[0] // 2, 0, size[0], size[1]), fill=colors[1])
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+RED, SKY, SCREEN = (
+    picture((200, 120), ("red", "white")),
+    picture((40, 300), ("blue", "yellow")),
+    picture((320, 200), ("gray", "black")),
+)
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def check(relay: RecordingRelay, trajectory: dict[str, Any], images: list[bytes], audit: TokenAudit) -> None:
+    """Every turn went to vLLM's generate route with every image of its prompt; each prompt vLLM ran extends the
+    previous turn; the trajectory is vLLM's last prompt and output, its images vLLM's spans."""
+    assert not relay.completions and relay.generations
+    turns = []
+    for request, response in relay.generations:
+        choice = response["choices"][0]
+        spans = [(span["offset"], span["length"]) for span in (response.get("mm_placeholders") or {}).get("image", [])]
+        assert len(request["content_parts"]) == len(spans)
+        turns.append((response["prompt_token_ids"], choice["token_ids"], spans, request))
+    for (prompt, output, _, _), (next_prompt, _, _, _) in itertools.pairwise(turns):
+        previous = prompt + output
+        audit.compare(next_prompt[: len(previous)], previous)
+        assert next_prompt[: len(previous)] == previous, "drift: the next prompt does not extend the last turn"
+    prompt, output, spans, request = turns[-1]
+    total = trajectory["total_token_ids"]
+    audit.compare(total, prompt + output)
+    assert total == prompt + output
+    assert [(image["start"], image["length"]) for image in trajectory["images"]] == spans
+    assert [image["sha256"] for image in trajectory["images"]] == [hashlib.sha256(data).hexdigest() for data in images]
+    assert [part["uuid"] for part in request["content_parts"]] == [image["sha256"] for image in trajectory["images"]]
+    weights = trajectory["total_loss_weight"]
+    for start, length in spans:
+        assert not any(weights[start : start + length])
+    for turn_prompt, turn_output, _, _ in turns:
+        assert all(weight == 1.0 for weight in weights[len(turn_prompt) : len(turn_prompt) + len(turn_output)])
+
+
+async def test_chat_images_over_three_turns_have_zero_drift(
+    vlm_proxy: ProxyHarness, vlm_relay: RecordingRelay, audit: TokenAudit
+):
+    session = await vlm_proxy.create_session([], max_new_tokens=MAX_TOKENS, temperature=0.0)
+    history: list[Any] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Describe this picture."},
+                {"type": "image_url", "image_url": {"url": data_url(RED)}},
+            ],
+        }
+    ]
+    last = None
+    for follow_up in (
+        [{"type": "text", "text": "And this one?"}, {"type": "image_url", "image_url": {"url": data_url(SKY)}}],
+        "Which of the two is brighter?",
+        None,
+    ):
+        answer = await session.client.chat.completions.create(model="smollm2-vlm", messages=history)
+        last = answer
+        history.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
+        if follow_up is not None:
+            history.append({"role": "user", "content": follow_up})
+    assert last is not None
+    check(vlm_relay, await vlm_proxy.trajectory(last.id), [RED, SKY], audit)
+
+
+async def test_responses_images_over_two_turns_have_zero_drift(
+    vlm_proxy: ProxyHarness, vlm_relay: RecordingRelay, audit: TokenAudit
+):
+    session = await vlm_proxy.create_session([], max_new_tokens=MAX_TOKENS, temperature=0.0)
+    client = session.client
+
+    def turn(text: str, data: bytes) -> list[dict[str, Any]]:
+        return [
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": text}, {"type": "input_image", "image_url": data_url(data)}],
+            }
+        ]
+
+    first = await client.responses.create(model="smollm2-vlm", input=turn("What is on the screen?", SCREEN))
+    second = await client.responses.create(
+        model="smollm2-vlm", previous_response_id=first.id, input=turn("And here?", RED)
+    )
+    check(vlm_relay, await vlm_proxy.trajectory(second.id), [SCREEN, RED], audit)
+
+
+async def test_messages_images_over_two_turns_have_zero_drift(
+    vlm_proxy: ProxyHarness, vlm_relay: RecordingRelay, audit: TokenAudit
+):
+    session = await vlm_proxy.create_session([], max_new_tokens=MAX_TOKENS, temperature=0.0)
+
+    def image(data: bytes) -> dict[str, Any]:
+        return {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(data).decode()},
+        }
+
+    history: list[Any] = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image(SKY)]}]
+    async with anthropic.AsyncAnthropic(base_url=vlm_proxy.url, api_key=session.api_key, max_retries=0) as sdk:
+        first = await sdk.messages.create(model="smollm2-vlm", max_tokens=MAX_TOKENS, messages=history)
+        history += [
+            {"role": "assistant", "content": first.content or "…"},
+            {
+                "role": "user",
+                "content": [
+                    image(SCREEN),
+                    {"type": "text", "text": "Compare it with this, and the first again:"},
+                    image(SKY),
+                ],
+            },
+        ]
+        second = await sdk.messages.create(model="smollm2-vlm", max_tokens=MAX_TOKENS, messages=history)
+    check(vlm_relay, await vlm_proxy.trajectory(second.id), [SKY, SCREEN, SKY], audit)

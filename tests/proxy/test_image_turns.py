@@ -1,0 +1,264 @@
+"""Multi-turn image conversations on the three APIs, through the official SDKs, against the fake vLLM serving the
+tiny Idefics3 model's files: every prompt the engine ran is a prefix of the trajectory (the expanded image spans
+the engine echoed included, nothing re-tokenized), each image's span, hash and size are where the trajectory
+says with loss weight 0, every call sent every image of its prompt in order, and a streamed image turn relays
+the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import io
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+from PIL import Image
+
+from devtools.fake_engine import FakeEngine, FakeEngineServer
+from rollout_proxy.proxy import keys
+from tests.harness import ProxyHarness
+
+CALL = '<tool_call>\n{"name": "screenshot", "arguments": {}}\n</tool_call>'
+TOOL = {
+    "type": "function",
+    "function": {"name": "screenshot", "description": "The screen", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def png(width: int, height: int, color: str) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(out, "PNG")
+    return out.getvalue()
+
+
+RED, BLUE, SCREEN = png(200, 120, "red"), png(40, 300, "blue"), png(320, 200, "gray")
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture
+async def vlm_engine(vlm_dir: Path) -> AsyncIterator[FakeEngine]:
+    engine = FakeEngine(vlm_dir)
+    async with FakeEngineServer(engine) as url:
+        engine.url = url  # type: ignore[attr-defined]
+        yield engine
+
+
+@pytest.fixture
+async def proxy(vlm_engine: FakeEngine, store) -> AsyncIterator[ProxyHarness]:
+    """The proxy renders with the model's own files (the engine's model root): the template and the processor
+    config of the engine."""
+    async with ProxyHarness.running(engine_urls=[vlm_engine.url], store=store, fake=vlm_engine) as harness:
+        yield harness
+
+
+def span_ids(fake: FakeEngine) -> list[int]:
+    return fake.encode("<fake_token_around_image><global-img>" + "<image>" * 16 + "<fake_token_around_image>")
+
+
+async def assert_exact(proxy: ProxyHarness, response_id: str, images: list[bytes]) -> dict[str, Any]:
+    """The trajectory is what the engine ran and sampled, call by call, and its images are ``images``."""
+    fake = proxy.fake
+    assert fake is not None
+    trajectory = await proxy.trajectory(response_id)
+    total, weights = trajectory["total_token_ids"], trajectory["total_loss_weight"]
+    for generation in fake.generations:
+        prompt = generation.prompt
+        assert total[: len(prompt)] == prompt
+        assert total[len(prompt) : len(prompt) + len(generation.tokens)] == generation.tokens
+        assert all(weight == 1.0 for weight in weights[len(prompt) : len(prompt) + len(generation.tokens)])
+    last = fake.generations[-1]
+    assert len(total) == len(last.prompt) + len(last.tokens)
+    assert [image["sha256"] for image in trajectory["images"]] == [sha(data) for data in images]
+    for image, data in zip(trajectory["images"], images, strict=True):
+        with Image.open(io.BytesIO(data)) as opened:
+            assert (image["width"], image["height"], image["bytes"]) == (*opened.size, len(data))
+        assert total[image["start"] : image["start"] + image["length"]] == span_ids(fake)
+        assert not any(weights[image["start"] : image["start"] + image["length"]])
+    assert sum(image["length"] for image in trajectory["images"]) == sum(
+        1 for token in total if token in set(span_ids(fake))
+    )
+    # each call sent every image of its prompt, in order, named by its hash; none went to /v1/completions
+    for request, generation in zip(fake.generate_requests, fake.generations, strict=True):
+        shown = [image for image in trajectory["images"] if image["start"] < len(generation.prompt)]
+        assert [part["uuid"] for part in request["content_parts"]] == [image["sha256"] for image in shown]
+    assert not fake.completions
+    assert proxy.app[keys.METRICS].value("prompt_drift_total") == 0
+    return trajectory
+
+
+async def test_chat_completions_an_image_tool_loop_is_token_exact(proxy: ProxyHarness):
+    fake = proxy.fake
+    assert fake is not None
+    fake.queue(CALL, "The screen is gray.", "Blue, tall.")
+    session = await proxy.create_session([])
+    client = session.client
+    history: list[Any] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is this? Then look at the screen."},
+                {"type": "image_url", "image_url": {"url": data_url(RED)}},
+            ],
+        }
+    ]
+    first = await client.chat.completions.create(model="policy", messages=history, tools=[TOOL])
+    call = first.choices[0].message.tool_calls[0]
+    history += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "the screenshot follows"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(SCREEN)}}]},
+    ]
+    second = await client.chat.completions.create(model="policy", messages=history, tools=[TOOL])
+    history += [
+        {"role": "assistant", "content": second.choices[0].message.content},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "And this one?"},
+                {"type": "image_url", "image_url": {"url": data_url(BLUE)}},
+            ],
+        },
+    ]
+    stream = await client.chat.completions.create(model="policy", messages=history, tools=[TOOL], stream=True)
+    text, last_id = "", None
+    async for chunk in stream:
+        last_id = chunk.id
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+    assert text == "Blue, tall."
+    assert last_id is not None
+    await assert_exact(proxy, last_id, [RED, SCREEN, BLUE])
+
+
+async def test_responses_an_image_in_a_tool_output_is_token_exact(proxy: ProxyHarness):
+    fake = proxy.fake
+    assert fake is not None
+    fake.queue(CALL, "A gray screen, and red.")
+    session = await proxy.create_session([])
+    client = session.client
+    tool = {"type": "function", "name": "screenshot", "description": "The screen", "parameters": {"type": "object"}}
+    items: list[Any] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "Look at this, then at the screen."},
+                {"type": "input_image", "image_url": data_url(RED)},
+            ],
+        }
+    ]
+    first = await client.responses.create(model="policy", input=items, tools=[tool], store=False)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    output = [{"type": "input_text", "text": "here"}, {"type": "input_image", "image_url": data_url(SCREEN)}]
+    second = await client.responses.create(
+        model="policy",
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": output}],
+        previous_response_id=first.id,
+        tools=[tool],
+    )
+    assert second.output_text == "A gray screen, and red."
+    trajectory = await assert_exact(proxy, second.id, [RED, SCREEN])
+    assert trajectory["messages"][2]["role"] == "tool"  # the image sits in the tool result
+
+
+async def test_messages_an_image_in_a_tool_result_is_token_exact(proxy: ProxyHarness):
+    fake = proxy.fake
+    assert fake is not None
+    fake.queue(CALL, "Gray.")
+    session = await proxy.create_session([])
+    tool = {"name": "screenshot", "description": "The screen", "input_schema": {"type": "object", "properties": {}}}
+
+    def image(data: bytes) -> dict[str, Any]:
+        return {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(data).decode()},
+        }
+
+    async with anthropic.AsyncAnthropic(base_url=proxy.url, api_key=session.api_key, max_retries=0) as sdk:
+        history: list[Any] = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image(RED)]}]
+        first = await sdk.messages.create(model="policy", max_tokens=256, messages=history, tools=[tool])
+        (call,) = [block for block in first.content if block.type == "tool_use"]
+        history += [
+            {"role": "assistant", "content": first.content},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": call.id, "content": [image(SCREEN)]},
+                    {"type": "text", "text": "Again:"},
+                    image(RED),
+                ],
+            },
+        ]
+        counted = await sdk.messages.count_tokens(model="policy", messages=history, tools=[tool])
+        second = await sdk.messages.create(model="policy", max_tokens=256, messages=history, tools=[tool])
+    assert second.content[-1].text == "Gray."
+    assert counted.input_tokens == len(fake.generations[-1].prompt)  # the images' spans counted as the engine ran them
+    await assert_exact(proxy, second.id, [RED, SCREEN, RED])
+
+
+async def test_the_teacher_pass_refuses_a_trajectory_with_images_rather_than_score_it_as_text(
+    vlm_engine: FakeEngine, vlm_dir: Path
+):
+    teacher = FakeEngine(vlm_dir, model_name="fake-teacher")
+    async with (
+        FakeEngineServer(teacher) as teacher_url,
+        ProxyHarness.running(engine_urls=[vlm_engine.url], fake=vlm_engine, teachers=f"math={teacher_url}") as proxy,
+    ):
+        session = await proxy.create_session([])
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(RED)}}]}]
+        answer = await session.client.chat.completions.create(model="policy", messages=messages)
+        status, body = await proxy.request(
+            "POST",
+            f"/v1/admin/sessions/{session.session_id}/teacher_pass",
+            json={"response_id": answer.id, "teacher": "math"},
+        )
+    assert status == 400 and body["error"]["code"] == "images_unsupported_by_model", body
+    assert "takes no images" in body["error"]["message"]
+    assert not teacher.completions and not teacher.generate_requests
+
+
+async def test_an_image_turn_cut_by_an_abort_pause_is_continued_with_its_images(vlm_engine: FakeEngine):
+    """``--abort-policy continue``: after the resume the call is sent again with the kept tokens after the
+    prompt (its spans still collapsed where they are, its images again), and the turn is one exact node."""
+    fake = vlm_engine
+    fake.queue("Red.", "A red square, seen from above, in the morning light.")  # the continuation: the fake's own
+    async with ProxyHarness.running(engine_urls=[fake.url], fake=fake, abort_policy="continue") as proxy:
+        session = await proxy.create_session([])
+        messages: list[Any] = [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(RED)}}]}
+        ]
+        # a first turn: the engine is then known to return no routing, so a cut turn can be continued
+        warm = await session.client.chat.completions.create(model="policy", messages=messages)
+        messages += [warm.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        fake.delay = 1.0
+        call = asyncio.ensure_future(session.client.chat.completions.create(model="policy", messages=messages))
+        async with asyncio.timeout(20):
+            while not any(len(generation.tokens) >= 3 for generation in fake.generating):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        status, _ = await proxy.request("POST", "/v1/admin/pause", json={"mode": "abort"})
+        assert status == 200
+        status, _ = await proxy.request("POST", "/v1/admin/resume", json={"policy_version": 1})
+        assert status == 200
+        answer = await call
+        _, first, second = fake.generate_requests
+        kept = fake.generations[1].tokens
+        assert len(kept) > 0 and fake.generations[1].finish_reason == "abort"
+        assert second["token_ids"] == first["token_ids"] + kept  # the prompt, collapsed as before, then the kept
+        assert second["content_parts"] == first["content_parts"]
+        assert answer.choices[0].message.content.startswith(fake.decode(kept))
+        trajectory = await assert_exact(proxy, answer.id, [RED])
+        assert [span["version"] for span in trajectory["policy_versions"]] == [
+            0,
+            0,
+            1,
+        ]  # the warm turn, then both parts
