@@ -46,7 +46,11 @@ async def session_image(request: web.Request) -> web.Response:
     return web.Response(
         body=image.data,
         content_type=image.mime,
-        headers={"Cache-Control": "private, max-age=86400, immutable", "ETag": f'"{image.sha256}"'},
+        headers={
+            "Cache-Control": "private, max-age=86400, immutable",
+            "ETag": f'"{image.sha256}"',
+            "X-Content-Type-Options": "nosniff",
+        },
     )
 
 
