@@ -207,3 +207,20 @@ async def test_a_stored_image_is_read_by_its_session_and_the_admin_only(proxy, a
         http.get(proxy.url + path, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as response,
     ):
         assert response.status == 200 and await response.read() == GREEN
+
+
+def test_the_openapi_document_shows_the_entrys_images_and_the_image_route():
+    from rollout_proxy.proxy.openapi import build_document
+
+    document = build_document()
+    schemas = document["components"]["schemas"]
+    entry = schemas["FeedGroup"]["properties"]  # the answer's fields, not an open object
+    assert {"group_id", "trajectories", "images"} <= set(entry)
+    assert entry["images"]["additionalProperties"] == {"$ref": "#/components/schemas/FeedImage"}
+    assert set(schemas["FeedImage"]["required"]) == {"mime", "data"}
+    assert schemas["SessionFinished"]["properties"]["images"]["additionalProperties"] == {
+        "$ref": "#/components/schemas/FeedImage"
+    }
+    route = document["paths"]["/v1/sessions/{session_id}/images/{sha256}"]["get"]
+    assert {"image/png", "image/jpeg"} <= set(route["responses"]["200"]["content"])
+    assert "404" in route["responses"]

@@ -166,7 +166,9 @@ class FeedGroup(BaseModel):
         return self
 
     @model_serializer(mode="wrap")
-    def _text_unchanged(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _text_unchanged(self, handler: SerializerFunctionWrapHandler):
+        """An entry without images as before. Unannotated on purpose: pydantic then keeps the fields' schema for
+        the answer (an annotated return type would replace it)."""
         data: dict[str, Any] = handler(self)
         if not data.get("images"):
             data.pop("images", None)
