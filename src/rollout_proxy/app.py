@@ -275,6 +275,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/sessions/{session_id}", sessions.get_session)
     app.router.add_get("/v1/sessions/{session_id}/trajectory", trajectories.session_trajectory)
     app.router.add_get("/v1/sessions/{session_id}/rollout", trajectories.session_rollout)
+    app.router.add_get("/v1/sessions/{session_id}/images/{sha256}", sessions.session_image)
     app.router.add_post("/v1/sessions/{session_id}/messages", sessions.append_messages)
     app.router.add_post("/v1/sessions/{session_id}/finish", sessions.finish_session)
     app.router.add_post("/v1/chat/completions", chat.chat_completions)

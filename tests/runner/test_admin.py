@@ -42,7 +42,9 @@ async def test_a_session_is_created_with_the_samples_settings_and_finished_into_
     assert status == 200 and record["generation"]["max_new_tokens"] == 32
     client = proxy.client(session.url, session.jwt_token)
     answer = await client.chat.completions.create(model="m", messages=USER)
-    trajectories = await admin.finish(session.session_id, {"status": "success", "extra": {"id": "s1"}})
+    finished = await admin.finish(session.session_id, {"status": "success", "extra": {"id": "s1"}})
+    trajectories = finished.trajectories
+    assert finished.images == {}  # a text rollout names no image
     assert [t.response_id for t in trajectories] == [answer.id]
     trajectory = trajectories[0]
     assert trajectory.extra["id"] == "s1" and trajectory.turns == 1

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import base64
 import colorsys
+import hashlib
+import io
 import json
 import math
 import os
@@ -255,3 +257,84 @@ async def test_a_wrong_key_is_asked_for_again(engine, browser):
         await page.locator("form.key button").click()
         await drawn(page, "/")
         assert await page.locator("table.sessions").count() == 1
+
+
+def picture(width: int, height: int, colour: str, kind: str = "PNG") -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(out, kind)
+    return out.getvalue()
+
+
+@pytest.fixture
+async def vlm_engine(vlm_dir: Path) -> AsyncIterator[FakeEngine]:
+    fake = FakeEngine(vlm_dir)
+    async with FakeEngineServer(fake) as url:
+        fake.url = url  # type: ignore[attr-defined]
+        yield fake
+
+
+async def test_the_viewer_draws_each_image_where_its_span_is(vlm_engine, browser):
+    red, green = picture(200, 120, "red"), picture(64, 48, "green", "JPEG")
+    urls = [f"data:image/png;base64,{base64.b64encode(red).decode()}"]
+    urls.append(f"data:image/jpeg;base64,{base64.b64encode(green).decode()}")
+    async with ProxyHarness.running(engine_urls=[vlm_engine.url], fake=vlm_engine) as harness:
+        vlm_engine.queue("Red.", "Green, then red.")
+        session = await harness.create_session([])
+        history: list[Any] = [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "This?"}, {"type": "image_url", "image_url": {"url": urls[0]}}],
+            }
+        ]
+        first = await session.client.chat.completions.create(model="policy", messages=history)
+        history += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in (urls[1], urls[0])]},
+        ]
+        second = await session.client.chat.completions.create(model="policy", messages=history)
+        trajectory = await harness.trajectory(second.id)
+        images, ids = trajectory["images"], trajectory["total_token_ids"]
+        assert [image["sha256"] for image in images] == [hashlib.sha256(d).hexdigest() for d in (red, green, red)]
+
+        page = await browser.new_page()
+        requested: list[str] = []
+        page.on("request", lambda request: requested.append(request.url))
+        problems: list[str] = []
+        page.on("pageerror", lambda error: problems.append(str(error)))
+        await page.goto(f"{harness.url}/ui#key={ADMIN_KEY}")
+        await drawn(page, "/")
+        await page.goto(f"{harness.url}/ui#/tokens/{second.id}")
+        await drawn(page, f"/tokens/{second.id}")
+
+        # each span collapsed into its image, in place: the token before it, the image, the token after it
+        shown = page.locator("#tokens .tok.image")
+        assert await shown.count() == len(images)
+        tokens = page.locator("#tokens .tok")
+        assert await tokens.count() == len(ids) - sum(image["length"] for image in images) + len(images)
+        indices = await tokens.evaluate_all("(nodes) => nodes.map((n) => Number(n.dataset.i))")
+        for image in images:
+            at = indices.index(image["start"])
+            assert indices[at - 1] == image["start"] - 1 and indices[at + 1] == image["start"] + image["length"]
+        await page.wait_for_function(
+            "() => [...document.querySelectorAll('#tokens img.thumb')].every((img) => img.complete && img.naturalWidth)",
+            timeout=SETTLE_MS,
+        )
+        drawn_images = await shown.evaluate_all(
+            "(nodes) => nodes.map((n) => { const img = n.querySelector('img'); "
+            "return [n.dataset.image, img.naturalWidth, img.naturalHeight, getComputedStyle(n).backgroundColor]; })"
+        )
+        assert [(sha, w, h) for sha, w, h, _ in drawn_images] == [
+            (image["sha256"], image["width"], image["height"]) for image in images
+        ]
+        assert all(rgb(colour) == WEIGHT_ZERO for *_, colour in drawn_images)  # image tokens are not trained
+        await shot(page, "viewer-tokens-images.png")
+
+        # a click on an image: its hash, size and span
+        await shown.nth(1).click()
+        fact = await page.locator('#token-details dd[data-fact="image"]').inner_text()
+        assert fact.startswith(f"{images[1]['sha256']}: 64×48, {len(green)} bytes; tokens {images[1]['start']}–")
+        assert await page.locator("#tokens img.thumb.missing").count() == 0
+        foreign = [url for url in requested if not (url.startswith(harness.url) or url.startswith("data:"))]
+        assert foreign == [] and problems == []

@@ -26,6 +26,7 @@ from rollout_proxy.errors import (
 from rollout_proxy.ids import new_session_id, session_of_response
 from rollout_proxy.records import BASE_POLICY, GenerationConfig, SessionRecord, SessionStatus
 from rollout_proxy.state.store import ReadAhead, SessionLease, StateStore
+from rollout_proxy.wire.images import ImageBlob
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,18 @@ class FinishPlan:
     session_id: str
     result: dict[str, Any]
     trajectories: list[AssembledTrajectory]
+    #: the images the trajectories' spans name (branches included), by hash, each once: the bytes a trainer
+    #: needs with the tokens (empty for text)
+    images: dict[str, ImageBlob] = dataclasses.field(default_factory=dict)
+
+
+def named_images(trajectories: list[AssembledTrajectory]) -> list[str]:
+    """The hashes the image spans of ``trajectories`` and their branches name, in order, each once."""
+    found: dict[str, None] = {}
+    for trajectory in trajectories:
+        for sequence in (trajectory, *trajectory.branches):
+            found.update((span.sha256, None) for span in sequence.images)
+    return list(found)
 
 
 class SessionService:
@@ -219,7 +232,7 @@ class SessionService:
                 "dropped_tokens": whole.dropped_tokens,
                 "dropped_sequences": sum(1 for sequence in whole.sequences if sequence.dropped),
             }
-            return FinishPlan(session_id=session_id, result=result, trajectories=[main])
+            return await self._plan(session_id, result, [main])
         responses = responses if responses is not None else []
         ids = [response["id"] for response in responses]
         if session.n_sample is not None and status == "success" and len(ids) != session.n_sample:
@@ -248,7 +261,26 @@ class SessionService:
             assemble(session_id, path, extra=_result_extra(finished, response_id), trained=mine)
             for response_id, path, mine in zip(ids, paths, branches.train_once(paths), strict=True)
         ]
-        return FinishPlan(session_id=session_id, result=result, trajectories=trajectories)
+        return await self._plan(session_id, result, trajectories)
+
+    async def _plan(
+        self, session_id: str, result: dict[str, Any], trajectories: list[AssembledTrajectory]
+    ) -> FinishPlan:
+        """The plan with the images its trajectories name, read from the session's store in one round trip."""
+        named = named_images(trajectories)
+        images = await self._store.get_images(session_id, named) if named else {}
+        missing = [sha for sha in named if sha not in images]
+        if missing:  # written with their nodes in one atomic write, released with the session: never expected
+            raise NotFound(f"session {session_id!r} no longer holds image {missing[0]} that its trajectories name")
+        return FinishPlan(session_id=session_id, result=result, trajectories=trajectories, images=images)
+
+    async def image(self, session_id: str, sha256: str) -> ImageBlob:
+        """One image of the session's store, by the sha256 of its bytes (``NotFound`` in words if it holds none)."""
+        await self.get(session_id)
+        found = (await self._store.get_images(session_id, [sha256])).get(sha256)
+        if found is None:
+            raise NotFound(f"session {session_id!r} holds no image {sha256!r}", param="sha256")
+        return found
 
     async def commit_finish(self, plan: FinishPlan) -> SessionRecord:
         """Record a prepared finish (compare-and-set: 409 if the session finished meanwhile)."""

@@ -34,6 +34,7 @@ REF = "#/components/schemas/{model}"
 TEXT = "text/plain"  # an answer that is not JSON (the Prometheus metrics)
 HTML = ("text/html",)  # the viewer's page
 ASSET = ("text/css", "text/javascript")  # the viewer's files
+IMAGE = ("image/png", "image/jpeg", "image/webp", "image/gif")  # a stored image, as it was sent
 
 
 class Access(enum.Enum):
@@ -67,6 +68,12 @@ def _parameter(name: str, where: str, schema: dict[str, Any], what: str) -> dict
 
 SESSION_ID = _parameter("session_id", "path", {"type": "string"}, "a session id (`sess_…`) from POST /v1/sessions")
 RESPONSE_ID = _parameter("response_id", "path", {"type": "string"}, "a response id (`resp_…`), chat or Responses API")
+IMAGE_SHA256 = _parameter(
+    "sha256",
+    "path",
+    {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+    "the sha256 (hex) of the image's bytes, as a trajectory's `images[].sha256` or a message's image part names it",
+)
 IDEMPOTENCY_KEY = _parameter(
     "Idempotency-Key",
     "header",
@@ -180,6 +187,8 @@ OPERATIONS: tuple[Operation, ...] = (
               "trainer", Access.EITHER, Trajectory, errors=(404, 503), parameters=(SESSION_ID,)),
     Operation("get", "/v1/sessions/{session_id}/rollout", "Every branch of the session's tree, each token trained once",
               "trainer", Access.EITHER, answers.RolloutExport, errors=(404, 503), parameters=(SESSION_ID,)),
+    Operation("get", "/v1/sessions/{session_id}/images/{sha256}", "One image of the session, as it was sent",
+              "trainer", Access.EITHER, IMAGE, errors=(404, 503), parameters=(SESSION_ID, IMAGE_SHA256)),
     Operation("get", "/v1/feed", "Graded trajectory groups, paged by cursor",
               "trainer", Access.ADMIN, answers.FeedPage, errors=(400, 404, 503), parameters=FEED_QUERY),
     Operation("get", "/v1/admin/counters", "The proxy's counters",
@@ -358,7 +367,7 @@ def _operation(operation: Operation, schemas: dict[tuple[str, str], dict[str, An
 
 
 def _media_types(answer: Any) -> tuple[str, ...] | None:
-    """The media types of an answer that is not JSON (TEXT, HTML, ASSET); None for JSON."""
+    """The media types of an answer that is not JSON (TEXT, HTML, ASSET, IMAGE); None for JSON."""
     if answer == TEXT:
         return (TEXT,)
     if isinstance(answer, tuple) and all(isinstance(kind, str) for kind in answer):

@@ -14,7 +14,7 @@ from typing import Any, Literal, NotRequired
 from pydantic import ConfigDict, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
-from rollout_proxy.wire.feed import FeedGroup
+from rollout_proxy.wire.feed import FeedGroup, FeedImage
 from rollout_proxy.wire.trajectory import PolicyVersionSpan, Trajectory
 
 
@@ -258,6 +258,8 @@ class SessionFinished(TypedDict):
     status: Literal["success", "failure", "discard", "retry"]
     error: str | None
     trajectories: list[Trajectory]
+    #: the bytes of every image the trajectories' spans name, by sha256 (absent when they name none)
+    images: NotRequired[dict[str, FeedImage]]
 
 
 class FeedItem(TypedDict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -17,10 +18,24 @@ from rollout_proxy.runner.retries import JobFailed
 from rollout_proxy.sdk.proxy import RolloutInferenceProxy, session_body
 from rollout_proxy.sdk.transport import ProxyClient, ProxyRequestError
 from rollout_proxy.sdk.types import ChatCompletionSample, Trajectory
+from rollout_proxy.wire.feed import FeedImage
 from rollout_proxy.wire.generation import BASE_POLICY
 
 #: seconds an admin request may take (finishing a long session assembles its trajectories)
 ADMIN_TIMEOUT = 300.0
+
+
+@dataclass(slots=True)
+class Finished:
+    """A finished session as the runner publishes it: its trajectories, and the bytes of every image their
+    spans name (by sha256, each once; empty for text)."""
+
+    trajectories: list[Trajectory]
+    images: dict[str, FeedImage] = field(default_factory=dict)
+
+    def extend(self, other: Finished) -> Finished:
+        """This one's trajectories, then ``other``'s, with the images of both."""
+        return Finished([*self.trajectories, *other.trajectories], {**self.images, **other.images})
 
 
 class AdminClient:
@@ -40,12 +55,15 @@ class AdminClient:
         created = await self._transport.apost("/v1/sessions", body, what="creating a session")
         return RolloutInferenceProxy(created["base_url"], created["api_key"], sample=sample)
 
-    async def finish(self, session_id: str, body: dict[str, Any]) -> list[Trajectory]:
-        """Send a rollout's result; the trajectories the proxy emitted for it."""
+    async def finish(self, session_id: str, body: dict[str, Any]) -> Finished:
+        """Send a rollout's result; the trajectories the proxy emitted for it, and the images they name."""
         finished = await self._transport.apost(
             f"/v1/sessions/{session_id}/finish", body, what=f"finishing session {session_id}"
         )
-        return [Trajectory.model_validate(trajectory) for trajectory in finished["trajectories"]]
+        return Finished(
+            [Trajectory.model_validate(trajectory) for trajectory in finished["trajectories"]],
+            {sha: FeedImage.model_validate(image) for sha, image in (finished.get("images") or {}).items()},
+        )
 
     async def teacher_pass(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """``{"response_id", "teacher", "teacher_context", "topk"}`` -> the teacher's fields for that trajectory."""

@@ -11,14 +11,14 @@ publishes nothing twice.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_proxy.runner.grading import grpo_advantages
 from rollout_proxy.runner.retries import JobFailed
 from rollout_proxy.sdk.types import Trajectory
 from rollout_proxy.state.feed import Feed
-from rollout_proxy.wire.feed import FeedGroup
+from rollout_proxy.wire.feed import FeedGroup, FeedImage
 from rollout_proxy.wire.trajectory import PolicyVersionSpan
 
 
@@ -36,6 +36,7 @@ class GradedGroup:
     metrics: list[dict[str, float]]
     custom: tuple[str, list[Any]] | None
     stale: bool = False  # kept although older than max_staleness allows (stale_groups: keep)
+    images: dict[str, FeedImage] = field(default_factory=dict)  # the bytes of the images the trajectories name
 
     def policy_versions(self) -> tuple[int | None, int | None]:
         """The oldest and newest policy version of any generated token (None: no spans)."""
@@ -71,6 +72,7 @@ class GradedGroup:
             newest_policy_version=newest,
             step_groups=step_groups,
             stale=self.stale,
+            images=self.images,
         )
 
 

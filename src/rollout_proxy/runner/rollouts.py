@@ -11,16 +11,17 @@ successful call's trajectories are those the proxy emits at finish.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rollout_proxy.runner.admin import AdminClient
+from rollout_proxy.runner.admin import AdminClient, Finished
 from rollout_proxy.runner.distill import TeacherUnavailable, distill
 from rollout_proxy.runner.executor import InProcessExecutor, PluginExecutor, rollout_arguments
 from rollout_proxy.runner.retries import gather_first_error, with_retries
 from rollout_proxy.sdk.decorators import Plugin, PluginKind
 from rollout_proxy.sdk.execution import Attempt
-from rollout_proxy.sdk.types import ChatCompletionSample, PluginContext, PluginStatus, Trajectory
+from rollout_proxy.sdk.types import ChatCompletionSample, PluginContext, PluginStatus
 from rollout_proxy.wire.generation import BASE_POLICY
 
 
@@ -68,28 +69,31 @@ class Rollouts:
 
     async def trajectories(
         self, what: str, sample: ChatCompletionSample, context: PluginContext, generations: int
-    ) -> list[Trajectory]:
-        """``generations`` trajectories of ``sample`` (raises ``SampleDropped`` / ``JobFailed``)."""
+    ) -> Finished:
+        """``generations`` trajectories of ``sample`` and the images they name (raises ``SampleDropped`` /
+        ``JobFailed``)."""
         if self.is_group:
             return await self._retried(what, lambda: self._session(sample, context, generations))
-        return await gather_first_error(
+        singles = await gather_first_error(
             [self._single(f"{what} generation {generation}", sample, context) for generation in range(generations)]
         )
+        return functools.reduce(Finished.extend, singles, Finished([]))
 
-    async def _single(self, what: str, sample: ChatCompletionSample, context: PluginContext) -> Trajectory:
+    async def _single(self, what: str, sample: ChatCompletionSample, context: PluginContext) -> Finished:
         async def call() -> Attempt:
             attempt = await self._session(sample, context, 1)
-            if attempt.succeeded and len(attempt.result) != 1:
+            if attempt.succeeded and len(attempt.result.trajectories) != 1:
                 return Attempt(PluginStatus.FAILURE, "the rollout made no model call, so it has no trajectory")
             return attempt
 
-        return (await self._retried(what, call))[0]
+        return await self._retried(what, call)
 
-    async def _retried(self, what: str, call: Callable[[], Awaitable[Attempt]]) -> list[Trajectory]:
-        return (await with_retries(what, call, on_failed_attempt=self._on_failed_attempt)).result
+    async def _retried(self, what: str, call: Callable[[], Awaitable[Attempt]]) -> Finished:
+        finished: Finished = (await with_retries(what, call, on_failed_attempt=self._on_failed_attempt)).result
+        return finished
 
     async def _session(self, sample: ChatCompletionSample, context: PluginContext, n_sample: int) -> Attempt:
-        """One call in a new session; its ``result`` is the trajectories the proxy emitted."""
+        """One call in a new session; its ``result`` is what the proxy emitted (``Finished``)."""
         proxy = await self._admin.create_session(
             sample,
             n_sample=n_sample if self.is_group else None,
@@ -107,15 +111,15 @@ class Rollouts:
         async with proxy:  # closes the clients the plugin made
             arguments = rollout_arguments(self.plugin, context, proxy, sample, n_sample)
             attempt = await self._executor.attempt(self.plugin, *arguments, limit=self._limit)
-            trajectories = await self._admin.finish(proxy.session_id, self._finish_body(attempt))
+            finished = await self._admin.finish(proxy.session_id, self._finish_body(attempt))
         if attempt.succeeded and attempt.result is not None:
             try:  # before grading: the teacher's fields and the critic's view, as config asks
-                trajectories = await distill(
-                    self._admin, proxy.session_id, trajectories, attempt.result.config, topk=self._topk
+                finished.trajectories = await distill(
+                    self._admin, proxy.session_id, finished.trajectories, attempt.result.config, topk=self._topk
                 )
             except TeacherUnavailable as exc:
                 return Attempt(PluginStatus.FAILURE, str(exc))
-        return Attempt(attempt.status, attempt.error, trajectories)
+        return Attempt(attempt.status, attempt.error, finished)
 
     def _finish_body(self, attempt: Attempt) -> dict[str, Any]:
         """The session's finish: the status, and what the plugin returned for the trainer."""

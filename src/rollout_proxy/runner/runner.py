@@ -142,7 +142,8 @@ class JobRunner:
         try:
             what = f"{where}: rollout {self.rollout.spec.name}"
             generations = self.job.hyperparameters.num_generations
-            trajectories = await parts.rollouts.trajectories(what, sample, context, generations)
+            finished = await parts.rollouts.trajectories(what, sample, context, generations)
+            trajectories = finished.trajectories
             try:
                 grade = await parts.graders.grade_group(where, context, sample, trajectories)
             finally:  # what a harness left for the graders
@@ -161,6 +162,7 @@ class JobRunner:
             grader_rewards=grade.grader_rewards,
             metrics=grade.metrics,
             custom=grade.custom,
+            images=finished.images,
         )
         if self.job.opd is not None:  # the task advantage and the teacher's signal, per token
             group.custom = opd_advantages(trajectories, group.advantages(), self.job.opd)

@@ -7,10 +7,21 @@ yields ``FeedEntry``s (the entry id, for acknowledging, and the typed group).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import base64
+import binascii
+import hashlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from rollout_proxy.wire.errors import WireFormatError
 from rollout_proxy.wire.trajectory import Trajectory
@@ -65,6 +76,60 @@ def token_advantage_value(rows: list[list[float]]) -> list[Any]:
     return rows[0] if len(rows) == 1 else list(rows)
 
 
+class FeedImage(BaseModel):
+    """One image's bytes on a feed entry (``FeedGroup.images``, keyed by the sha256 of the bytes): its MIME type
+    and the bytes in base64, as the session's image store kept them."""
+
+    mime: str
+    data: str
+
+    @field_validator("data")
+    @classmethod
+    def _base64(cls, value: str) -> str:
+        try:
+            base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("an image's data must be base64") from None
+        return value
+
+    def decoded(self) -> bytes:
+        """The image's bytes (what ``TrajectoryImage.sha256`` names)."""
+        return base64.b64decode(self.data)
+
+    @classmethod
+    def of(cls, data: bytes, mime: str) -> FeedImage:
+        return cls(mime=mime, data=base64.b64encode(data).decode("ascii"))
+
+
+def named_images(trajectories: Sequence[Trajectory]) -> list[str]:
+    """The hashes the image spans of ``trajectories`` name (every sequence, branches included), in order, once."""
+    found: dict[str, None] = {}
+    for trajectory in trajectories:
+        for sequence in trajectory.sequences():
+            found.update((image.sha256, None) for image in sequence.images)
+    return list(found)
+
+
+def check_feed_images(trajectories: Sequence[Trajectory], images: Mapping[str, FeedImage]) -> None:
+    """``images`` holds exactly the images the spans of ``trajectories`` name, each one's bytes hashing to its
+    key; ``WireFormatError`` saying which is not."""
+    named = named_images(trajectories)
+    missing = [sha for sha in named if sha not in images]
+    if missing:
+        raise WireFormatError(
+            f"{len(missing)} image(s) the trajectories' spans name are not on the entry (first {missing[0]})",
+            param="images",
+        )
+    extra = sorted(set(images) - set(named))
+    if extra:
+        raise WireFormatError(
+            f"{len(extra)} image(s) on the entry that no trajectory's span names (first {extra[0]})", param="images"
+        )
+    for sha, image in images.items():
+        if hashlib.sha256(image.decoded()).hexdigest() != sha:
+            raise WireFormatError(f"the bytes of image {sha} do not hash to its sha256", param=f"images.{sha}")
+
+
 class FeedGroup(BaseModel):
     """A sample's graded trajectories with their rewards and advantages."""
 
@@ -91,6 +156,27 @@ class FeedGroup(BaseModel):
     step_groups: int | None = None
     #: kept although its oldest token was more than ``max_staleness`` versions old when published
     stale: bool = False
+    #: the bytes of every image the trajectories' spans name (``TrajectoryImage.sha256``), each once, by that hash:
+    #: with the tokens, what a trainer rebuilds a multimodal sequence's inputs from (absent on a text-only entry)
+    images: dict[str, FeedImage] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _images_named(self) -> FeedGroup:
+        check_feed_images(self.trajectories, self.images)
+        return self
+
+    @model_serializer(mode="wrap")
+    def _text_unchanged(self, handler: SerializerFunctionWrapHandler):
+        """An entry without images as before. Unannotated on purpose: pydantic then keeps the fields' schema for
+        the answer (an annotated return type would replace it)."""
+        data: dict[str, Any] = handler(self)
+        if not data.get("images"):
+            data.pop("images", None)
+        return data
+
+    def image_bytes(self, sha256: str) -> bytes:
+        """The bytes of the image ``sha256`` (a ``TrajectoryImage.sha256`` of one of the trajectories)."""
+        return self.images[sha256].decoded()
 
     def sequences(self) -> list[tuple[int, Trajectory]]:
         """(rollout index, sequence) for every sequence of every rollout of the group: a rollout's reward and

@@ -15,7 +15,8 @@ from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response, read_json_object
 from rollout_proxy.proxy.schemas import AppendMessages, FinishRequest, SessionCreate
 from rollout_proxy.state.store import ReadAhead, RequestBound
-from rollout_proxy.wire.images import count_image_parts
+from rollout_proxy.wire.feed import FeedImage
+from rollout_proxy.wire.images import ImageBlob, count_image_parts
 from rollout_proxy.wire.messages import normalize_messages, normalize_tools
 
 
@@ -30,6 +31,27 @@ def text_messages(messages: list[dict[str, Any]], *, param: str, where: str) -> 
                 param=f"{param}[{index}].content",
             )
     return normalized
+
+
+def feed_images(images: dict[str, ImageBlob]) -> dict[str, dict[str, str]]:
+    """The finish answer's ``images``: each image the trajectories name, by hash, as a feed entry carries it."""
+    return {sha: FeedImage.of(image.data, image.mime).model_dump() for sha, image in images.items()}
+
+
+async def session_image(request: web.Request) -> web.Response:
+    """``GET /v1/sessions/{id}/images/{sha256}``: one image of the session's store, as it was sent."""
+    session_id = request.match_info["session_id"]
+    request_caller(request).require_session(session_id)
+    image = await request.app[keys.SESSIONS].image(session_id, request.match_info["sha256"])
+    return web.Response(
+        body=image.data,
+        content_type=image.mime,
+        headers={
+            "Cache-Control": "private, max-age=86400, immutable",
+            "ETag": f'"{image.sha256}"',
+            "X-Content-Type-Options": "nosniff",
+        },
+    )
 
 
 def plugin_base_url(request: web.Request) -> str:
@@ -117,6 +139,7 @@ async def finish_session(request: web.Request) -> web.Response:
             "status": body.status,
             "error": body.error,
             "trajectories": [trajectory.to_json() for trajectory in plan.trajectories],
+            **({"images": feed_images(plan.images)} if plan.images else {}),  # a text answer as before
         }
     )
     await sessions.commit_finish(plan)

@@ -1,7 +1,8 @@
 // The trajectory viewer: three views over the proxy's admin read API, plain DOM, no build step.
 //   #/?filters          sessions, newest first (GET /v1/admin/sessions)
 //   #/session/ID        a session's response tree (GET /v1/admin/sessions/ID)
-//   #/tokens/RESP_ID    a trajectory's tokens (GET /v1/admin/responses/RESP_ID/tokens)
+//   #/tokens/RESP_ID    a trajectory's tokens (GET /v1/admin/responses/RESP_ID/tokens), each image's span
+//                       drawn as the image (GET /v1/sessions/ID/images/SHA256)
 // Every value from the API reaches the page as text (textContent), never as HTML.
 "use strict";
 
@@ -57,6 +58,22 @@ async function api(path) {
   try { body = await response.json(); } catch (_) { /* not JSON: the status says enough */ }
   if (!response.ok) throw new ApiError(response.status, (body && body.error && body.error.message) || response.statusText);
   return body;
+}
+
+// An image of a session as a thumbnail: fetched with the key (an <img> cannot send it), shown as a data: URL
+// (the page's Content-Security-Policy takes images from the proxy and data: only).
+function imageThumb(sessionId, image) {
+  const img = el("img", { class: "thumb", alt: `image ${shortId(image.sha256)}`, "data-image": image.sha256 });
+  fetch(`/v1/sessions/${encodeURIComponent(sessionId)}/images/${image.sha256}`, { headers: { Authorization: `Bearer ${adminKey}` } })
+    .then(async (response) => {
+      if (!response.ok) throw new Error(`${response.status} ${response.statusText}`);
+      const blob = await response.blob();
+      const reader = new FileReader();
+      reader.onload = () => { img.src = reader.result; };
+      reader.readAsDataURL(blob);
+    })
+    .catch((error) => { img.alt = `image ${shortId(image.sha256)} not loaded: ${error.message}`; img.classList.add("missing"); });
+  return img;
 }
 
 function crumbs(...parts) {
@@ -186,7 +203,7 @@ function messageView(message, place) {
   const calls = (message.tool_calls || []).map((call) =>
     el("div", { class: "call", text: `→ ${call.function.name}(${call.function.arguments})` }));
   let content = message.content;
-  if (Array.isArray(content)) content = content.map((part) => part.text || "").join("\n");
+  if (Array.isArray(content)) content = content.map((part) => part.text || (part.type === "image" ? `[image ${shortId(part.image)}]` : "")).join("\n");
   const reasoning = message.reasoning_content || message.reasoning;
   return el("div", { class: `msg ${place}` },
     el("span", { class: "role", text: message.role }),
@@ -334,6 +351,8 @@ function tokenDetails(t, i) {
     ["node", segment ? `${segment.node_id} (${segment.kind}, ${segment.part})` : "—"],
   ];
   if (t.advantages) facts.push(["advantage", number(t.advantages[i], 4)]);
+  const image = (t.images || []).find((im) => im.start <= i && i < im.start + im.length);
+  if (image) facts.push(["image", `${image.sha256}: ${image.width}×${image.height}, ${image.bytes} bytes; tokens ${image.start}–${image.start + image.length - 1}, its placeholder span (weight 0)`]);
   const details = el("div", { class: "card", id: "token-details", "data-index": i },
     el("h2", { text: "Token" }),
     el("dl", { class: "facts" }, facts.flatMap(([name, value]) => [el("dt", { text: name }), el("dd", { class: "mono", "data-fact": name, text: String(value) })])));
@@ -365,9 +384,20 @@ async function showTokens(responseId) {
 
   const tokens = el("div", { class: "tokens", id: "tokens" });
   const side = el("div", { class: "side" }, el("div", { class: "card note", id: "token-details", text: "Click a token for its id, text, logprob, weight, policy version and routed experts." }));
+  // each image's placeholder span is collapsed into the image, drawn where the span is
+  const imageAt = new Map((trajectory.images || []).map((image) => [image.start, image]));
+  let skipTo = 0;
   for (const segment of t.segments) {
     const part = el("span", { class: `seg ${segment.part}`, "data-node": segment.node_id, title: `${segment.node_id} · ${segment.kind} · ${segment.part}` });
-    for (let i = segment.start; i < segment.end; i += 1) {
+    for (let i = Math.max(segment.start, skipTo); i < segment.end; i += 1) {
+      const image = imageAt.get(i);
+      if (image) {
+        part.append(el("span", { class: "tok image", "data-i": i, "data-image": image.sha256, "data-length": image.length, title: `image ${image.sha256}: ${image.width}×${image.height}, tokens ${i}–${i + image.length - 1}` },
+          imageThumb(trajectory.session_id, image), el("span", { class: "caption", text: `${image.width}×${image.height} · ${image.length} tokens` })));
+        skipTo = i + image.length;
+        i = skipTo - 1;
+        continue;
+      }
       const piece = t.pieces[i];
       part.append(el("span", { class: piece === null ? "tok none" : "tok", "data-i": i, "data-weight": t.total_loss_weight[i], text: piece === null ? `⟨${t.total_token_ids[i]}⟩` : piece || "∅" }));
     }
