@@ -6,6 +6,7 @@
     python -m bench.storage_footprint  # bytes per stored token and per open session, Redis and memory stores
     python -m bench.workers            # serve --workers 2 against one worker
     python -m bench.resent_input       # a Codex-shaped conversation's CPU per turn, turn 100 against turn 2
+    python -m bench.images             # an image's CPU and latency per turn beside the same turns as text only
     python -m bench.memory_soak        # does a proxy give its memory back once sessions pass their TTL?
     python -m bench.policy_update      # sessions on other policies while a LoRA adapter is updated under load
     python -m bench.profile_turn       # where a turn's proxy CPU goes: py-spy's flame graph and top costs

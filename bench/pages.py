@@ -31,6 +31,7 @@ from typing import Any
 
 from bench import (
     fleet_faults,
+    images,
     policy_update,
     profile_turn,
     proxy_overhead,
@@ -77,6 +78,7 @@ TABLES: dict[str, Callable[[Report], str]] = {
     "workers.json": workers.table,
     "resent_input.json": resent_input.table,
     "policy_update.json": policy_update.summary,
+    "images.json": images.table,
     # issue 35: this tree against the pre-refactor main, and where a turn's CPU goes
     "proxy_overhead_vs_70c855b.json": proxy_overhead.table,
     "resent_input_vs_70c855b.json": resent_input.table,

@@ -132,6 +132,9 @@ async def serve(args: argparse.Namespace) -> None:
     while not stop.is_set():
         engine.completions.clear()  # the fake's log for tests: not what is measured here
         engine.generations.clear()
+        engine.generate_requests.clear()  # their images' data URLs too
+        if engine.images is not None:
+            engine.images.received.clear()
         try:
             async with asyncio.timeout(2.0):
                 await stop.wait()

@@ -38,6 +38,7 @@ TESTED_IN: dict[str, str] = {
     "examples/codex_answer.py": "tests/devtools/test_demo.py",
     "examples/custom_advantage.py": "tests/sdk/test_examples.py",
     "examples/group_rollout.py": "tests/sdk/test_examples.py",
+    "examples/image_answer.py": "tests/runner/test_image_answer_job.py",
     "examples/random_reward.py": "tests/sdk/test_examples.py",
     "examples/raw_rollout.py": "tests/sdk/test_examples.py",
     "examples/short_answer.py": "tests/runner/test_short_answer_job.py",
