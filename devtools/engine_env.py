@@ -192,19 +192,7 @@ def ensure_perturbed_checkpoint(force: bool = False) -> Path:
     load it in place (``collective_rpc`` ``reload_weights``). Without a current stamp the
     copy is rebuilt from the dense checkpoint, never trusted half-made.
     """
-    dense = ensure_checkpoints()["dense"]
-    out = paths.model_dir("perturbed")
-    stamp = "checkpoint-perturbed"
-    current = _read_stamp(stamp).get("format") == PERTURBED_FORMAT and (out / "config.json").exists()
-    if current and not force:
-        return out
-    py = ensure_engine_venv()
-    _stamp(stamp).unlink(missing_ok=True)
-    t0 = time.monotonic()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    _run([py, BUILD_SCRIPT, "--dense-out", dense, "--perturbed-out", out, "--force"], env=env)
-    _write_stamp(stamp, {"format": PERTURBED_FORMAT, "source": str(dense), "seconds": round(time.monotonic() - t0, 1)})
-    return out
+    return _derived_checkpoint("perturbed", PERTURBED_FORMAT, force=force)
 
 
 def ensure_vlm_checkpoint(force: bool = False) -> Path:
@@ -212,18 +200,23 @@ def ensure_vlm_checkpoint(force: bool = False) -> Path:
 
     Without a current stamp it is rebuilt from the dense checkpoint, never trusted half-made.
     """
+    return _derived_checkpoint("vlm", VLM_FORMAT, force=force)
+
+
+def _derived_checkpoint(name: str, checkpoint_format: int | str, *, force: bool) -> Path:
+    """A checkpoint the build script derives from the dense one (``--<name>-out``), stamped with its format."""
     dense = ensure_checkpoints()["dense"]
-    out = paths.model_dir("vlm")
-    stamp = "checkpoint-vlm"
-    current = _read_stamp(stamp).get("format") == VLM_FORMAT and (out / "config.json").exists()
+    out = paths.model_dir(name)
+    stamp = f"checkpoint-{name}"
+    current = _read_stamp(stamp).get("format") == checkpoint_format and (out / "config.json").exists()
     if current and not force:
         return out
     py = ensure_engine_venv()
     _stamp(stamp).unlink(missing_ok=True)
     t0 = time.monotonic()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    _run([py, BUILD_SCRIPT, "--dense-out", dense, "--vlm-out", out, "--force"], env=env)
-    _write_stamp(stamp, {"format": VLM_FORMAT, "source": str(dense), "seconds": round(time.monotonic() - t0, 1)})
+    _run([py, BUILD_SCRIPT, "--dense-out", dense, f"--{name}-out", out, "--force"], env=env)
+    _write_stamp(stamp, {"format": checkpoint_format, "source": str(dense), "seconds": round(time.monotonic() - t0, 1)})
     return out
 
 
