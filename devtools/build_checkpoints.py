@@ -404,6 +404,7 @@ def build_vlm(dense_dir: Path, out: Path) -> None:
     t0 = time.monotonic()
     tmp = _atomic_dir(out)
     cfg = write_vlm_files(dense_dir, tmp)
+    generation = (tmp / "generation_config.json").read_text()
     torch.manual_seed(VLM_SEED)
     model = Idefics3ForConditionalGeneration(Idefics3Config(**cfg))
     torch.nn.Module.to(model, torch.float32)
@@ -427,7 +428,9 @@ def build_vlm(dense_dir: Path, out: Path) -> None:
         emb_rms = dense_sd["model.embed_tokens.weight"].pow(2).mean().sqrt()
         proj.copy_(torch.randn(proj.shape, generator=gen) * emb_rms / proj.shape[1] ** 0.5)
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")  # ours, not the re-serialized one
+    # Ours, not the re-serialized ones (save_pretrained rewrites both).
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(generation)
     _commit(tmp, out)
     log(f"vlm checkpoint in {time.monotonic() - t0:.0f}s: {out}")
 

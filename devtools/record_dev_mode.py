@@ -102,17 +102,19 @@ class Recording:
         log(f"{self.name}/{label}: {method} {path} -> {exchange.status}")
         return exchange
 
-    async def stream(self, label: str, body: dict[str, Any], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """A streamed completion; `events` (with arrival times) fills as they come."""
+    async def stream(
+        self, label: str, body: dict[str, Any], events: list[dict[str, Any]], path: str = "/v1/completions"
+    ) -> list[dict[str, Any]]:
+        """A streamed completion (or generate); `events` (with arrival times) fills as they come."""
         step = {
             "label": label,
             "t_sent": self._t(time.monotonic()),
             "t_done": None,
-            "request": {"method": "POST", "path": "/v1/completions", "body": body},
+            "request": {"method": "POST", "path": path, "body": body},
             "response": {"status": 200, "content_type": "text/event-stream", "events": events},
         }
         self.steps.append(step)
-        async for t, data in self.client.stream(body):
+        async for t, data in self.client.stream(body, path):
             events.append({"t": self._t(t), "data": data})
         step["t_done"] = self._t(time.monotonic())
         log(f"{self.name}/{label}: stream of {len(events)} events")

@@ -85,14 +85,12 @@ class VLLMDevClient:
             raise DevModeError(exchange)
         return exchange.json()
 
-    async def stream(self, body: dict[str, Any]) -> AsyncIterator[tuple[float, str]]:
-        """POST a streamed completion; yield (monotonic time, data payload) per SSE event."""
-        async with self.http.post(self.base_url + "/v1/completions", json=body, timeout=self.timeout) as answer:
+    async def stream(self, body: dict[str, Any], path: str = "/v1/completions") -> AsyncIterator[tuple[float, str]]:
+        """POST a streamed completion (or generate); yield (monotonic time, data payload) per SSE event."""
+        async with self.http.post(self.base_url + path, json=body, timeout=self.timeout) as answer:
             if answer.status >= 400:
                 text = await answer.text()
-                raise DevModeError(
-                    Exchange("POST", "/v1/completions", body, answer.status, answer.content_type, text, 0.0, 0.0)
-                )
+                raise DevModeError(Exchange("POST", path, body, answer.status, answer.content_type, text, 0.0, 0.0))
             async for raw in answer.content:
                 line = raw.decode().strip()
                 if line.startswith("data: "):
