@@ -49,7 +49,7 @@ CHECKPOINT_FORMAT = 2
 #: The same for the perturbed copy (its own stamp: it is built only when asked for).
 PERTURBED_FORMAT = 1
 #: The same for the tiny vision-language checkpoint.
-VLM_FORMAT = 1
+VLM_FORMAT = 2
 
 
 def log(msg: str) -> None:
