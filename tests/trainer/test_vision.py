@@ -112,6 +112,20 @@ async def test_the_trainer_scores_image_sequences_on_their_own_pictures(
     wrong = direct_logprobs(learner.model, rollout, record_picture(other))[part.positions]
     assert np.abs(wrong - part.trainer).max() > 1e-3
 
+    # a step on image groups: the same forward with gradients, weights saved as a checkpoint the trainer reloads
+    # (the fake policy always answers "Red": a group's rewards, hence its advantages, are all equal; set some)
+    signed = [dataclasses.replace(r, advantage=1.0 if k % 2 else -1.0) for k, r in enumerate(rollouts)]
+    step = learner.train_step(signed)
+    assert np.isfinite(step.metrics["loss"]) and step.metrics["grad_norm"] > 0
+    np.testing.assert_allclose(
+        np.concatenate([p.trainer for p in step.scored]), np.concatenate([p.trainer for p in scored]), atol=1e-5
+    )
+    learner.save(tmp_path / "v1")
+    again = GRPOLearner(tmp_path / "v1")
+    assert again.vision is not None
+    moved = np.concatenate([p.trainer for p in again.score(rollouts)]) - np.concatenate([p.trainer for p in scored])
+    assert np.abs(moved).max() > 1e-4
+
 
 async def test_a_span_that_disagrees_with_the_tokens_is_refused_in_words(
     vlm_engine: FakeEngine, tiny_vlm: Path, tmp_path: Path, tiny_checkpoint: Path

@@ -67,6 +67,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "vocab.json",
     "merges.txt",
+    "processor_config.json",  # a vision-language model's image processor (``vision.VisionInputs``)
+    "preprocessor_config.json",
 )
 
 
