@@ -100,6 +100,8 @@ async def test_the_trainer_scores_image_sequences_on_their_own_pictures(
     trained = sum(int(sequence.trained.sum()) for rollout in rollouts for sequence in rollout.sequences)
     report = mismatch_report(scored, trainer_version=0, threshold=1e-2)
     assert report.tokens == trained == sum(len(part.trainer) for part in scored) > 0
+    assert report.with_images.tokens == report.current.tokens == trained  # all sampled at version 0
+    assert type(report).from_dict(report.as_dict()) == report
     for part, rollout in zip(scored, rollouts, strict=True):
         (image,) = rollout.sequences[0].images
         assert not ((part.positions >= image.start) & (part.positions < image.start + image.length)).any()

@@ -406,6 +406,7 @@ def _scored(rollouts: Sequence[Rollout], batch: PaddedBatch, logprobs: torch.Ten
                 sampler=batch.sampling_logprobs[row, positions],
                 response_id=sequence.response_id,
                 branch=sequence.branch,
+                images=len(sequence.images),
             )
         )
     return out
