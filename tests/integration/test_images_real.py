@@ -2,7 +2,11 @@
 API a multi-turn conversation with images has zero drifted tokens. vLLM's own answers (kept by the recording
 relay) are the reference: each prompt it ran (its ``prompt_token_ids``, expanded by its processor) extends the
 previous turn exactly, the trajectory is the last prompt and output, and the spans it reported
-(``mm_placeholders``) are the trajectory's images, each with loss weight 0."""
+(``mm_placeholders``) are the trajectory's images, each with loss weight 0.
+
+The reference trainer then rebuilds a finished two-turn image conversation's inputs from its feed entry (the
+trajectory's tokens, the entry's image bytes through the model's image processor) and scores every sampled
+token: its logprobs must be vLLM's within ``TRAINER_TOLERANCE``."""
 
 from __future__ import annotations
 
@@ -21,6 +25,13 @@ from tests.harness import ProxyHarness
 from tests.integration.conftest import RecordingRelay, TokenAudit, VLLMServers
 
 MAX_TOKENS = 12
+
+#: max |trainer − vLLM| logprob over the sampled tokens of an image conversation, both in fp32 on the same
+#: weights: the text trainer's bound (``tests/integration/test_trainer_real.py``: other kernels and summation
+#: orders, measured ~1e-5 there). The vision tower adds two small layers computed both ways on the same pixels;
+#: what it must catch is far above: a wrong or missing picture, or a span one token off, moves the logprobs by
+#: tenths of a nat and more (``tests/trainer/test_vision.py``). Measured here: docs/images.md.
+TRAINER_TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +178,68 @@ async def test_messages_images_over_two_turns_have_zero_drift(
         ]
         second = await sdk.messages.create(model="smollm2-vlm", max_tokens=MAX_TOKENS, messages=history)
     check(vlm_relay, await vlm_proxy.trajectory(second.id), [SKY, SCREEN, SKY], audit)
+
+
+async def test_the_trainer_scores_an_image_conversation_as_vllm_sampled_it(vlm_proxy: ProxyHarness, tmp_path):
+    pytest.importorskip("torch")
+    from devtools.engine_env import ensure_vlm_checkpoint
+    from rollout_proxy.trainer.batch import rollouts_of
+    from rollout_proxy.trainer.grpo import GRPOConfig, GRPOLearner
+    from rollout_proxy.trainer.mismatch import mismatch_report
+    from rollout_proxy.wire.feed import FeedGroup
+    from rollout_proxy.wire.trajectory import Trajectory
+
+    session = await vlm_proxy.create_session([], max_new_tokens=MAX_TOKENS, temperature=1.0)
+    history: list[Any] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Describe this picture."},
+                {"type": "image_url", "image_url": {"url": data_url(RED)}},
+            ],
+        }
+    ]
+    first = await session.client.chat.completions.create(model="smollm2-vlm", messages=history)
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "And this?"},
+                {"type": "image_url", "image_url": {"url": data_url(SKY)}},
+            ],
+        },
+    ]
+    await session.client.chat.completions.create(model="smollm2-vlm", messages=history)
+    status, finished = await vlm_proxy.request(
+        "POST", f"/v1/sessions/{session.session_id}/finish", json={"status": "success"}
+    )
+    assert status == 200, finished
+    (main,) = [Trajectory.model_validate(t) for t in finished["trajectories"]]
+    assert len(main.images) == 2
+    group = FeedGroup(
+        group_id="job/step-0/sample-0",
+        job_id="job",
+        step=0,
+        sample_index=0,
+        trajectories=[main],
+        rewards=[1.0],
+        advantages=[1.0],
+        advantage_kind="grpo",
+        images=finished["images"],
+    )
+    group = FeedGroup.model_validate_json(group.model_dump_json())  # as a trainer reads the entry
+    rollouts = rollouts_of(group)
+    learner = GRPOLearner(ensure_vlm_checkpoint(), GRPOConfig(temperature=1.0))
+    scored = learner.score(rollouts)
+    trained = int((main.loss_weight() > 0).sum())
+    assert sum(len(part.trainer) for part in scored) == trained > 0
+    (part,) = scored
+    assert not main.image_token_mask()[part.positions].any()
+    delta = abs(part.trainer.astype("float64") - part.sampler.astype("float64"))
+    report = mismatch_report(scored, trainer_version=int(part.versions.max()), threshold=TRAINER_TOLERANCE)
+    print(
+        f"image conversation: {trained} sampled tokens, max |trainer - vLLM| {delta.max():.3g}, mean {delta.mean():.3g}"
+    )
+    assert report.tokens == trained == report.with_images.tokens  # every one sampled at the trainer's version
+    assert delta.max() < TRAINER_TOLERANCE, report.as_dict()["worst"]

@@ -108,3 +108,21 @@ def test_the_metrics_file_is_prometheus_text_with_the_latest_step_and_running_to
     assert samples[("rollout_trainer_mismatched_tokens_total", ())] == 2
     assert samples[("rollout_trainer_other_version_tokens_total", ())] == 2
     assert not any(name == "rollout_trainer_bad" for name, _ in samples)
+
+
+def test_the_tokens_of_sequences_with_images_are_also_reported_on_their_own():
+    report = mismatch_report(
+        [
+            scored([-1.0, -2.0], [-1.0, -2.0], [4, 4]),
+            dataclasses.replace(scored([-1.0, -2.0], [-1.2, -2.0], [4, 4]), images=2),
+            dataclasses.replace(scored([-1.0], [-1.5], [3]), images=1),  # another version: not in it
+        ],
+        trainer_version=4,
+        threshold=1e-2,
+    )
+    assert report.current.tokens == 4 and report.with_images.tokens == 2
+    assert report.with_images.max_abs == pytest.approx(0.2) and report.with_images.over == 1
+    assert MismatchReport.from_dict(json.loads(json.dumps(report.as_dict()))) == report
+    # a report written before the field reads back with none
+    old = {name: value for name, value in report.as_dict().items() if name != "with_images"}
+    assert MismatchReport.from_dict(old).with_images == MismatchStats()

@@ -20,12 +20,17 @@ longest one with ``attention_mask`` 0 on the padding, sorted by length so little
 most ``max_tokens`` (rows × longest) per micro-batch. Packing several sequences into one row
 would need a block-diagonal attention mask (or a varlen attention kernel) to keep them apart;
 padding needs only the standard causal mask. numpy only: the base package never imports torch.
+
+A sequence with images (``Trajectory.images``) keeps its tokens as they are (each placeholder span already
+expanded, loss weight 0) and carries each image's span and bytes (from its group's entry, ``FeedGroup.images``)
+in span order; the learner turns the bytes into the model's vision inputs. Such a sequence is a micro-batch of
+its own: its rows' images never have to be padded to one count across rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +44,16 @@ NO_VERSION = -1
 
 class BatchError(ValueError):
     """A group the trainer cannot train on, and why (it names the group, the rollout and the sequence)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceImage:
+    """One image of a sequence: tokens ``[start, start + length)`` are its placeholder span; ``data`` its bytes."""
+
+    start: int
+    length: int
+    sha256: str
+    data: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +71,8 @@ class TrainSequence:
     branch: str | None = None
     #: the policies whose spans cover its tokens, sorted (one for a session's sequence: its policy)
     policies: tuple[str, ...] = ()
+    #: its images in span order (empty: text only)
+    images: tuple[SequenceImage, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -85,9 +102,16 @@ class Rollout:
         return np.full(len(sequence), 0.0 if self.advantage is None else self.advantage, dtype=np.float32)
 
 
-def sequence_of(trajectory: Trajectory, *, where: str, policy: str | None = None) -> TrainSequence:
+def sequence_of(
+    trajectory: Trajectory,
+    *,
+    where: str,
+    policy: str | None = None,
+    image_bytes: Callable[[str], bytes] | None = None,
+) -> TrainSequence:
     """A trajectory's tokens as one training sequence (checked: aligned arrays, versions on trained tokens;
-    with ``policy``, every span that policy's)."""
+    with ``policy``, every span that policy's; image spans in order, inside the tokens, never trained).
+    ``image_bytes``: an image's bytes by its sha256 (``FeedGroup.image_bytes``)."""
     ids = trajectory.token_ids().astype(np.int64)
     weight = trajectory.loss_weight()
     logprobs = trajectory.token_logprobs()
@@ -106,6 +130,7 @@ def sequence_of(trajectory: Trajectory, *, where: str, policy: str | None = None
     if policy is not None and policies not in ((), (policy,)):
         others = ", ".join(repr(name) for name in policies if name != policy)
         raise BatchError(f"{where}: tokens sampled by policy {others}, not by {policy!r} that this trainer trains")
+    images = _images_of(trajectory, ids, weight, where=where, image_bytes=image_bytes)
     kind = (trajectory.branch or {}).get("kind")
     return TrainSequence(
         ids,
@@ -115,7 +140,37 @@ def sequence_of(trajectory: Trajectory, *, where: str, policy: str | None = None
         response_id=trajectory.response_id,
         branch=kind if isinstance(kind, str) else None,
         policies=policies,
+        images=images,
     )
+
+
+def _images_of(
+    trajectory: Trajectory,
+    ids: np.ndarray,
+    weight: np.ndarray,
+    *,
+    where: str,
+    image_bytes: Callable[[str], bytes] | None,
+) -> tuple[SequenceImage, ...]:
+    images: list[SequenceImage] = []
+    end = 0
+    for index, image in enumerate(trajectory.images):
+        if not end <= image.start < image.end <= len(ids):
+            raise BatchError(
+                f"{where}: image {index}'s span [{image.start}, {image.end}) is not after the previous one and "
+                f"inside its {len(ids)} tokens"
+            )
+        if (weight[image.start : image.end] > 0).any():
+            raise BatchError(f"{where}: image {index}'s span [{image.start}, {image.end}) has trained tokens")
+        if image_bytes is None:
+            raise BatchError(f"{where}: image {index} ({image.sha256}) has no bytes: the trainer needs its group's")
+        try:
+            data = image_bytes(image.sha256)
+        except KeyError:
+            raise BatchError(f"{where}: image {index} ({image.sha256}) is not on its group's entry") from None
+        images.append(SequenceImage(image.start, image.length, image.sha256, data))
+        end = image.end
+    return tuple(images)
 
 
 def _named(where: str, index: int, trajectory: Trajectory) -> str:
@@ -141,7 +196,8 @@ def rollouts_of(group: FeedGroup, *, policy: str | None = None) -> list[Rollout]
         where = f"group {group.group_id}, rollout {index}"
         members = trajectory.sequences()
         sequences = [
-            sequence_of(member, where=_named(where, k, member), policy=policy) for k, member in enumerate(members)
+            sequence_of(member, where=_named(where, k, member), policy=policy, image_bytes=group.image_bytes)
+            for k, member in enumerate(members)
         ]
         per_rollout: float | None = None
         if isinstance(advantage, list):  # "tok": one per token of each sequence
@@ -204,6 +260,12 @@ class PaddedBatch:
     sampling_logprobs: np.ndarray  # float32
     advantages: np.ndarray  # float32
     versions: np.ndarray  # int64
+    #: each row's images in span order (empty: text only)
+    images: tuple[tuple[SequenceImage, ...], ...] = ()
+
+    @property
+    def has_images(self) -> bool:
+        return any(self.images)
 
     @property
     def trained_span(self) -> tuple[int, int]:
@@ -231,12 +293,15 @@ def pad(rollouts: Sequence[Rollout], refs: Sequence[SequenceRef], *, pad_id: int
         logprobs[row, :n] = sequence.sampling_logprobs
         advantages[row, :n] = rollouts[ref.rollout].advantages(sequence)
         versions[row, :n] = sequence.versions
-    return PaddedBatch(tuple(refs), lengths, input_ids, attention_mask, loss_weight, logprobs, advantages, versions)
+    images = tuple(sequence.images for sequence in sequences)
+    return PaddedBatch(
+        tuple(refs), lengths, input_ids, attention_mask, loss_weight, logprobs, advantages, versions, images
+    )
 
 
 def micro_batches(rollouts: Sequence[Rollout], *, max_tokens: int, pad_id: int = 0) -> list[PaddedBatch]:
     """Every sequence with a trained token, longest first, in micro-batches of at most ``max_tokens``
-    (rows × longest row; a sequence longer than that is a micro-batch of its own)."""
+    (rows × longest row; a sequence longer than that, or one with images, is a micro-batch of its own)."""
     refs = [
         SequenceRef(r, s)
         for r, rollout in enumerate(rollouts)
@@ -249,8 +314,13 @@ def micro_batches(rollouts: Sequence[Rollout], *, max_tokens: int, pad_id: int =
 
     refs.sort(key=lambda ref: (-length(ref), ref.rollout, ref.sequence))
     batches: list[list[SequenceRef]] = []
+
+    def alone(ref: SequenceRef) -> bool:
+        return bool(rollouts[ref.rollout].sequences[ref.sequence].images)
+
     for ref in refs:  # longest first: a batch's first row is its longest
-        if batches and (len(batches[-1]) + 1) * length(batches[-1][0]) <= max_tokens:
+        fits = batches and (len(batches[-1]) + 1) * length(batches[-1][0]) <= max_tokens
+        if fits and not alone(ref) and not alone(batches[-1][0]):
             batches[-1].append(ref)
         else:
             batches.append([ref])

@@ -46,11 +46,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from rollout_proxy.trainer.batch import PaddedBatch, Rollout, micro_batches
+from rollout_proxy.trainer.batch import BatchError, PaddedBatch, Rollout, micro_batches
 from rollout_proxy.trainer.loop import LearnerStep
 from rollout_proxy.trainer.mismatch import ScoredSequence
+from rollout_proxy.trainer.vision import VISION_MODEL_TYPES, VisionInputs, model_type
 
 #: the optimizer's state in a checkpoint's directory (HF Trainer's name: engines loading the weights skip it)
 OPTIMIZER = "optimizer.pt"
@@ -66,6 +67,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "vocab.json",
     "merges.txt",
+    "processor_config.json",  # a vision-language model's image processor (``vision.VisionInputs``)
+    "preprocessor_config.json",
 )
 
 
@@ -115,15 +118,20 @@ class GRPOConfig:
 
 
 def load_policy(model_dir: str | Path) -> Any:
-    """An HF causal LM in fp32, in eval mode (no dropout: its logprobs must be the engine's)."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    """An HF causal LM in fp32, in eval mode (no dropout: its logprobs must be the engine's); a vision-language
+    one (``VISION_MODEL_TYPES``, by its config's ``model_type``) as an image-text-to-text model."""
+    auto = AutoModelForImageTextToText if model_type(model_dir) in VISION_MODEL_TYPES else AutoModelForCausalLM
+    model = auto.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     return model
 
 
-def token_logprobs(model: Any, batch: PaddedBatch, *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    model: Any, batch: PaddedBatch, *, temperature: float = 1.0, vision: VisionInputs | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(token t | tokens < t) and the entropy of π there, for the columns ``batch.trained_span``:
-    two (rows, hi − lo) tensors (column j is token lo + j). Differentiable when grad is enabled."""
+    two (rows, hi − lo) tensors (column j is token lo + j). Differentiable when grad is enabled.
+    A batch with images needs ``vision`` (the model's): its pixels go in beside the ids."""
     lo, hi = batch.trained_span
     if hi <= lo:
         empty = torch.zeros((len(batch.rows), 0), dtype=torch.float32)
@@ -131,7 +139,14 @@ def token_logprobs(model: Any, batch: PaddedBatch, *, temperature: float = 1.0) 
     input_ids = torch.from_numpy(batch.input_ids[:, :hi])  # later tokens change no logit of a trained one
     attention_mask = torch.from_numpy(batch.attention_mask[:, :hi])
     keep = torch.arange(lo - 1, hi - 1)  # the logits at t - 1 predict token t
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False).logits
+    extra: dict[str, torch.Tensor] = {}
+    if batch.has_images:
+        if vision is None:
+            raise BatchError("a sequence with images, and a model that takes none (its config's model_type)")
+        extra = vision.inputs(batch, hi)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False, **extra
+    ).logits
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -225,6 +240,9 @@ class GRPOLearner:
             raise ValueError("an adapter is trained by a LoRA learner (GRPOConfig.lora)")
         self.source = Path(adapter_dir if adapter_dir is not None else model_dir)
         self.model = load_policy(model_dir)
+        self.vision = (
+            VisionInputs(model_dir, self.model.config) if model_type(model_dir) in VISION_MODEL_TYPES else None
+        )
         if lora is not None:
             self.model = _with_adapter(self.model, lora, Path(adapter_dir) if adapter_dir is not None else None)
             self.model.eval()
@@ -275,7 +293,7 @@ class GRPOLearner:
         scored = []
         with torch.no_grad():
             for batch in micro_batches(rollouts, max_tokens=self.config.micro_batch_tokens, pad_id=self.pad_id):
-                logprobs, _ = token_logprobs(self.model, batch, temperature=self.config.temperature)
+                logprobs, _ = token_logprobs(self.model, batch, temperature=self.config.temperature, vision=self.vision)
                 scored += _scored(rollouts, batch, logprobs)
         return scored
 
@@ -288,7 +306,9 @@ class GRPOLearner:
         sums = {"loss": 0.0, "clipped": 0.0, "capped": 0.0, "ratio": 0.0, "kl_ref": 0.0, "entropy": 0.0}
         for batch in batches:
             lo, hi = batch.trained_span
-            logprobs, entropy = token_logprobs(self.model, batch, temperature=self.config.temperature)
+            logprobs, entropy = token_logprobs(
+                self.model, batch, temperature=self.config.temperature, vision=self.vision
+            )
             weights = torch.from_numpy(batch.loss_weight[:, lo:hi])
             reference = self._reference_logprobs(batch)
             loss, batch_sums = policy_loss(
@@ -334,9 +354,9 @@ class GRPOLearner:
             return None
         with torch.no_grad():
             if self.reference is not None:
-                return token_logprobs(self.reference, batch, temperature=self.config.temperature)[0]
+                return token_logprobs(self.reference, batch, temperature=self.config.temperature, vision=self.vision)[0]
             with self.model.disable_adapter():
-                return token_logprobs(self.model, batch, temperature=self.config.temperature)[0]
+                return token_logprobs(self.model, batch, temperature=self.config.temperature, vision=self.vision)[0]
 
     def save(self, directory: Path) -> None:
         """The current weights as an HF checkpoint (safetensors, the source's config and tokenizer), or under
@@ -386,6 +406,7 @@ def _scored(rollouts: Sequence[Rollout], batch: PaddedBatch, logprobs: torch.Ten
                 sampler=batch.sampling_logprobs[row, positions],
                 response_id=sequence.response_id,
                 branch=sequence.branch,
+                images=len(sequence.images),
             )
         )
     return out

@@ -9,7 +9,8 @@ training–inference mismatch proper, and any other version is counted apart: th
 the policy's own change (``max_staleness`` > 0, a stale group) and is no mismatch. A token with
 no recorded version counts apart too. A wrong token, a loss mask shifted by one or a logprob
 recorded under other weights all show up as |Δ| far over the threshold on the trainer's own
-version. numpy only.
+version. Tokens of sequences with images are also reported on their own (``with_images``, the trainer's
+version only): their inputs were rebuilt from the image bytes, which text tokens do not exercise. numpy only.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class ScoredSequence:
     sampler: np.ndarray  # float32: the recorded sampling logprobs
     response_id: str | None = None  # the sequence's leaf (``TrainSequence.response_id``)
     branch: str | None = None  # its branch kind (``TrainSequence.branch``)
+    images: int = 0  # how many images the sequence holds (``TrainSequence.images``)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ class MismatchReport:
     unversioned: int
     by_version: dict[int, MismatchStats]
     worst: list[WorstToken] = field(default_factory=list)  # on the trainer's version, largest |Δ| first
+    #: the ``current`` tokens of sequences with images (their vision inputs rebuilt from the entry's bytes)
+    with_images: MismatchStats = field(default_factory=MismatchStats)
 
     @property
     def tokens(self) -> int:
@@ -125,6 +129,7 @@ class MismatchReport:
             "unversioned": self.unversioned,
             "by_version": {str(version): asdict(stats) for version, stats in sorted(self.by_version.items())},
             "worst": [{**asdict(token), "delta": token.delta} for token in self.worst],
+            "with_images": asdict(self.with_images),
         }
 
     @classmethod
@@ -141,6 +146,7 @@ class MismatchReport:
                 WorstToken(**{name: value for name, value in token.items() if name != "delta"})
                 for token in fields["worst"]
             ],
+            with_images=MismatchStats(**fields.get("with_images", {})),  # absent from reports written before it
         )
 
 
@@ -157,6 +163,9 @@ def mismatch_report(scored: Iterable[ScoredSequence], *, trainer_version: int, t
     trainer = joined("trainer", np.float32).astype(np.float64)
     sampler = joined("sampler", np.float32).astype(np.float64)  # both as float32, as recorded and computed
     versions = joined("versions", np.int64)
+    imaged = (
+        np.concatenate([np.full(len(part.trainer), part.images > 0) for part in parts]) if parts else np.zeros(0, bool)
+    )
     delta = trainer - sampler
     current = versions == trainer_version
     by_version = {
@@ -170,6 +179,7 @@ def mismatch_report(scored: Iterable[ScoredSequence], *, trainer_version: int, t
         unversioned=int((versions == NO_VERSION).sum()),
         by_version=by_version,
         worst=_worst(parts, trainer_version),
+        with_images=MismatchStats.of(delta[current & imaged], threshold),
     )
 
 
