@@ -228,3 +228,28 @@ async def test_turns_beyond_the_pause_queue_are_refused(fakes: FakeFleet):
         assert all(result.versions[0].version == 1 for result in await asyncio.gather(*queued))
     finally:
         await fleet.close()
+
+
+async def test_a_probe_between_an_engines_new_version_and_the_resume_does_not_call_it_restarted(fakes: FakeFleet):
+    """The engine takes the new version first, then the fleet resumes it: a probe in between (its periodic one, or a
+    turn's) hears the new version from a paused engine. That is the resume under way, not an engine restarted
+    during the pause: the engine is resumed with the others and serves (CI saw the turn queued in the pause 503)."""
+    fleet = await started(fakes)
+    try:
+        await control.pause(fleet, "keep")
+        member = fleet.members[fakes.urls[0]]
+        set_version = member.client.update_weight_version
+
+        async def set_then_probed(version: str, *, within: float) -> bool:
+            done = await set_version(version, within=within)
+            await fleet.probe(member)  # lands before the resume sets the member's version
+            return done
+
+        member.client.update_weight_version = set_then_probed  # type: ignore[method-assign]
+        answer = await control.resume(fleet, 2)
+        assert [engine["state"] for engine in answer["engines"]] == ["healthy", "healthy"] and answer["failed"] == 0
+        assert member.state is EngineState.HEALTHY and member.version == 2
+        result = await sample(fleet, fleet.engines[0], PROMPT, PARAMS)
+        assert result.versions[0].version == 2
+    finally:
+        await fleet.close()

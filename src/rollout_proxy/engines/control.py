@@ -71,10 +71,14 @@ async def resume(fleet: Fleet, version: int) -> dict[str, Any]:
                 f"the engines are not paused (policy version {fleet.version}): pause them before a weight update",
                 param="policy_version",
             )
-        if version != fleet.version and fleet.shared is not None:
-            await shared.publish(fleet, next_version=version)
+        if version != fleet.version:
+            if fleet.shared is not None:
+                await shared.publish(fleet, next_version=version)
+            # a probe meeting an engine already set to the new version before its member is has not met an engine
+            # restarted during the pause (this worker's probes here; every other worker's through the publish)
             fleet.next_version = version
-            await shared.settle(fleet)  # every other worker expects the new version before an engine reports it
+            if fleet.shared is not None:
+                await shared.settle(fleet)  # every other worker expects the new version before an engine reports it
         within = fleet.settings.control_timeout
         targets = [member for member in fleet.members.values() if member.state is EngineState.PAUSED]
         errors = dict(
