@@ -409,7 +409,7 @@ async def test_a_runner_stopped_with_sigterm_stops_its_harnesses(engine, tmp_pat
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    for _ in range(1200):  # both harnesses have started (and made their model call)
+    for _ in range(1200):  # both harnesses have started
         if lines(pids) == 2:
             break
         await asyncio.sleep(0.05)
