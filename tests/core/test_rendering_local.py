@@ -305,7 +305,8 @@ async def test_a_hung_tokenize_during_the_self_check_fails_that_turn_only(engine
         status, refused = await proxy.request(
             "POST", "/v1/chat/completions", json={"model": "m", "messages": [USER]}, token=token
         )
-        assert status in (503, 504) and refused["error"]["type"] != "server_error", refused
+        # the one engine timed out: that is what the client hears (not "no engine can take this turn")
+        assert status == 504 and refused["error"]["type"] != "server_error", refused
         assert await store_snapshot(store) == before and engine.completions == 0
         engine.tokenize_fault = None
         engine.released.set()

@@ -23,6 +23,8 @@ from devtools.vllm_server import VLLMServer
 from tests.integration.conftest import VLLMServers
 
 GENERATED = "vllm:generation_tokens_total"
+#: the pause-keep test's answer length
+KEEP_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +111,11 @@ async def test_pause_wait_returns_when_inflight_finished(client: VLLMDevClient) 
 
 
 async def test_pause_keep_freezes_and_resumes_with_the_same_tokens(client: VLLMDevClient) -> None:
-    reference = await complete(client, completion(PROMPT, 24, ignore_eos=True))
+    # long enough that the rest cannot finish between the poll that saw 6 tokens and the pause's answer
+    # (24 did on a fast machine: CI)
+    reference = await complete(client, completion(PROMPT, KEEP_TOKENS, ignore_eos=True))
     baseline = await client.metric(GENERATED)
-    inflight = asyncio.create_task(complete(client, completion(PROMPT, 24, ignore_eos=True)))
+    inflight = asyncio.create_task(complete(client, completion(PROMPT, KEEP_TOKENS, ignore_eos=True)))
     await generated_at_least(client, baseline, 6)
     await client.pause("keep")
     await asyncio.sleep(1.0)  # outputs sampled before the pause may still be counted just after it answers

@@ -19,7 +19,6 @@ import pytest
 from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.state.connection import RedisOptions
 from rollout_proxy.state.redis import RedisStore
-from tests.conftest import TEMPLATES
 from tests.harness import ADMIN_KEY, ProxyHarness, store_snapshot
 
 USER = [{"role": "user", "content": "Tell me a story."}]
@@ -30,7 +29,9 @@ LOAD_TURNS = 3
 
 @pytest.fixture
 async def engine(tokenizer_dir: Path) -> AsyncIterator[FakeEngine]:
-    fake = FakeEngine(tokenizer_dir, chat_template=TEMPLATES["qwen3_style"])
+    # the tokenizer's own template on both sides, as the proxy runs by default: it renders locally and its
+    # start-up check agrees (a template only the engine had sent every turn's rendering to /tokenize too)
+    fake = FakeEngine(tokenizer_dir)
     async with FakeEngineServer(fake) as url:
         fake.url = url  # type: ignore[attr-defined]
         yield fake

@@ -520,14 +520,22 @@ class TurnRunner:
 
     async def _on_an_engine(self, session: SessionRecord, step: Callable[[GenerationEngine], Awaitable[T]]) -> T:
         """``step`` on the session's engine while it serves, else another; a step that fails because its
-        engine failed (unreachable, too slow) is counted against that engine and done on the next one."""
+        engine failed (unreachable, too slow) is counted against that engine and done on the next one; with
+        no next one the client gets that failure, not a vaguer "no engine can take this turn"."""
         tried: set[str] = set()
+        failure: EngineUnavailable | EngineTimeout | None = None
         while True:
-            engine = await self._engines.route_now(session.engine, exclude=tried)
+            try:
+                engine = await self._engines.route_now(session.engine, exclude=tried)
+            except EngineUnavailable:
+                if failure is None:
+                    raise
+                raise failure from None
             try:
                 return await step(engine)
             except (EngineUnavailable, EngineTimeout) as exc:
                 self._engines.report_failure(engine, exc, what="rendering")
+                failure = exc
                 tried.add(engine.url)
                 if len(tried) > self._engines.retries:
                     raise
