@@ -7,6 +7,7 @@ The processes (a private redis-server, the engine double, anything started with 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -14,7 +15,7 @@ import shlex
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -170,6 +171,19 @@ def cpu_line(cpu: Sequence[float]) -> tuple[float, float]:
 
 
 # -- the report -----------------------------------------------------------------------------------------
+
+
+def comma_choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type``: a comma-separated choice among ``allowed`` (at least one), as a list."""
+
+    def parse(value: str) -> list[str]:
+        chosen = [name for name in value.split(",") if name]
+        unknown = [name for name in chosen if name not in allowed]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated)")
+        return chosen
+
+    return parse
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:

@@ -48,6 +48,7 @@ from bench.harness import (
     OUT,
     ROOT,
     Services,
+    comma_choices,
     cpu_seconds,
     free_port,
     markdown_table,
@@ -307,25 +308,16 @@ def table(report: dict[str, Any]) -> str:
     return what + "\n\n" + markdown_table(header, rows)
 
 
-def names(allowed: tuple[str, ...]) -> Any:
-    def parse(value: str) -> list[str]:
-        chosen = [name for name in value.split(",") if name]
-        unknown = [name for name in chosen if name not in allowed]
-        if unknown or not chosen:
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated)")
-        return chosen
-
-    return parse
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=12, help="turns per conversation (default 12)")
     parser.add_argument("--sessions", type=int, default=8, help="sessions in lock step (default 8)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds, each target once, rotated (default 5)")
     parser.add_argument("--every", type=int, default=4, help="a new image every N turns (default 4)")
-    parser.add_argument("--apis", type=names(APIS), default=list(APIS), help="default chat,responses,messages")
-    parser.add_argument("--stores", type=names(STORES), default=None, help="default memory,redis (redis if installed)")
+    parser.add_argument("--apis", type=comma_choices(APIS), default=list(APIS), help="default chat,responses,messages")
+    parser.add_argument(
+        "--stores", type=comma_choices(STORES), default=None, help="default memory,redis (redis if installed)"
+    )
     parser.add_argument("--out", type=Path, default=OUT, help="where the JSON goes (default out/bench)")
     args = parser.parse_args(argv)
     if args.turns < 1 or args.sessions < 1 or args.rounds < 1 or args.every < 1:

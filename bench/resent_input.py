@@ -54,6 +54,7 @@ from bench.harness import (
     ROOT,
     Services,
     baseline_env,
+    comma_choices,
     cpu_line,
     cpu_seconds,
     free_port,
@@ -334,24 +335,13 @@ def table(report: dict[str, Any]) -> str:
     return markdown_table(header, rows)
 
 
-def names(allowed: tuple[str, ...]) -> Any:
-    def parse(value: str) -> list[str]:
-        chosen = [name for name in value.split(",") if name]
-        unknown = [name for name in chosen if name not in allowed]
-        if unknown or not chosen:
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)} (comma-separated)")
-        return chosen
-
-    return parse
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=100, help="main turns per conversation (default 100)")
     parser.add_argument("--sessions", type=int, default=8, help="sessions in lock step (default 8)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each target once, rotated (default 3)")
-    parser.add_argument("--apis", type=names(APIS), default=list(APIS), help="default responses,chat,messages")
-    parser.add_argument("--cases", type=names(CASES), default=list(CASES), help="default main,interleaved")
+    parser.add_argument("--apis", type=comma_choices(APIS), default=list(APIS), help="default responses,chat,messages")
+    parser.add_argument("--cases", type=comma_choices(CASES), default=list(CASES), help="default main,interleaved")
     parser.add_argument(
         "--baseline", type=Path, help="another checkout (e.g. a git worktree of main), run side by side"
     )

@@ -346,6 +346,31 @@ def _tracing() -> aiohttp.TraceConfig:
     return trace
 
 
+def sampling_fields(params: SamplingParams) -> dict[str, Any]:
+    """The sampling settings of a generate call, as ``/v1/completions`` and ``/inference/v1/generate``'s
+    ``sampling_params`` both take them. Every setting is sent explicitly: vLLM otherwise fills some from the
+    model's ``generation_config.json``."""
+    fields: dict[str, Any] = {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        # vLLM's "no top-k" is -1; the seed's GenerationConfig spells it 0.
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "n": 1,
+        "min_p": 0.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+    }
+    if params.seed is not None:
+        fields["seed"] = params.seed
+    if params.stop:
+        fields["stop"] = list(params.stop)
+    if params.routed_experts_prompt_start is not None:
+        fields["routed_experts_prompt_start"] = params.routed_experts_prompt_start
+    return fields
+
+
 class VLLMEngine:
     """Client of one vLLM server (``/tokenize``, ``/v1/completions``, ``/v1/models``, the dev-mode routes)."""
 
@@ -789,27 +814,11 @@ class VLLMEngine:
         payload: dict[str, Any] = {
             "model": params.served_model or info.model,
             "prompt": orjson.Fragment(echo.json),
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            # vLLM's "no top-k" is -1; the seed's GenerationConfig spells it 0.
-            "top_k": params.top_k if params.top_k > 0 else -1,
-            "n": 1,
+            **sampling_fields(params),
             "logprobs": 0,
             "return_token_ids": True,
             "stream": False,
-            # Send every setting explicitly: vLLM otherwise fills some from generation_config.json.
-            "min_p": 0.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
         }
-        if params.seed is not None:
-            payload["seed"] = params.seed
-        if params.stop:
-            payload["stop"] = list(params.stop)
-        if params.routed_experts_prompt_start is not None:
-            payload["routed_experts_prompt_start"] = params.routed_experts_prompt_start
         if params.cache_salt is not None:
             payload["cache_salt"] = params.cache_salt
         if params.top_logprobs:
@@ -841,24 +850,8 @@ class VLLMEngine:
         started with ``--return-tokens-as-token-ids``."""
         info = await self.info()
         path = GENERATE_PATH
-        sampling: dict[str, Any] = {
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1,
-            "n": 1,
-            "logprobs": params.top_logprobs + 1 if params.top_logprobs else 0,  # see ``_generated_topk``
-            "min_p": 0.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
-        }
-        if params.seed is not None:
-            sampling["seed"] = params.seed
-        if params.stop:
-            sampling["stop"] = list(params.stop)
-        if params.routed_experts_prompt_start is not None:
-            sampling["routed_experts_prompt_start"] = params.routed_experts_prompt_start
+        sampling = sampling_fields(params)
+        sampling["logprobs"] = params.top_logprobs + 1 if params.top_logprobs else 0  # see ``_generated_topk``
         payload: dict[str, Any] = {
             "model": params.served_model or info.model,
             "token_ids": images.collapse(prompt_ids).tolist(),
