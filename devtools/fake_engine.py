@@ -716,6 +716,7 @@ class FakeEngine:
                 "max_tokens": sampling.get("max_tokens"),
                 "cache_salt": payload.get("cache_salt"),
                 "logprobs": sampling.get("logprobs"),
+                "prompt_logprobs": sampling.get("prompt_logprobs"),
             }
         )
         if refusal is not None:
@@ -781,7 +782,10 @@ class FakeEngine:
                 "completion_tokens": len(sampled),
                 "prompt_tokens_details": None,
             },
-            "prompt_logprobs": None,
+            # ``sampling_params.prompt_logprobs: k`` as on /v1/completions, over the expanded prompt
+            "prompt_logprobs": None
+            if sampling.get("prompt_logprobs") is None
+            else self._prompt_logprobs(prompt, int(sampling["prompt_logprobs"]), generation),
             "prompt_token_id_logprobs": None,
             "prompt_token_ids": prompt if echo else None,
             "mm_placeholders": {"image": ranges} if echo and ranges else None,

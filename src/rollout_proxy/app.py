@@ -194,6 +194,7 @@ def create_app(
             teachers=teachers,
             templates=teacher_templates,
             tokenizer=settings.tokenizer,
+            image_rule=app[keys.RENDERERS].image_rule,  # a trajectory's images go to a teacher as to the student
         )
         yield
         await asyncio.gather(*(teacher.close() for teacher in teachers.values()))
@@ -203,6 +204,7 @@ def create_app(
         store = cast(StateStore, InstrumentedStore(app[keys.STORE], app[keys.METRICS]))
         renderers = Renderers(rendering_config(settings), metrics=app[keys.METRICS])
         renderers.warm(app[keys.ENGINES].engines)  # each engine's self-check, before its first turn
+        app[keys.RENDERERS] = renderers
         turns = TurnRunner(
             store=store,
             engines=app[keys.ENGINES],
@@ -248,7 +250,7 @@ def create_app(
         yield
         await app[keys.IMAGES].close()  # its HTTP client, opened by the first image URL fetched
 
-    app.cleanup_ctx.extend([telemetry_ctx, store_ctx, feed_ctx, engines_ctx, teachers_ctx, services_ctx])
+    app.cleanup_ctx.extend([telemetry_ctx, store_ctx, feed_ctx, engines_ctx, services_ctx, teachers_ctx])
     app.cleanup_ctx.extend([viewer_ctx, session_memory_ctx, images_ctx])
     add_routes(app)
     return app

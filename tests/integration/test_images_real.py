@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anthropic
+import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
@@ -32,6 +33,8 @@ MAX_TOKENS = 12
 #: what it must catch is far above: a wrong or missing picture, or a span one token off, moves the logprobs by
 #: tenths of a nat and more (``tests/trainer/test_vision.py``). Measured here: docs/images.md.
 TRAINER_TOLERANCE = 1e-3
+#: max |teacher - sampling| logprob per trained token of a teacher pass on the same weights (``test_opd_real``)
+OPD_TOLERANCE = 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +246,46 @@ async def test_the_trainer_scores_an_image_conversation_as_vllm_sampled_it(vlm_p
     )
     assert report.tokens == trained == report.with_images.tokens  # every one sampled at the trainer's version
     assert delta.max() < TRAINER_TOLERANCE, report.as_dict()["worst"]
+
+
+async def test_a_teacher_pass_with_images_scores_each_sampled_token_as_vllm_sampled_it(
+    vlm_relay: RecordingRelay, audit: TokenAudit
+):
+    """On-policy distillation of an image conversation: the teacher (the same server, so the same weights) gets the
+    student's tokens with the images as the student's turns sent them, and at temperature 1 its prompt logprob of
+    every trained token is the logprob that token was sampled with (``test_opd_real``'s bound: fp32 decode vs
+    prefill); the teacher's expansion is the recorded prompt, token for token."""
+    async with ProxyHarness.running(engine_urls=[vlm_relay.url], teachers=f"same={vlm_relay.url}") as proxy:
+        session = await proxy.create_session([], max_new_tokens=MAX_TOKENS, temperature=1.0)
+        history: list[Any] = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(SKY)}},
+                    {"type": "text", "text": "What is in the picture?"},
+                ],
+            }
+        ]
+        first = await session.client.chat.completions.create(model="smollm2-vlm", messages=history)
+        history += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(RED)}}]},
+        ]
+        second = await session.client.chat.completions.create(model="smollm2-vlm", messages=history)
+        status, scores = await proxy.request(
+            "POST",
+            f"/v1/admin/sessions/{session.session_id}/teacher_pass",
+            json={"response_id": second.id, "teacher": "same"},
+        )
+        assert status == 200, scores
+        trajectory = await proxy.trajectory(second.id)
+    request, answer = vlm_relay.generations[-1]
+    assert request["sampling_params"]["prompt_logprobs"] == 0
+    audit.compare(trajectory["total_token_ids"], answer["prompt_token_ids"])
+    assert answer["prompt_token_ids"] == trajectory["total_token_ids"]
+    weights = np.asarray(trajectory["total_loss_weight"])
+    trained = weights > 0
+    teacher = np.asarray([np.nan if v is None else v for v in scores["total_teacher_logprobs"]], dtype=np.float64)
+    sampled = np.asarray(trajectory["total_token_logprobs"], dtype=np.float64)
+    assert trained.sum() > 0 and not np.isnan(teacher[trained]).any() and np.isnan(teacher[~trained]).all()
+    assert np.abs(teacher[trained] - sampled[trained]).max() < OPD_TOLERANCE

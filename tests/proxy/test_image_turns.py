@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -206,25 +207,66 @@ async def test_messages_an_image_in_a_tool_result_is_token_exact(proxy: ProxyHar
     await assert_exact(proxy, second.id, [RED, SCREEN, RED])
 
 
-async def test_the_teacher_pass_refuses_a_trajectory_with_images_rather_than_score_it_as_text(
+async def test_the_teacher_pass_sends_a_trajectorys_images_as_the_student_did_and_scores_its_tokens(
     vlm_engine: FakeEngine, vlm_dir: Path
 ):
+    """On-policy distillation with images: the teacher (the same weights here) gets the student's tokens with each
+    span collapsed and the images in order, as the student's engine did; its expansion is the recorded one, so
+    it scores every trained token as it was sampled; with a context inserted the spans move along whole."""
     teacher = FakeEngine(vlm_dir, model_name="fake-teacher")
+    vlm_engine.queue("Red.", "Blue.")
     async with (
         FakeEngineServer(teacher) as teacher_url,
         ProxyHarness.running(engine_urls=[vlm_engine.url], fake=vlm_engine, teachers=f"math={teacher_url}") as proxy,
     ):
         session = await proxy.create_session([])
-        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(RED)}}]}]
-        answer = await session.client.chat.completions.create(model="policy", messages=messages)
-        status, body = await proxy.request(
-            "POST",
-            f"/v1/admin/sessions/{session.session_id}/teacher_pass",
-            json={"response_id": answer.id, "teacher": "math"},
+        messages: list[dict[str, Any]] = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(RED)}},
+                    {"type": "text", "text": "Color?"},
+                ],
+            }
+        ]
+        first = await session.client.chat.completions.create(model="policy", messages=messages)
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "And this?"},
+                    {"type": "image_url", "image_url": {"url": data_url(BLUE)}},
+                ],
+            },
+        ]
+        second = await session.client.chat.completions.create(model="policy", messages=messages)
+        trajectory = await proxy.trajectory(second.id)
+        url = f"/v1/admin/sessions/{session.session_id}/teacher_pass"
+        status, plain = await proxy.request("POST", url, json={"response_id": second.id, "teacher": "math"})
+        assert status == 200, plain
+        sent, scored = teacher.generate_requests[-1], teacher.generations[-1].prompt
+        context = [{"qa_index": 0, "message": {"role": "user", "content": "Hint: a primary color."}}]
+        status, hinted = await proxy.request(
+            "POST", url, json={"response_id": second.id, "teacher": "math", "teacher_context": context}
         )
-    assert status == 400 and body["error"]["code"] == "images_unsupported_by_model", body
-    assert "takes no images" in body["error"]["message"]
-    assert not teacher.completions and not teacher.generate_requests
+        assert status == 200, hinted
+    total, spans = trajectory["total_token_ids"], trajectory["images"]
+    assert [part["uuid"] for part in sent["content_parts"]] == [sha(RED), sha(BLUE)] == [s["sha256"] for s in spans]
+    assert sent["sampling_params"]["prompt_logprobs"] == 0 and sent["sampling_params"]["max_tokens"] == 1
+    assert len(sent["token_ids"]) == len(total) - sum(span["length"] - 1 for span in spans)  # each span one marker
+    assert scored == total and not teacher.completions  # expanded by the teacher as recorded; no text route
+    weights = np.asarray(trajectory["total_loss_weight"])
+    values = plain["total_teacher_logprobs"]
+    assert all((value is None) == (weight == 0) for value, weight in zip(values, weights, strict=True))
+    sampled = np.asarray(trajectory["total_token_logprobs"], dtype=np.float32)[weights > 0]
+    assert np.array_equal(np.asarray([v for v in values if v is not None], dtype=np.float32), sampled)
+    injected = hinted["n_tokens_injected"]
+    view = teacher.generations[-1].prompt  # as the teacher expanded it: its spans where the proxy said (else a 502)
+    red, blue = ((span["start"], span["start"] + span["length"]) for span in spans)
+    assert injected > 0 and len(view) == len(total) + injected
+    assert view[red[0] : red[1]] == total[red[0] : red[1]]  # before the context: in place
+    assert view[blue[0] + injected : blue[1] + injected] == total[blue[0] : blue[1]]  # after it: moved along
 
 
 async def test_an_image_turn_cut_by_an_abort_pause_is_continued_with_its_images(vlm_engine: FakeEngine):

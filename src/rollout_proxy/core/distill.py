@@ -12,21 +12,31 @@ Before a teacher scores anything its tokenizer is compared with the student's on
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
 import structlog
 
-from rollout_proxy.core.teacher import CANONICAL_TEXT, PromptScorer, TeacherScores, View, check_topk, render_view, score
+from rollout_proxy.core.teacher import (
+    CANONICAL_TEXT,
+    PromptScorer,
+    TeacherScores,
+    View,
+    check_topk,
+    render_view,
+    score,
+    view_spans,
+)
 from rollout_proxy.core.trajectory import assemble
-from rollout_proxy.engines.base import GenerationEngine
+from rollout_proxy.engines.base import GenerationEngine, PromptImages
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.health import EngineState
 from rollout_proxy.errors import EngineTimeout, EngineUnavailable, ImagesUnsupported, InvalidRequest, NotFound
 from rollout_proxy.ids import session_of_response
-from rollout_proxy.records import ResponseNode, SessionRecord
+from rollout_proxy.records import ImageSpan, ResponseNode, SessionRecord
 from rollout_proxy.state.store import StateStore
+from rollout_proxy.tokenization.images import ImagePlaceholders
 from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavailable, read_chat_template, tokenizer_dir
 from rollout_proxy.tokenization.renderer import ChatRenderer
 
@@ -77,7 +87,8 @@ class Distillation:
     """The proxy's teachers and the passes that use them.
 
     A teacher's contexts are rendered with its ``templates`` entry when it has one (locally, with the
-    student's tokenizer: ``tokenizer``, else the teacher engine's model root), else by its engine."""
+    student's tokenizer: ``tokenizer``, else the teacher engine's model root), else by its engine. A
+    trajectory with images goes to the teacher with them, collapsed by the student's ``image_rule``."""
 
     def __init__(
         self,
@@ -87,8 +98,10 @@ class Distillation:
         teachers: Mapping[str, Fleet],
         templates: Mapping[str, str] | None = None,
         tokenizer: str = "",
+        image_rule: Callable[[GenerationEngine], Awaitable[ImagePlaceholders]] | None = None,
     ) -> None:
         self._store = store
+        self._image_rule = image_rule  # the student's (``core.rendering.Renderers.image_rule``)
         self._student = student
         self._teachers = dict(teachers)
         self._templates = dict(templates or {})
@@ -116,12 +129,6 @@ class Distillation:
             raise InvalidRequest(f"unknown teacher {teacher!r} (this proxy's teachers: {known})", param="teacher")
         topk = check_topk(topk)
         session, path = await self._path(session_id, response_id)
-        if any(node.images for node in path):  # /v1/completions would read the image spans as text tokens
-            raise ImagesUnsupported(
-                "the teacher pass scores through the engine's /v1/completions, which takes no images: a trajectory "
-                "with images cannot be scored by it yet",
-                param="response_id",
-            )
         await self._check_tokenizer(teacher, fleet)
         engine = await self._route_teacher(fleet)
         trajectory = assemble(session_id, path)
@@ -129,10 +136,13 @@ class Distillation:
         view = await self._view(
             engine, session, path, trajectory.total_token_ids, contexts, "teacher_context", renderer=renderer
         )
+        images = await self._view_images(session, trajectory.images, view) if trajectory.images else None
         within = fleet.settings.call_timeout  # the teacher's client leaves completions to its fleet's bound
         try:
             async with asyncio.timeout(within):
-                scores = await score(teacher, cast(PromptScorer, engine), view, trajectory.total_loss_weight, topk=topk)
+                scores = await score(
+                    teacher, cast(PromptScorer, engine), view, trajectory.total_loss_weight, topk=topk, images=images
+                )
         except TimeoutError:
             error = EngineTimeout(f"teacher {teacher!r} did not score the trajectory within {within:g}s")
             fleet.report_failure(engine, error)
@@ -153,6 +163,27 @@ class Distillation:
         engine = await self._route(self._student, sticky=session.engine)
         ids = assemble(session_id, path).total_token_ids
         return await self._view(engine, session, path, ids, contexts, "critic_context"), ids
+
+    async def _view_images(self, session: SessionRecord, spans: Sequence[ImageSpan], view: View) -> PromptImages:
+        """The images of a trajectory for its teacher: each span at its place in ``view``, its bytes from the
+        session's image store, the marker the student's model collapses it to (the teacher shares the student's
+        tokenizer: checked), so the teacher's engine expands them as the student's did (checked on its echo)."""
+        if self._image_rule is None:
+            raise ImagesUnsupported("this proxy has no image placeholder rule for its teachers", param="response_id")
+        rule = await self._image_rule(self._student.route(session.engine))
+        blobs = await self._store.get_images(session.id, list(dict.fromkeys(span.sha256 for span in spans)))
+        missing = [span.sha256 for span in spans if span.sha256 not in blobs]
+        if missing:
+            raise NotFound(
+                f"the session's image store no longer holds {len(missing)} image(s) of this trajectory "
+                f"({missing[0][:16]}...)",
+                param="response_id",
+            )
+        return PromptImages(
+            rule.marker_id,
+            view_spans(view, [(span.start, span.length) for span in spans]),
+            tuple(blobs[span.sha256] for span in spans),
+        )
 
     async def _path(self, session_id: str, response_id: str) -> tuple[SessionRecord, list[ResponseNode]]:
         if session_of_response(response_id) != session_id:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rollout_proxy.engines.base import clamped_logprob
+from rollout_proxy.engines.base import PromptImages, clamped_logprob
 from rollout_proxy.errors import EngineError, InvalidRequest
 from rollout_proxy.records import NodeKind, ResponseNode, TeacherScores, TopLogprobs
 from rollout_proxy.tokenization.renderer import ChatRenderer
@@ -40,7 +40,9 @@ CANONICAL_TEXT = (
 class PromptScorer(Protocol):
     """An engine that scores a prompt: vLLM's ``prompt_logprobs`` (entry 0 is None)."""
 
-    async def prompt_logprobs(self, prompt_ids: np.ndarray, k: int) -> list[dict[str, Any] | None]: ...
+    async def prompt_logprobs(
+        self, prompt_ids: np.ndarray, k: int, *, images: PromptImages | None = None
+    ) -> list[dict[str, Any] | None]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +226,18 @@ def align(
     )
 
 
+def view_spans(view: View, spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Image spans of the student's tokens (offset, length) at their place in ``view``: a fragment goes in at a
+    turn boundary, never inside a span, so each span stays whole (a ``ValueError`` if one did not)."""
+    placed = []
+    for start, length in spans:
+        first, last = int(view.positions[start]), int(view.positions[start + length - 1])
+        if last - first != length - 1:
+            raise ValueError(f"a teacher context was inserted inside the image span at {start}")
+        placed.append((first, length))
+    return tuple(placed)
+
+
 def check_topk(topk: Any) -> int:
     if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= MAX_TOPK:
         raise InvalidRequest(f"topk must be an integer within [0, {MAX_TOPK}]", param="topk")
@@ -237,9 +251,11 @@ async def score(
     loss_weight: np.ndarray,
     *,
     topk: int,
+    images: PromptImages | None = None,
 ) -> TeacherScores:
-    """One engine call for the whole view; ``topk`` < 2 asks only for each token's own logprob."""
+    """One engine call for the whole view; ``topk`` < 2 asks only for each token's own logprob; ``images``: the
+    view's (``view_images``), when it holds any."""
     k = topk if topk >= 2 else 0
-    entries = await scorer.prompt_logprobs(view.ids, k)
+    entries = await scorer.prompt_logprobs(view.ids, k, images=images)
     chosen, ids, logprobs = read_prompt_logprobs(entries, view.ids, k)
     return align(teacher, view, loss_weight, chosen, ids, logprobs)

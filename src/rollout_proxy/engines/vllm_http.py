@@ -371,6 +371,30 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
     return fields
 
 
+def generate_payload(
+    model: str, prompt_ids: np.ndarray, images: PromptImages, sampling: dict[str, Any]
+) -> dict[str, Any]:
+    """A ``/inference/v1/generate`` body for a prompt with images: each span collapsed to its marker, the images
+    as ``content_parts`` in prompt order (data URLs; ``uuid``: the sha256, vLLM's cache key for the image), and
+    the echo of the expanded prompt and its spans asked for (``return_token_ids``)."""
+    return {
+        "model": model,
+        "token_ids": images.collapse(prompt_ids).tolist(),
+        "content_parts": [
+            {
+                "type": "image_url",
+                "url": f"data:{image.mime};base64,{base64.b64encode(image.data).decode('ascii')}",
+                "uuid": image.sha256,
+            }
+            for image in images.images
+        ],
+        "sampling_params": sampling,
+        "return_token_ids": True,
+        "output_mode": "text",
+        "stream": False,
+    }
+
+
 class VLLMEngine:
     """Client of one vLLM server (``/tokenize``, ``/v1/completions``, ``/v1/models``, the dev-mode routes)."""
 
@@ -852,22 +876,7 @@ class VLLMEngine:
         path = GENERATE_PATH
         sampling = sampling_fields(params)
         sampling["logprobs"] = params.top_logprobs + 1 if params.top_logprobs else 0  # see ``_generated_topk``
-        payload: dict[str, Any] = {
-            "model": params.served_model or info.model,
-            "token_ids": images.collapse(prompt_ids).tolist(),
-            "content_parts": [
-                {
-                    "type": "image_url",
-                    "url": f"data:{image.mime};base64,{base64.b64encode(image.data).decode('ascii')}",
-                    "uuid": image.sha256,
-                }
-                for image in images.images
-            ],
-            "sampling_params": sampling,
-            "return_token_ids": True,
-            "output_mode": "text",
-            "stream": False,
-        }
+        payload = generate_payload(params.served_model or info.model, prompt_ids, images, sampling)
         if params.cache_salt is not None:
             payload["cache_salt"] = params.cache_salt
         response = await self._request(
@@ -920,30 +929,53 @@ class VLLMEngine:
             self.returns_routing = choice.get("routed_experts") is not None
 
     async def prompt_logprobs(
-        self, prompt_ids: np.ndarray, k: int, *, model: str | None = None
+        self, prompt_ids: np.ndarray, k: int, *, model: str | None = None, images: PromptImages | None = None
     ) -> list[dict[str, Any] | None]:
         """``prompt_logprobs: k`` over a token-id prompt (``max_tokens: 1``): per position the prompt token's
         logprob (and rank) and the top ``k``; entry 0 is None. The teacher pass of on-policy distillation.
-        ``model``: a served adapter's name (the teacher is that adapter); None: the base."""
+        ``model``: a served adapter's name (the teacher is that adapter); None: the base. ``images``: the
+        prompt's, when it holds any (``/inference/v1/generate``, as for a turn)."""
         info = await self.info()
-        payload = {
-            "model": model or info.model,
-            "prompt": prompt_ids.tolist(),
-            "max_tokens": 1,
-            "temperature": 1.0,
-            "top_p": 1.0,
-            "top_k": -1,
-            "n": 1,
-            "prompt_logprobs": k,
-            "stream": False,
-        }
-        response = await self._request("POST", "/v1/completions", payload, limits=self._completion_timeout, pooled=True)
+        scoring: dict[str, Any] = {"max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "n": 1}
+        if images is not None:
+            return await self._image_prompt_logprobs(model or info.model, prompt_ids, k, images, scoring)
+        payload = {"model": model or info.model, "prompt": prompt_ids.tolist(), **scoring, "prompt_logprobs": k}
+        path = "/v1/completions"
+        response = await self._request(
+            "POST", path, {**payload, "stream": False}, limits=self._completion_timeout, pooled=True
+        )
         try:
             entries = response["choices"][0]["prompt_logprobs"]
         except (KeyError, IndexError, TypeError) as exc:
-            raise self._failed(EngineError("the engine returned no prompt_logprobs"), "/v1/completions", exc) from exc
+            raise self._failed(EngineError("the engine returned no prompt_logprobs"), path, exc) from exc
         if not isinstance(entries, list):
-            raise self._failed(EngineError("the engine returned no prompt_logprobs"), "/v1/completions")
+            raise self._failed(EngineError("the engine returned no prompt_logprobs"), path)
+        return entries
+
+    async def _image_prompt_logprobs(
+        self, model: str, prompt_ids: np.ndarray, k: int, images: PromptImages, scoring: dict[str, Any]
+    ) -> list[dict[str, Any] | None]:
+        """``prompt_logprobs`` of a prompt with images, through ``/inference/v1/generate`` as a turn's prompt goes
+        (spans collapsed, the images as ``content_parts``). The scores are the expanded prompt's, so the engine's
+        echo of it (and of where it put each span) must be ``prompt_ids`` (and ``images.spans``) exactly: else a
+        score would sit on another token than the one it is read for."""
+        path = GENERATE_PATH
+        # logprobs 0: the one sampled token's, which ``generated`` reads with the echo
+        payload = generate_payload(model, prompt_ids, images, {**scoring, "logprobs": 0, "prompt_logprobs": k})
+        response = await self._request("POST", path, payload, limits=self._completion_timeout, pooled=True)
+        entries = response.get("prompt_logprobs") if isinstance(response, dict) else None
+        if not isinstance(entries, list):
+            raise self._failed(EngineError("the engine returned no prompt_logprobs"), path)
+        try:
+            echoed = generated(response)
+        except EngineError as exc:
+            raise self._failed(exc, path) from None
+        if echoed.prompt_ids is None or not np.array_equal(echoed.prompt_ids, prompt_ids):
+            raise self._failed(
+                EngineError("the engine expanded the prompt's images into other tokens than the recorded ones"), path
+            )
+        if echoed.image_spans is not None and echoed.image_spans != images.spans:
+            raise self._failed(EngineError("the engine placed the prompt's images elsewhere than recorded"), path)
         return entries
 
     async def _stream(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from rollout_proxy.core.distill import Distillation
+from rollout_proxy.core.rendering import Renderers
 from rollout_proxy.core.sessions import SessionService
 from rollout_proxy.core.tree import ResponseTree
 from rollout_proxy.core.turn_service import TurnService
@@ -31,6 +32,7 @@ IMAGES = web.AppKey("images", ImageIntake)  # the images requests send, taken in
 FEED = web.AppKey("feed", Feed)
 ENGINES = web.AppKey("engines", Fleet)
 POLICIES = web.AppKey("policies", Policies)  # the fleet's LoRA policies (``engines.policies``)
+RENDERERS = web.AppKey("renderers", Renderers)  # each engine's renders: local or its /tokenize
 SESSIONS = web.AppKey("sessions", SessionService)
 TREE = web.AppKey("tree", ResponseTree)
 TURNS = web.AppKey("turns", TurnService)  # every API's turns (``core.turn_service``)
