@@ -67,7 +67,7 @@ from aiohttp import web
 from devtools import fake_lora
 from devtools.fake_images import FakeImages, ImageRequestError
 from devtools.fake_moe import FakeMoE
-from devtools.fake_stream import FakeStream
+from devtools.fake_stream import FakeGenerateStream, FakeStream
 from rollout_proxy.engines.vllm_http import is_routing_probe
 from rollout_proxy.tokenization import vllm_chat
 
@@ -648,10 +648,16 @@ class FakeEngine:
         return _json_response(body)
 
     async def _run(
-        self, generation: Generation, max_tokens: int, *, probe: bool = False, stream_to: web.Request | None = None
+        self,
+        generation: Generation,
+        max_tokens: int,
+        *,
+        probe: bool = False,
+        stream_to: web.Request | None = None,
+        stream_kind: Callable[..., FakeStream] = FakeStream,
     ) -> FakeStream | None:
         """Generate ``generation`` (after a pause's resume, a hang fault's release), its finish reason set;
-        ``stream_to``: the request whose answer streams it (the ``FakeStream`` is returned to finish)."""
+        ``stream_to``: the request whose answer streams it (a ``stream_kind``, returned to finish)."""
         await _first(self._resumed.wait(), generation.cut.wait())  # a request sent while paused waits
         if self.fault == "hang":
             await _first(self._released.wait(), generation.cut.wait())
@@ -659,7 +665,7 @@ class FakeEngine:
         truncated = len(planned) > max_tokens
         planned = planned[:max_tokens]
         stream = (
-            FakeStream(self, stream_to, generation, n_planned=len(planned), truncated=truncated)
+            stream_kind(self, stream_to, generation, n_planned=len(planned), truncated=truncated)
             if stream_to is not None
             else None
         )
@@ -684,7 +690,7 @@ class FakeEngine:
     async def _generate_tokens(self, request: web.Request) -> web.StreamResponse:
         """``POST /inference/v1/generate`` (vLLM's ``--enable-scale-out``): token ids, with images as
         ``content_parts`` (``fake_images``); answered as ``GenerateTextResponse`` (``output_mode: "text"``) or
-        ``GenerateTokensResponse``, not streamed."""
+        ``GenerateTokensResponse``; with ``stream: true`` chunk by chunk (``FakeGenerateStream``)."""
         payload = await self._json_object(request)
         if isinstance(payload, web.Response):
             return payload
@@ -699,8 +705,6 @@ class FakeEngine:
             return _invalid("body.token_ids", "list_type", "Input should be a non-empty list of integers", token_ids)
         if not isinstance(sampling, dict):
             return _invalid("body.sampling_params", "missing", "Field required", payload)
-        if payload.get("stream"):
-            return _error(400, "the fake engine serves /inference/v1/generate without streaming")
         parts = payload.get("content_parts") or []
         prompt, ranges = list(token_ids), None
         if parts:
@@ -729,6 +733,11 @@ class FakeEngine:
         generation.adapter = adapter.key if adapter is not None else None
         generation.adapter_path = adapter.path if adapter is not None and adapter.key is not None else None
         max_tokens = min(int(sampling.get("max_tokens") or 16), self.max_model_len - len(prompt))
+        if payload.get("stream"):
+            streamed = functools.partial(FakeGenerateStream, ranges=ranges)
+            stream = await self._run(generation, max_tokens, stream_to=request, stream_kind=streamed)
+            assert stream is not None
+            return await stream.finish()
         await self._run(generation, max_tokens)
         body = self._generate_body(payload, generation, ranges)
         if self.fault == "reset":

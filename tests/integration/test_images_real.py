@@ -24,6 +24,7 @@ from PIL import Image, ImageDraw
 
 from tests.harness import ProxyHarness
 from tests.integration.conftest import RecordingRelay, TokenAudit, VLLMServers
+from tests.integration.test_streaming_real import StreamRecorder
 
 MAX_TOKENS = 12
 
@@ -289,3 +290,48 @@ async def test_a_teacher_pass_with_images_scores_each_sampled_token_as_vllm_samp
     sampled = np.asarray(trajectory["total_token_logprobs"], dtype=np.float64)
     assert trained.sum() > 0 and not np.isnan(teacher[trained]).any() and np.isnan(teacher[~trained]).all()
     assert np.abs(teacher[trained] - sampled[trained]).max() < OPD_TOLERANCE
+
+
+async def test_a_streamed_image_turn_is_vllms_own_stream_token_for_token(vlm_server: str, audit: TokenAudit):
+    """A streamed chat turn with images streams from vLLM's generate route: the client's text is vLLM's streamed
+    text, and the trajectory is the expanded prompt vLLM echoed on its first chunk and the tokens of its chunks,
+    with each image's span where vLLM's ``mm_placeholders`` put it."""
+    async with (
+        StreamRecorder.serving(vlm_server) as relay,
+        ProxyHarness.running(engine_urls=[relay.url]) as proxy,
+    ):
+        session = await proxy.create_session([], max_new_tokens=MAX_TOKENS, temperature=0.0)
+        history: list[Any] = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(SCREEN)}},
+                    {"type": "text", "text": "Describe it."},
+                ],
+            }
+        ]
+        first = await session.client.chat.completions.create(model="smollm2-vlm", messages=history)
+        history += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(SKY)}}]},
+        ]
+        stream = await session.client.chat.completions.create(model="smollm2-vlm", messages=history, stream=True)
+        text, response_id = "", None
+        async for chunk in stream:
+            response_id = chunk.id
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+        assert response_id is not None
+        trajectory = await proxy.trajectory(response_id)
+    ((request, chunks),) = relay.streams  # the first turn was a plain call; the second, one stream
+    assert request["stream"] is True and [part["uuid"] for part in request["content_parts"]] == [
+        hashlib.sha256(data).hexdigest() for data in (SCREEN, SKY)
+    ]
+    choices = [choice for chunk in chunks for choice in chunk["choices"]]
+    output = [token for choice in choices for token in choice["token_ids"]]
+    prompt = chunks[0]["prompt_token_ids"]
+    audit.compare(trajectory["total_token_ids"], prompt + output)
+    assert trajectory["total_token_ids"] == prompt + output and output
+    assert text.strip() == "".join(choice.get("text") or "" for choice in choices).strip()  # as the parser trims
+    placed = [(span["offset"], span["length"]) for span in chunks[0]["mm_placeholders"]["image"]]
+    assert [(image["start"], image["length"]) for image in trajectory["images"]] == placed

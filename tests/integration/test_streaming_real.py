@@ -24,14 +24,16 @@ SYSTEM = "You are a weather assistant. Call get_weather when you need the weathe
 
 @dataclass
 class StreamRecorder(RecordingRelay):
-    """The recording relay, also for ``stream: true`` completions: forwarded chunk by chunk, kept parsed."""
+    """The recording relay, also for ``stream: true`` calls (``/v1/completions``, and ``/inference/v1/generate``
+    for prompts with images): forwarded chunk by chunk, kept parsed."""
 
     streams: list[tuple[dict[str, Any], list[dict[str, Any]]]] = field(default_factory=list)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:  # type: ignore[override]
         body = await request.read()
         payload = orjson.loads(body) if body else None
-        if request.path != "/v1/completions" or not (isinstance(payload, dict) and payload.get("stream")):
+        streamed = request.path in ("/v1/completions", "/inference/v1/generate")
+        if not streamed or not (isinstance(payload, dict) and payload.get("stream")):
             return await super().handle(request)
         raw = bytearray()
         async with (

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anthropic
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from PIL import Image
 from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.proxy import keys
 from tests.harness import ProxyHarness
+from tests.proxy.test_stream_release import sse_events
 
 CALL = '<tool_call>\n{"name": "screenshot", "arguments": {}}\n</tool_call>'
 TOOL = {
@@ -73,12 +75,14 @@ async def assert_exact(proxy: ProxyHarness, response_id: str, images: list[bytes
     assert fake is not None
     trajectory = await proxy.trajectory(response_id)
     total, weights = trajectory["total_token_ids"], trajectory["total_loss_weight"]
-    for generation in fake.generations:
+    # the turns' calls (a first streamed turn is preceded by the one-token routing probe on /v1/completions)
+    generations = [generation for generation in fake.generations if generation.request_id.startswith("generate-")]
+    for generation in generations:
         prompt = generation.prompt
         assert total[: len(prompt)] == prompt
         assert total[len(prompt) : len(prompt) + len(generation.tokens)] == generation.tokens
         assert all(weight == 1.0 for weight in weights[len(prompt) : len(prompt) + len(generation.tokens)])
-    last = fake.generations[-1]
+    last = generations[-1]
     assert len(total) == len(last.prompt) + len(last.tokens)
     assert [image["sha256"] for image in trajectory["images"]] == [sha(data) for data in images]
     for image, data in zip(trajectory["images"], images, strict=True):
@@ -90,7 +94,7 @@ async def assert_exact(proxy: ProxyHarness, response_id: str, images: list[bytes
         1 for token in total if token in set(span_ids(fake))
     )
     # each call sent every image of its prompt, in order, named by its hash; none went to /v1/completions
-    for request, generation in zip(fake.generate_requests, fake.generations, strict=True):
+    for request, generation in zip(fake.generate_requests, generations, strict=True):
         shown = [image for image in trajectory["images"] if image["start"] < len(generation.prompt)]
         assert [part["uuid"] for part in request["content_parts"]] == [image["sha256"] for image in shown]
     assert not fake.completions
@@ -304,3 +308,67 @@ async def test_an_image_turn_cut_by_an_abort_pause_is_continued_with_its_images(
             0,
             1,
         ]  # the warm turn, then both parts
+
+
+STORY = " ".join(f"river{n}" for n in range(30))
+
+
+@pytest.mark.parametrize("api", ["chat", "messages"])
+async def test_a_streamed_image_turn_streams_before_half_of_it_is_sampled(vlm_dir: Path, api: str):
+    """A streamed turn whose prompt holds an image streams from vLLM's generate route as a text turn streams from
+    /v1/completions: the client has its first content before half the answer is sampled (read off the fake's
+    generation in flight, not a clock), and the record is token-exact, the engine's echoed spans included."""
+    engine = FakeEngine(vlm_dir, delay=2.0)  # ~20 ms a token
+    async with (
+        FakeEngineServer(engine) as url,
+        ProxyHarness.running(engine_urls=[url], fake=engine) as proxy,
+        aiohttp.ClientSession() as http,
+    ):
+        engine.queue(STORY)
+        planned = len(engine.encode(STORY)) + 1  # and the end-of-turn token
+        session = await proxy.create_session([], max_new_tokens=400)
+        if api == "chat":
+            path = "/v1/chat/completions"
+            content: list[dict[str, Any]] = [
+                {"type": "text", "text": "Tell me about this picture."},
+                {"type": "image_url", "image_url": {"url": data_url(RED)}},
+            ]
+        else:
+            path = "/v1/messages"
+            content = [
+                {"type": "text", "text": "Tell me about this picture."},
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(RED).decode()},
+                },
+            ]
+        body = {
+            "model": "policy",
+            "max_tokens": 400,
+            "stream": True,
+            "messages": [{"role": "user", "content": content}],
+        }
+        response = await http.post(proxy.url + path, json=body, headers={"Authorization": f"Bearer {session.api_key}"})
+        assert response.status == 200, await response.text()
+        text, response_id, sampled_at_first_content = "", None, None
+        async for event in sse_events(response):
+            if api == "chat":
+                response_id = event.get("id", response_id)
+                delta = ((event.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
+            else:
+                if event.get("type") == "message_start":
+                    response_id = event["message"]["id"]
+                delta = (
+                    (event.get("delta") or {}).get("text") or "" if event.get("type") == "content_block_delta" else ""
+                )
+            if delta and sampled_at_first_content is None:
+                (generation,) = engine.generating
+                sampled_at_first_content = len(generation.tokens)
+            text += delta
+        assert text == STORY
+        assert sampled_at_first_content is not None and sampled_at_first_content < planned / 2, (
+            f"the first content came after {sampled_at_first_content} of {planned} tokens"
+        )
+        assert [request["stream"] for request in engine.generate_requests] == [True]
+        assert response_id is not None
+        await assert_exact(proxy, response_id, [RED])

@@ -204,6 +204,34 @@ def _top_logprobs(choice: dict[str, Any], output_ids: np.ndarray, k: int) -> Top
     return TopLogprobs(ids=ids, logprobs=values)
 
 
+def placeholder_spans(response: dict[str, Any]) -> tuple[tuple[int, int], ...] | None:
+    """Where a ``/inference/v1/generate`` answer (or its first streamed chunk) says the engine put each image's
+    span (``mm_placeholders["image"]``: offset, length); None when it does not say."""
+    placeholders = response.get("mm_placeholders")
+    if not isinstance(placeholders, dict):
+        return None
+    try:
+        return tuple((int(item["offset"]), int(item["length"])) for item in placeholders.get("image") or ())
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineError("the engine's mm_placeholders are not offsets and lengths") from exc
+
+
+def generate_chunk(chunk: Any) -> Any:
+    """A streamed ``/inference/v1/generate`` chunk in a streamed ``/v1/completions`` chunk's shape, as
+    ``StreamAssembly`` reads it: the prompt's echo (top-level there) on the choice, each token's logprob from
+    ``logprobs.content`` as ``token_logprobs``. Anything else (an error, a usage chunk) is left as it is."""
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return chunk
+    choice = dict(choices[0])
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if isinstance(content, list):
+        choice["logprobs"] = {"token_logprobs": [e.get("logprob") if isinstance(e, dict) else None for e in content]}
+    choice["prompt_token_ids"] = chunk.get("prompt_token_ids")
+    return {**chunk, "choices": [choice]}
+
+
 def generated(response: Any, *, top_logprobs: int = 0) -> EngineCompletion:
     """vLLM's ``GenerateTextResponse`` (``/inference/v1/generate``, ``output_mode: "text"``) as a completion:
     ``choices[0]``'s ``token_ids``, ``text``, ``logprobs.content[i].logprob`` (and its ``top_logprobs``, keyed
@@ -228,13 +256,7 @@ def generated(response: Any, *, top_logprobs: int = 0) -> EngineCompletion:
     )
     topk = _generated_topk(content, top_logprobs) if top_logprobs else None
     prompt = response.get("prompt_token_ids")
-    placeholders = response.get("mm_placeholders")
-    spans = None
-    if isinstance(placeholders, dict):
-        try:
-            spans = tuple((int(item["offset"]), int(item["length"])) for item in placeholders.get("image") or ())
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EngineError("the engine's mm_placeholders are not offsets and lengths") from exc
+    spans = placeholder_spans(response)
     return EngineCompletion(
         prompt_ids=None if prompt is None else np.asarray(prompt, dtype=np.int32),
         output_ids=output_ids,
@@ -832,6 +854,8 @@ class VLLMEngine:
         if images is not None:
             if sink is not None:
                 await sink.begin(prompt_ids)
+                if await self._streams(params, prompt_ids):
+                    return await self._generate_stream(prompt_ids, params, images, sink, on_sent=on_sent)
             return await self._generate(prompt_ids, params, images, on_sent=on_sent)
         info = await self.info()
         echo = PromptEcho(prompt_ids)
@@ -850,12 +874,49 @@ class VLLMEngine:
             payload["return_tokens_as_token_ids"] = True
         if sink is not None:
             await sink.begin(prompt_ids)
-            if not params.top_logprobs:  # top-k rows are not streamed: a plain call
-                if self.returns_routing is None:
-                    await self.learn_routing(int(prompt_ids[0]) if len(prompt_ids) else 0)
-                if self.returns_routing is False:
-                    return await self._stream(payload, echo, sink, on_sent=on_sent)
+            if await self._streams(params, prompt_ids):
+                return await self._stream(payload, echo, sink, on_sent=on_sent)
         return await self._complete_once(payload, echo, on_sent=on_sent)
+
+    async def _streams(self, params: SamplingParams, prompt_ids: np.ndarray) -> bool:
+        """Whether a turn with a sink is streamed from this engine: not with top-k rows (they are not streamed),
+        nor from an engine that returns MoE routing (vLLM does not stream it: learned once, by a probe)."""
+        if params.top_logprobs:
+            return False
+        if self.returns_routing is None:
+            await self.learn_routing(int(prompt_ids[0]) if len(prompt_ids) else 0)
+        return self.returns_routing is False
+
+    async def _generate_stream(
+        self,
+        prompt_ids: np.ndarray,
+        params: SamplingParams,
+        images: PromptImages,
+        sink: PieceSink,
+        *,
+        on_sent: Callable[[], None] | None,
+    ) -> EngineCompletion:
+        """``_generate``, streamed: the same body with ``stream: true``; each chunk (vLLM's
+        ``GenerateTextStreamResponse``) read as a ``/v1/completions`` one (``generate_chunk``), the first with
+        the expanded prompt's echo and its spans, which the completion carries as ``_generate``'s does."""
+        info = await self.info()
+        sampling = sampling_fields(params)
+        sampling["logprobs"] = 0
+        payload = generate_payload(params.served_model or info.model, prompt_ids, images, sampling)
+        if params.cache_salt is not None:
+            payload["cache_salt"] = params.cache_salt
+        spans: list[tuple[tuple[int, int], ...] | None] = []
+
+        def as_completion_chunk(chunk: Any) -> Any:
+            if not spans and isinstance(chunk, dict) and "mm_placeholders" in chunk:
+                spans.append(placeholder_spans(chunk))
+            return generate_chunk(chunk)
+
+        completion = await self._stream(
+            payload, PromptEcho(prompt_ids), sink, on_sent=on_sent, path=GENERATE_PATH, adapt=as_completion_chunk
+        )
+        completion.image_spans = spans[0] if spans else None
+        return completion
 
     async def _generate(
         self,
@@ -979,11 +1040,19 @@ class VLLMEngine:
         return entries
 
     async def _stream(
-        self, payload: dict[str, Any], echo: PromptEcho, sink: PieceSink, *, on_sent: Callable[[], None] | None
+        self,
+        payload: dict[str, Any],
+        echo: PromptEcho,
+        sink: PieceSink,
+        *,
+        on_sent: Callable[[], None] | None,
+        path: str = "/v1/completions",
+        adapt: Callable[[Any], Any] | None = None,
     ) -> EngineCompletion:
         """``stream: true``: each chunk to ``sink`` as it arrives. Leaving early (the sink raised, the caller was
-        cancelled) closes the response: that is how vLLM learns to abort the request."""
-        path, limits = "/v1/completions", self._completion_timeout
+        cancelled) closes the response: that is how vLLM learns to abort the request. ``adapt``: each parsed chunk
+        of another route (``path``) in ``/v1/completions``' shape."""
+        limits = self._completion_timeout
         trace = {"on_sent": on_sent} if on_sent is not None else None
         if on_sent is not None and not self._owns_session:
             on_sent()
@@ -1020,6 +1089,8 @@ class VLLMEngine:
                                 raise self._failed(
                                     EngineError("the engine streamed a chunk that is not JSON"), path, exc
                                 ) from exc
+                            if adapt is not None:
+                                chunk = adapt(chunk)
                             piece = assembly.add(chunk, _sampled_logprobs)
                             if piece is not None:
                                 await sink.piece(piece)
