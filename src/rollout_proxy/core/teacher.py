@@ -254,7 +254,7 @@ async def score(
     images: PromptImages | None = None,
 ) -> TeacherScores:
     """One engine call for the whole view; ``topk`` < 2 asks only for each token's own logprob; ``images``: the
-    view's (``view_images``), when it holds any."""
+    view's, when it holds any (spans placed by ``view_spans``)."""
     k = topk if topk >= 2 else 0
     entries = await scorer.prompt_logprobs(view.ids, k, images=images)
     chosen, ids, logprobs = read_prompt_logprobs(entries, view.ids, k)

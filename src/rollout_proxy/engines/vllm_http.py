@@ -899,12 +899,7 @@ class VLLMEngine:
         """``_generate``, streamed: the same body with ``stream: true``; each chunk (vLLM's
         ``GenerateTextStreamResponse``) read as a ``/v1/completions`` one (``generate_chunk``), the first with
         the expanded prompt's echo and its spans, which the completion carries as ``_generate``'s does."""
-        info = await self.info()
-        sampling = sampling_fields(params)
-        sampling["logprobs"] = 0
-        payload = generate_payload(params.served_model or info.model, prompt_ids, images, sampling)
-        if params.cache_salt is not None:
-            payload["cache_salt"] = params.cache_salt
+        payload = await self._generate_body(prompt_ids, params, images)
         spans: list[tuple[tuple[int, int], ...] | None] = []
 
         def as_completion_chunk(chunk: Any) -> Any:
@@ -917,6 +912,19 @@ class VLLMEngine:
         )
         completion.image_spans = spans[0] if spans else None
         return completion
+
+    async def _generate_body(
+        self, prompt_ids: np.ndarray, params: SamplingParams, images: PromptImages
+    ) -> dict[str, Any]:
+        """The ``/inference/v1/generate`` body of a turn's call (``_generate``; ``_generate_stream`` sends it with
+        ``stream: true``)."""
+        info = await self.info()
+        sampling = sampling_fields(params)
+        sampling["logprobs"] = params.top_logprobs + 1 if params.top_logprobs else 0  # see ``_generated_topk``
+        payload = generate_payload(params.served_model or info.model, prompt_ids, images, sampling)
+        if params.cache_salt is not None:
+            payload["cache_salt"] = params.cache_salt
+        return payload
 
     async def _generate(
         self,
@@ -933,13 +941,8 @@ class VLLMEngine:
         the expanded prompt and where it put each span (``mm_placeholders``). ``output_mode: "text"``: vLLM's
         text, stop strings cut as on ``/v1/completions``; top logprobs come back by id only from an engine
         started with ``--return-tokens-as-token-ids``."""
-        info = await self.info()
         path = GENERATE_PATH
-        sampling = sampling_fields(params)
-        sampling["logprobs"] = params.top_logprobs + 1 if params.top_logprobs else 0  # see ``_generated_topk``
-        payload = generate_payload(params.served_model or info.model, prompt_ids, images, sampling)
-        if params.cache_salt is not None:
-            payload["cache_salt"] = params.cache_salt
+        payload = await self._generate_body(prompt_ids, params, images)
         response = await self._request(
             "POST", path, payload, limits=self._completion_timeout, on_sent=on_sent, pooled=True
         )
@@ -1000,11 +1003,15 @@ class VLLMEngine:
         scoring: dict[str, Any] = {"max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "n": 1}
         if images is not None:
             return await self._image_prompt_logprobs(model or info.model, prompt_ids, k, images, scoring)
-        payload = {"model": model or info.model, "prompt": prompt_ids.tolist(), **scoring, "prompt_logprobs": k}
         path = "/v1/completions"
-        response = await self._request(
-            "POST", path, {**payload, "stream": False}, limits=self._completion_timeout, pooled=True
-        )
+        payload = {
+            "model": model or info.model,
+            "prompt": prompt_ids.tolist(),
+            **scoring,
+            "prompt_logprobs": k,
+            "stream": False,
+        }
+        response = await self._request("POST", path, payload, limits=self._completion_timeout, pooled=True)
         try:
             entries = response["choices"][0]["prompt_logprobs"]
         except (KeyError, IndexError, TypeError) as exc:
