@@ -66,7 +66,7 @@ from aiohttp import web
 
 from devtools import fake_lora
 from devtools.fake_images import FakeImages, ImageRequestError
-from devtools.fake_moe import FakeMoE
+from devtools.fake_moe import FakeMoE, image_features
 from devtools.fake_stream import FakeGenerateStream, FakeStream
 from rollout_proxy.engines.vllm_http import is_routing_probe
 from rollout_proxy.tokenization import vllm_chat
@@ -739,18 +739,24 @@ class FakeEngine:
             assert stream is not None
             return await stream.finish()
         await self._run(generation, max_tokens)
-        body = self._generate_body(payload, generation, ranges)
+        body = self._generate_body(payload, generation, ranges, parts)
         if self.fault == "reset":
             return await self._reset_midway(request, body)
         return _json_response(body)
 
     def _generate_body(
-        self, payload: dict[str, Any], generation: Generation, ranges: list[dict[str, int]] | None
+        self,
+        payload: dict[str, Any],
+        generation: Generation,
+        ranges: list[dict[str, int]] | None,
+        parts: list[dict[str, Any]],
     ) -> dict[str, Any]:
         """vLLM's ``GenerateTextResponse`` / ``GenerateTokensResponse`` (``protocol.py``): with ``logprobs: k``
         per sampled token the token, its logprob and the first ``max(k, 1)`` of (the sampled token, then the
         best), as vLLM's ``_create_text_logprobs`` lists them (``token_id:N`` tokens: vLLM with
-        ``--return-tokens-as-token-ids``, which the fake always is)."""
+        ``--return-tokens-as-token-ids``, which the fake always is). With a ``FakeMoE``, ``routed_experts`` as on
+        ``/v1/completions`` (``sampling_params.routed_experts_prompt_start``), an image's positions routed by
+        the picture."""
         sampling = payload["sampling_params"]
         text_mode = payload.get("output_mode", "tokens") == "text"
         prompt, sampled = generation.prompt, generation.tokens
@@ -773,7 +779,7 @@ class FakeEngine:
             "finish_reason": generation.finish_reason,
             "stop_reason": None,
             "token_ids": sampled,
-            "routed_experts": None,
+            "routed_experts": self._generate_routing(sampling, generation, ranges or [], parts),
             "sampling_mask": None,
             "weight_versions": None,
             "logprobs": logprobs,
@@ -804,6 +810,20 @@ class FakeEngine:
             "output_mode": "text" if text_mode else "tokens",
             "choices": [choice],
         }
+
+    def _generate_routing(
+        self,
+        sampling: dict[str, Any],
+        generation: Generation,
+        ranges: list[dict[str, int]],
+        parts: list[dict[str, Any]],
+    ) -> str | None:
+        if self.moe is None or not generation.tokens:
+            return None
+        digests = [int.from_bytes(hashlib.sha256(str(part.get("url")).encode()).digest()[:6]) for part in parts]
+        features = image_features(len(generation.prompt) + len(generation.tokens), ranges, digests)
+        start = int(sampling.get("routed_experts_prompt_start") or 0)
+        return self.moe.encode(generation.prompt, generation.tokens, start, features=features)[0]
 
     async def _generate(
         self, generation: Generation, planned: list[int], on_token: Callable[[], Awaitable[None]] | None = None

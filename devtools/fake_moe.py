@@ -28,11 +28,14 @@ class FakeMoE:
     faults: deque[str] = field(default_factory=deque)  # "short", "garbage", "float", "flip"
     seen: list[list[int]] = field(default_factory=list)
 
-    def rows(self, tokens: list[int]) -> np.ndarray:
-        """Row i: experts chosen when tokens[i] was an input (depends on it and its predecessor)."""
+    def rows(self, tokens: list[int], features: np.ndarray | None = None) -> np.ndarray:
+        """Row i: experts chosen when tokens[i] was an input (depends on it and its predecessor, and on
+        ``features[i]`` where given: what an image position carries instead of its placeholder's embedding)."""
         ids = np.asarray(tokens, dtype=np.int64)
         previous = np.concatenate([[0], ids[:-1]])
         mixed = (ids * 1_000_003 + previous * 7919) % 2_147_483_647
+        if features is not None:
+            mixed = (mixed * 1_000_003 + features[: len(ids)] % 2_147_483_647) % 2_147_483_647
         layers = np.arange(self.num_layers, dtype=np.int64)
         base = (mixed[:, None] * 2_654_435_761 + layers[None, :] * 40_503) % self.num_experts
         picks = (base[:, :, None] + np.arange(self.top_k)[None, None, :]) % self.num_experts
@@ -49,11 +52,20 @@ class FakeMoE:
             best = max(best, same)
         return best - best % self.block_size
 
-    def encode(self, prompt: list[int], sampled: list[int], start: int, *, record: bool = True) -> tuple[str, int]:
+    def encode(
+        self,
+        prompt: list[int],
+        sampled: list[int],
+        start: int,
+        *,
+        record: bool = True,
+        features: np.ndarray | None = None,
+    ) -> tuple[str, int]:
         """(routed_experts field, cached prompt tokens) for one completion; ``record=False`` (a probe): it
-        neither enters the pretend prefix cache nor takes an injected fault."""
+        neither enters the pretend prefix cache nor takes an injected fault. ``features``: per prompt position,
+        the image content there (``image_features``), 0 elsewhere."""
         sequence = prompt + sampled
-        computed = self.rows(sequence[:-1]).astype(np.int64)
+        computed = self.rows(sequence[:-1], features).astype(np.int64)
         cached = self.cached_prefix(prompt) if self.prefix_cache else 0
         if record:
             self.seen.append(sequence)
@@ -74,3 +86,14 @@ class FakeMoE:
         buffer = io.BytesIO()
         np.save(buffer, array, allow_pickle=False)
         return base64.b64encode(buffer.getvalue()).decode("ascii"), cached
+
+
+def image_features(length: int, ranges: list[dict[str, int]], digests: list[int]) -> np.ndarray:
+    """Per position of a sequence of ``length``: inside an image's span (vLLM's ``mm_placeholders`` range) the
+    image's digest plus the position's index in the span (each patch its own features), else 0. A real MoE
+    routes an image position by the picture's features, not by its placeholder token: the fake's rows there
+    depend on the picture."""
+    features = np.zeros(length, dtype=np.int64)
+    for span, digest in zip(ranges, digests, strict=True):
+        features[span["offset"] : span["offset"] + span["length"]] = digest + np.arange(span["length"])
+    return features

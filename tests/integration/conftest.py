@@ -37,7 +37,8 @@ SERVER_CONFIGS: dict[str, dict[str, Any]] = {
     # the hermes tool parser lets vLLM's own chat endpoint take tools (InferenceProxy talks to it)
     "qwen3_style": {"model": "dense", "chat_template": TEMPLATES_DIR / "qwen3_style.jinja", "tool_parser": "hermes"},
     "smollm2_default": {"model": "dense", "tool_parser": "hermes"},
-    "moe_routed": {"model": "moe", "routed_experts": True},
+    # --enable-scale-out: /inference/v1/generate (the route image turns take) answers routing rows too
+    "moe_routed": {"model": "moe", "routed_experts": True, "extra_args": ["--enable-scale-out"]},
     # VLLM_SERVER_DEV_MODE=1: pause/resume, weight version, collective_rpc (weight reload)
     "dense_dev": {"model": "dense", "dev_mode": True},
     # --enable-lora --max-lora-rank 16 --max-loras 6, run-time adapter loading (LoRA policies): the zero

@@ -44,3 +44,36 @@ async def test_recorded_routing_equals_vllms_arrays_row_for_row(vllm_servers: VL
     assert len(rows_2) == len(prompt_2) - boundary + len(output_2) - 1
     assert np.array_equal(routing[boundary : boundary + len(rows_2)], rows_2)
     assert (routing[-1] == -1).all() and (routing[:-1] >= 0).all()
+
+
+async def test_the_generate_route_of_image_turns_returns_the_same_routing_rows(vllm_servers: VLLMServers):
+    """Image turns go to ``/inference/v1/generate`` (``docs/images.md``): on the real MoE engine that route,
+    asked with the proxy's own body (``generate_payload``, ``sampling_fields``: ``routed_experts_prompt_start``
+    in ``sampling_params``) and read by the proxy's parser (``generated``), gives the rows ``/v1/completions``
+    gives for the same prompt, from the same start. (No MoE vision model runs on vLLM's CPU build here:
+    docs/images.md says why; the image positions' rows are tested on the fake engine.)"""
+    import aiohttp
+
+    from rollout_proxy.engines.base import PromptImages, SamplingParams
+    from rollout_proxy.engines.vllm_http import generate_payload, generated, sampling_fields
+
+    server = vllm_servers.get("moe_routed")
+    prompt = [1, 4093, 198, 37964, 451, 4177, 30, 2, 198, 1, 520, 9531, 198]
+    params = SamplingParams(max_tokens=5, temperature=0.0, top_p=1.0, top_k=0, routed_experts_prompt_start=4)
+    sampling = {**sampling_fields(params), "logprobs": 0}
+    body = generate_payload(
+        server.served_model_name, np.asarray(prompt, dtype=np.int32), PromptImages(-1, (), ()), sampling
+    )
+    completions_body = {"model": server.served_model_name, "prompt": prompt, "return_token_ids": True, **sampling}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.base_url + "/inference/v1/generate", json=body) as response:
+            assert response.status == 200, await response.text()
+            generation = generated(await response.json())
+        async with http.post(server.base_url + "/v1/completions", json=completions_body) as response:
+            assert response.status == 200, await response.text()
+            completion = await response.json()
+    assert generation.output_ids.tolist() == completion["choices"][0]["token_ids"]  # greedy: the same answer
+    assert generation.routed_experts is not None
+    rows = np.load(io.BytesIO(base64.b64decode(generation.routed_experts)), allow_pickle=False)
+    assert rows.shape == (len(prompt) + len(generation.output_ids) - 1 - 4, 30, 2)
+    assert np.array_equal(rows, vllm_rows(completion))

@@ -21,9 +21,11 @@ import pytest
 from PIL import Image
 
 from devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_moe import FakeMoE, image_features
 from rollout_proxy.proxy import keys
 from tests.harness import ProxyHarness
 from tests.proxy.test_stream_release import sse_events
+from tests.routing.test_routing_flow import routing_of
 
 CALL = '<tool_call>\n{"name": "screenshot", "arguments": {}}\n</tool_call>'
 TOOL = {
@@ -372,3 +374,60 @@ async def test_a_streamed_image_turn_streams_before_half_of_it_is_sampled(vlm_di
         assert [request["stream"] for request in engine.generate_requests] == [True]
         assert response_id is not None
         await assert_exact(proxy, response_id, [RED])
+
+
+async def test_an_image_conversation_on_a_moe_engine_keeps_a_routing_row_for_every_token(proxy: ProxyHarness):
+    """Routing rows hold with images: on an MoE engine each token of the trajectory, image spans included, has
+    the row its engine call returned (``routed_experts_prompt_start`` past the parent's rows, as for text), the
+    image positions routed by the picture (the fake's MoE mixes each image's content in there, as a real one
+    routes by the image's features): rows a proxy that shifted a span or dropped an image's rows cannot match.
+    The streamed last turn is one plain call (vLLM streams no routing), relayed as a stream."""
+    fake = proxy.fake
+    assert fake is not None
+    moe = fake.moe = FakeMoE(num_layers=3, top_k=2, num_experts=8)
+    fake.queue("A red one.", "Now blue.")
+    session = await proxy.create_session([])
+    history: list[Any] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": data_url(RED)}},
+            ],
+        }
+    ]
+    first = await session.client.chat.completions.create(model="policy", messages=history)
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(BLUE)}}]},
+    ]
+    stream = await session.client.chat.completions.create(model="policy", messages=history, stream=True)
+    text, last_id = "", None
+    async for chunk in stream:
+        last_id = chunk.id
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+    assert text == "Now blue." and last_id is not None
+    trajectory = await assert_exact(proxy, last_id, [RED, BLUE])
+    ids = trajectory["total_token_ids"]
+    routing = routing_of(trajectory)
+    assert routing.shape == (len(ids), 3, 2)
+    assert (routing[:-1] >= 0).all() and (routing[-1] == -1).all()  # none for the last sampled token, as vLLM
+    # the second call asked only for the rows past its parent's (the first call's prompt and answer)
+    (turn1, turn2) = fake.generate_requests
+    assert (
+        "routed_experts_prompt_start" not in turn1["sampling_params"]
+        or not turn1["sampling_params"]["routed_experts_prompt_start"]
+    )
+    assert (
+        turn2["sampling_params"]["routed_experts_prompt_start"]
+        == len(fake.generations[0].prompt) + len(fake.generations[0].tokens) - 1
+    )
+    digests = [int.from_bytes(hashlib.sha256(part["url"].encode()).digest()[:6]) for part in turn2["content_parts"]]
+    spans = [{"offset": image["start"], "length": image["length"]} for image in trajectory["images"]]
+    expected = moe.rows(ids[:-1], image_features(len(ids), spans, digests))
+    assert np.array_equal(routing[:-1], expected)
+    by_placeholder = moe.rows(ids[:-1])  # what rows computed from the placeholder tokens alone would be
+    for span in spans:
+        inside = slice(span["offset"], span["offset"] + span["length"])
+        assert not np.array_equal(routing[inside], by_placeholder[inside])
