@@ -27,6 +27,12 @@ must not import rollout_proxy. Outputs:
   ``templates/qwen3_style_vlm.jinja``: one ``<image>`` per image part. Everything but the weights
   is written by ``write_vlm_files`` (no torch: the project venv's tests call it).
 
+* vlm_moe (only with ``--vlm-moe-out``, from the built moe and vlm checkpoints): the vlm's vision tower,
+  connector, tokenizer and processor over the moe checkpoint's text weights (the image tokens' embedding
+  rows the vlm's), for MoE routing with images. vLLM's Idefics3 hard-codes a Llama text model, so vLLM
+  serves it as ``Idefics3MoeForConditionalGeneration`` (``engine_models/rp_idefics3_moe.py``: vLLM's
+  Idefics3 over vLLM's Mixtral), registered by ``vllm_server``. Checked by its keys and shapes here and
+  by the real engine in the tests.
 Greedy generation of dense and MoE is compared with transformers at the end; a mismatch
 fails. The perturbed copy must keep the dense greedy text and shift logprobs within bounds.
 Each output is built in a temp dir next to its target and renamed into place.
@@ -34,6 +40,7 @@ Each output is built in a temp dir next to its target and renamed into place.
     python build_checkpoints.py --gguf F.gguf --dense-out DIR --moe-out DIR [--force]
     python build_checkpoints.py --dense-out DIR --perturbed-out DIR [--force]
     python build_checkpoints.py --dense-out DIR --vlm-out DIR [--force]
+    python build_checkpoints.py --dense-out DIR --moe-out DIR --vlm-out DIR --vlm-moe-out DIR [--force]
 """
 
 from __future__ import annotations
@@ -498,6 +505,61 @@ def verify_vlm(dense_dir: Path, vlm_dir: Path) -> None:
     log(f"vlm with an image ({len(span)}-id span): {tok.decode(new)!r} {new}")
 
 
+#: the architecture the vlm_moe checkpoint names (served by ``engine_models/rp_idefics3_moe.py``)
+VLM_MOE_ARCHITECTURE = "Idefics3MoeForConditionalGeneration"
+VLM_MOE_COPIED = ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "generation_config.json")
+
+
+def build_vlm_moe(moe_dir: Path, vlm_dir: Path, out: Path) -> None:
+    """The vlm's vision tower and connector over the moe checkpoint's text weights; no new randomness."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    t0 = time.monotonic()
+    tmp = _atomic_dir(out)
+    for name in VLM_MOE_COPIED:
+        shutil.copyfile(vlm_dir / name, tmp / name)
+    cfg = json.loads((vlm_dir / "config.json").read_text())
+    moe_cfg = json.loads((moe_dir / "config.json").read_text())
+    text = {k: v for k, v in moe_cfg.items() if k not in ("architectures", "dtype", "transformers_version")}
+    text.update({"vocab_size": cfg["text_config"]["vocab_size"], "tie_word_embeddings": True})
+    cfg.update({"architectures": [VLM_MOE_ARCHITECTURE], "text_config": text})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    vlm = load_file(vlm_dir / "model.safetensors")
+    state = {k: v for k, v in vlm.items() if not k.startswith("model.text_model.") and k != "lm_head.weight"}
+    for name, tensor in load_file(moe_dir / "model.safetensors").items():
+        if name == "lm_head.weight":
+            continue  # tied to the embeddings
+        if name == "model.embed_tokens.weight":  # the image tokens' rows: the vlm's
+            tensor = torch.cat([tensor, vlm["model.text_model.embed_tokens.weight"][tensor.shape[0] :]])
+        state["model.text_model." + name.removeprefix("model.")] = tensor.contiguous()
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    _commit(tmp, out)
+    log(f"vlm_moe checkpoint in {time.monotonic() - t0:.0f}s: {out}")
+
+
+def verify_vlm_moe(moe_dir: Path, vlm_dir: Path, out: Path) -> None:
+    """Every text tensor is the moe's (the embeddings extended by the vlm's image rows), every other the vlm's."""
+    import torch
+    from safetensors.torch import load_file
+
+    built, moe, vlm = (load_file(d / "model.safetensors") for d in (out, moe_dir, vlm_dir))
+    expected = {k for k in vlm if not k.startswith("model.text_model.") and k != "lm_head.weight"}
+    expected |= {"model.text_model." + k.removeprefix("model.") for k in moe if k != "lm_head.weight"}
+    if set(built) != expected:
+        raise RuntimeError(f"vlm_moe tensors differ from their sources: {sorted(set(built) ^ expected)[:5]}")
+    for name, tensor in built.items():
+        if not name.startswith("model.text_model."):
+            source = vlm[name]
+        else:
+            source = moe["model." + name.removeprefix("model.text_model.")]
+            if name.endswith("embed_tokens.weight"):  # the moe's rows, then the vlm's image-token rows
+                source = torch.cat([source, vlm[name][len(source) :]])
+        if not tensor.equal(source):
+            raise RuntimeError(f"vlm_moe: {name} is not its source's")
+    log(f"vlm_moe checkpoint verified: {len(built)} tensors from moe and vlm")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, help="needed when the dense checkpoint is (re)built")
@@ -505,8 +567,21 @@ def main() -> int:
     ap.add_argument("--moe-out", type=Path)
     ap.add_argument("--perturbed-out", type=Path)
     ap.add_argument("--vlm-out", type=Path)
+    ap.add_argument(
+        "--vlm-moe-out",
+        type=Path,
+        help="with --moe-out and --vlm-out, both built already: the MoE VLM from them (nothing else is built)",
+    )
     ap.add_argument("--force", action="store_true", help="rebuild existing outputs")
     args = ap.parse_args()
+    if args.vlm_moe_out is not None:
+        sources = (args.moe_out, args.vlm_out)
+        if any(d is None or not (d / "config.json").exists() for d in sources):
+            ap.error("--vlm-moe-out needs --moe-out and --vlm-out, both built")
+        if args.force or not (args.vlm_moe_out / "config.json").exists():
+            build_vlm_moe(args.moe_out, args.vlm_out, args.vlm_moe_out)
+        verify_vlm_moe(args.moe_out, args.vlm_out, args.vlm_moe_out)
+        return 0
     if args.moe_out is None and args.perturbed_out is None and args.vlm_out is None:
         ap.error("nothing to build: give --moe-out, --perturbed-out and/or --vlm-out")
     built = False

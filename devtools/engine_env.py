@@ -50,6 +50,8 @@ CHECKPOINT_FORMAT = 2
 PERTURBED_FORMAT = 1
 #: The same for the tiny vision-language checkpoint.
 VLM_FORMAT = 2
+#: The same for the MoE vision-language checkpoint (derived from the moe and vlm ones).
+VLM_MOE_FORMAT = 1
 
 
 def log(msg: str) -> None:
@@ -203,6 +205,29 @@ def ensure_vlm_checkpoint(force: bool = False) -> Path:
     return _derived_checkpoint("vlm", VLM_FORMAT, force=force)
 
 
+def ensure_vlm_moe_checkpoint(force: bool = False) -> Path:
+    """The vlm's vision tower over the moe's text weights (seconds; no new weights), built once on demand."""
+    moe = ensure_checkpoints()["moe"]
+    vlm = ensure_vlm_checkpoint()
+    out = paths.model_dir("vlm_moe")
+    stamp = "checkpoint-vlm_moe"
+    info = _read_stamp(stamp)
+    sources = {
+        "moe": _read_stamp("checkpoints").get("finished_at"),
+        "vlm": _read_stamp("checkpoint-vlm").get("finished_at"),
+    }
+    current = info.get("format") == VLM_MOE_FORMAT and info.get("sources") == sources and (out / "config.json").exists()
+    if current and not force:
+        return out
+    py = ensure_engine_venv()
+    _stamp(stamp).unlink(missing_ok=True)
+    t0 = time.monotonic()
+    dense = ensure_checkpoints()["dense"]
+    _run([py, BUILD_SCRIPT, "--dense-out", dense, "--moe-out", moe, "--vlm-out", vlm, "--vlm-moe-out", out, "--force"])
+    _write_stamp(stamp, {"format": VLM_MOE_FORMAT, "sources": sources, "seconds": round(time.monotonic() - t0, 1)})
+    return out
+
+
 def _derived_checkpoint(name: str, checkpoint_format: int | str, *, force: bool) -> Path:
     """A checkpoint the build script derives from the dense one (``--<name>-out``), stamped with its format."""
     dense = ensure_checkpoints()["dense"]
@@ -235,6 +260,8 @@ def all_paths() -> dict[str, str]:
         "checkpoints_ready": str(_stamp("checkpoints").exists()).lower(),
         "perturbed_ready": str(_stamp("checkpoint-perturbed").exists()).lower(),
         "vlm_ready": str(_stamp("checkpoint-vlm").exists()).lower(),
+        "model_vlm_moe": str(paths.model_dir("vlm_moe")),
+        "vlm_moe_ready": str(_stamp("checkpoint-vlm_moe").exists()).lower(),
     }
 
 

@@ -24,6 +24,8 @@ PERTURBED_DIRS = {"perturbed": "smollm2-135m-instruct-perturbed"}
 #: Built on demand only (image tests): a tiny Idefics3 vision-language model over the dense model's
 #: text weights (random seeded vision tower), SmolLM2's tokenizer plus the image tokens.
 VLM_DIRS = {"vlm": "smollm2-idefics3-tiny"}
+#: Built on demand only (MoE routing with images): the vlm's vision tower over the moe's text weights.
+VLM_MOE_DIRS = {"vlm_moe": "smollm2-idefics3-moe"}
 
 
 def cache_dir() -> Path:
@@ -53,8 +55,8 @@ def models_dir() -> Path:
 
 
 def model_dir(name: str) -> Path:
-    """Checkpoint dir for "dense", "moe", "perturbed" or "vlm"."""
-    return models_dir() / (MODEL_DIRS | PERTURBED_DIRS | VLM_DIRS)[name]
+    """Checkpoint dir for "dense", "moe", "perturbed", "vlm" or "vlm_moe"."""
+    return models_dir() / (MODEL_DIRS | PERTURBED_DIRS | VLM_DIRS | VLM_MOE_DIRS)[name]
 
 
 def run_dir() -> Path:

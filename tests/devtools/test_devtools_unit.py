@@ -250,3 +250,38 @@ def test_lora_is_switched_by_the_server_option_with_vllms_flags(tmp_path, monkey
         VLLMServer("dense", lora=True, max_lora_rank=24)
     with pytest.raises(ValueError, match="MoE"):
         VLLMServer("moe", lora=True)
+
+
+def test_the_moe_vlm_gets_its_architecture_registered(tmp_path):
+    """``vlm_moe``'s architecture is vLLM's Idefics3 over vLLM's Mixtral, registered by the generated hook as vLLM's
+    model registry is imported (here a stand-in ``vllm`` package), from the directory put on PYTHONPATH; servers of
+    other models get no such hook."""
+    srv = VLLMServer("vlm_moe", port=1, run_dir=tmp_path, routed_experts=True)
+    env = srv.environment()
+    hooks, models = env["PYTHONPATH"].split(os.pathsep)[:2]
+    assert models == str(vllm_server.ENGINE_MODELS_DIR) and (Path(models) / "rp_idefics3_moe.py").is_file()
+    assert Path(hooks) != tmp_path / "pyhooks"  # not the routed-experts-only hooks: both may run side by side
+    assert (
+        "rp_idefics3_moe"
+        not in VLLMServer("moe", port=1, run_dir=tmp_path, routed_experts=True).environment()["PYTHONPATH"]
+    )
+    pkg = tmp_path / "fake" / "vllm" / "model_executor" / "models"
+    pkg.mkdir(parents=True)
+    for init in (tmp_path / "fake" / "vllm", pkg.parent, pkg):
+        (init / "__init__.py").write_text("")
+    (pkg / "registry.py").write_text(
+        "class _Registry:\n    names = {}\n    def register_model(self, arch, target):\n"
+        "        self.names[arch] = target\nModelRegistry = _Registry()\n"
+    )
+    code = "from vllm.model_executor.models.registry import ModelRegistry; print(ModelRegistry.names)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path / "fake",
+        env={**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{tmp_path / 'fake'}"},
+    )
+    assert out.stdout.strip() == str(
+        {"Idefics3MoeForConditionalGeneration": "rp_idefics3_moe:Idefics3MoeForConditionalGeneration"}
+    )

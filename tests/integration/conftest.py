@@ -47,6 +47,9 @@ SERVER_CONFIGS: dict[str, dict[str, Any]] = {
     # the tiny Idefics3 model (its own template: one <image> per image part); --enable-scale-out serves
     # /inference/v1/generate, the route that takes token ids with images
     "vlm": {"model": "vlm", "extra_args": ["--enable-scale-out"]},
+    # the MoE vision-language checkpoint (vLLM's Idefics3 over vLLM's Mixtral, registered by the tooling): routing
+    # rows with images
+    "vlm_moe": {"model": "vlm_moe", "routed_experts": True, "extra_args": ["--enable-scale-out"]},
 }
 
 

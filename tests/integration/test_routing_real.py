@@ -77,3 +77,79 @@ async def test_the_generate_route_of_image_turns_returns_the_same_routing_rows(v
     rows = np.load(io.BytesIO(base64.b64decode(generation.routed_experts)), allow_pickle=False)
     assert rows.shape == (len(prompt) + len(generation.output_ids) - 1 - 4, 30, 2)
     assert np.array_equal(rows, vllm_rows(completion))
+
+
+async def test_an_image_conversation_on_a_moe_vlm_keeps_vllms_routing_row_for_every_token(
+    vllm_servers: VLLMServers, audit: TokenAudit
+):
+    """Routing rows hold with images on a real engine: a two-turn chat with a picture per turn on the MoE
+    vision-language checkpoint (vLLM's Idefics3 over vLLM's Mixtral) is vLLM's last prompt and output token for
+    token, and its routing is vLLM's arrays row for row, image spans included: turn 2 asked only for the rows past
+    turn 1's. The rows at an image's span are the picture's: the same prompt with the pictures swapped routes
+    those positions otherwise, and the text before them alike."""
+    import aiohttp
+
+    from tests.integration.test_images_real import RED, SKY, check, data_url
+
+    server = vllm_servers.get("vlm_moe")
+    try:
+        async with (
+            RecordingRelay.serving(server.base_url) as relay,
+            ProxyHarness.running(engine_urls=[relay.url]) as proxy,
+        ):
+            session = await proxy.create_session([], max_new_tokens=4, temperature=0.0)
+            history: list[dict] = [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Describe this picture."},
+                        {"type": "image_url", "image_url": {"url": data_url(RED)}},
+                    ],
+                }
+            ]
+            first = await session.client.chat.completions.create(model="moe-vlm", messages=history)
+            history += [
+                {"role": "assistant", "content": first.choices[0].message.content or ""},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "And this?"},
+                        {"type": "image_url", "image_url": {"url": data_url(SKY)}},
+                    ],
+                },
+            ]
+            second = await session.client.chat.completions.create(model="moe-vlm", messages=history)
+            trajectory = await proxy.trajectory(second.id)
+        check(relay, trajectory, [RED, SKY], audit)
+        (_, response_1), (request_2, response_2) = relay.generations
+        # the same second prompt with the pictures swapped, one token
+        swapped = {
+            **request_2,
+            "content_parts": request_2["content_parts"][::-1],
+            "sampling_params": {**request_2["sampling_params"], "max_tokens": 1, "routed_experts_prompt_start": 0},
+        }
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(server.base_url + "/inference/v1/generate", json=swapped) as response,
+        ):
+            assert response.status == 200, await response.text()
+            swapped_rows = vllm_rows(await response.json())
+    finally:
+        vllm_servers.stop("vlm_moe")
+    field = trajectory["routed_experts"]
+    routing = np.frombuffer(base64.b64decode(field["data"]), dtype=np.int16).reshape(field["shape"])
+    total = trajectory["total_token_ids"]
+    assert routing.shape == (len(total), 30, 2)
+    prompt_1, output_1 = response_1["prompt_token_ids"], response_1["choices"][0]["token_ids"]
+    rows_1, rows_2 = vllm_rows(response_1), vllm_rows(response_2)
+    assert len(rows_1) == len(prompt_1) + len(output_1) - 1
+    assert np.array_equal(routing[: len(rows_1)], rows_1)
+    boundary = len(prompt_1) + len(output_1) - 1
+    assert request_2["sampling_params"]["routed_experts_prompt_start"] == boundary
+    assert len(rows_2) == len(total) - 1 - boundary
+    assert np.array_equal(routing[boundary : boundary + len(rows_2)], rows_2)
+    assert (routing[-1] == -1).all() and (routing[:-1] >= 0).all()
+    first_image = trajectory["images"][0]
+    span = slice(first_image["start"], first_image["start"] + first_image["length"])
+    assert np.array_equal(swapped_rows[: span.start], routing[: span.start])
+    assert not np.array_equal(swapped_rows[span], routing[span])
