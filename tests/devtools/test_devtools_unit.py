@@ -127,15 +127,20 @@ def test_sitecustomize_forces_has_triton(tmp_path):
         import vllm.triton_utils as t, vllm.triton_utils.importing as i
         print(t.HAS_TRITON, i.HAS_TRITON, i.RAN)
     """)
+    assert run_beside_hooks(code, hooks, tmp_path / "fake").split() == ["True", "True", "True"]
+
+
+def run_beside_hooks(code: str, hooks: Path | str, packages: Path) -> str:
+    """``code``'s stdout, run with the generated hooks and a stand-in ``vllm`` (under ``packages``) importable."""
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         check=True,
-        cwd=tmp_path / "fake",
-        env={**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{tmp_path / 'fake'}"},
+        cwd=packages,
+        env={**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{packages}"},
     )
-    assert out.stdout.split() == ["True", "True", "True"]
+    return out.stdout
 
 
 def _spawn_group(tmp_path, trap_term: bool) -> subprocess.Popen:
@@ -274,14 +279,6 @@ def test_the_moe_vlm_gets_its_architecture_registered(tmp_path):
         "        self.names[arch] = target\nModelRegistry = _Registry()\n"
     )
     code = "from vllm.model_executor.models.registry import ModelRegistry; print(ModelRegistry.names)"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=tmp_path / "fake",
-        env={**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{tmp_path / 'fake'}"},
-    )
-    assert out.stdout.strip() == str(
+    assert run_beside_hooks(code, hooks, tmp_path / "fake").strip() == str(
         {"Idefics3MoeForConditionalGeneration": "rp_idefics3_moe:Idefics3MoeForConditionalGeneration"}
     )

@@ -19,6 +19,7 @@ from typing import Any
 
 import anthropic
 import numpy as np
+import openai
 import pytest
 from PIL import Image, ImageDraw
 
@@ -80,6 +81,32 @@ RED, SKY, SCREEN = (
 
 def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+async def a_picture_a_turn(client: openai.AsyncOpenAI) -> str:
+    """A two-turn chat: RED with the first question, SKY with the second; the second answer's id."""
+    history: list[Any] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Describe this picture."},
+                {"type": "image_url", "image_url": {"url": data_url(RED)}},
+            ],
+        }
+    ]
+    first = await client.chat.completions.create(model="smollm2-vlm", messages=history)
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "And this?"},
+                {"type": "image_url", "image_url": {"url": data_url(SKY)}},
+            ],
+        },
+    ]
+    second = await client.chat.completions.create(model="smollm2-vlm", messages=history)
+    return second.id
 
 
 def check(relay: RecordingRelay, trajectory: dict[str, Any], images: list[bytes], audit: TokenAudit) -> None:
@@ -198,27 +225,7 @@ async def test_the_trainer_scores_an_image_conversation_as_vllm_sampled_it(vlm_p
     from rollout_proxy.wire.trajectory import Trajectory
 
     session = await vlm_proxy.create_session([], max_new_tokens=MAX_TOKENS, temperature=1.0, seed=TRAINER_SEED)
-    history: list[Any] = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "Describe this picture."},
-                {"type": "image_url", "image_url": {"url": data_url(RED)}},
-            ],
-        }
-    ]
-    first = await session.client.chat.completions.create(model="smollm2-vlm", messages=history)
-    history += [
-        {"role": "assistant", "content": first.choices[0].message.content or ""},
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "And this?"},
-                {"type": "image_url", "image_url": {"url": data_url(SKY)}},
-            ],
-        },
-    ]
-    await session.client.chat.completions.create(model="smollm2-vlm", messages=history)
+    await a_picture_a_turn(session.client)
     status, finished = await vlm_proxy.request(
         "POST", f"/v1/sessions/{session.session_id}/finish", json={"status": "success"}
     )

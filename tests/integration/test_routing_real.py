@@ -89,7 +89,7 @@ async def test_an_image_conversation_on_a_moe_vlm_keeps_vllms_routing_row_for_ev
     those positions otherwise, and the text before them alike."""
     import aiohttp
 
-    from tests.integration.test_images_real import RED, SKY, check, data_url
+    from tests.integration.test_images_real import RED, SKY, a_picture_a_turn, check
 
     server = vllm_servers.get("vlm_moe")
     try:
@@ -98,28 +98,8 @@ async def test_an_image_conversation_on_a_moe_vlm_keeps_vllms_routing_row_for_ev
             ProxyHarness.running(engine_urls=[relay.url]) as proxy,
         ):
             session = await proxy.create_session([], max_new_tokens=4, temperature=0.0)
-            history: list[dict] = [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "Describe this picture."},
-                        {"type": "image_url", "image_url": {"url": data_url(RED)}},
-                    ],
-                }
-            ]
-            first = await session.client.chat.completions.create(model="moe-vlm", messages=history)
-            history += [
-                {"role": "assistant", "content": first.choices[0].message.content or ""},
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "And this?"},
-                        {"type": "image_url", "image_url": {"url": data_url(SKY)}},
-                    ],
-                },
-            ]
-            second = await session.client.chat.completions.create(model="moe-vlm", messages=history)
-            trajectory = await proxy.trajectory(second.id)
+            second_id = await a_picture_a_turn(session.client)
+            trajectory = await proxy.trajectory(second_id)
         check(relay, trajectory, [RED, SKY], audit)
         (_, response_1), (request_2, response_2) = relay.generations
         # the same second prompt with the pictures swapped, one token
