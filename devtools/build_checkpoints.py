@@ -31,8 +31,8 @@ must not import rollout_proxy. Outputs:
   connector, tokenizer and processor over the moe checkpoint's text weights (the image tokens' embedding
   rows the vlm's), for MoE routing with images. vLLM's Idefics3 hard-codes a Llama text model, so vLLM
   serves it as ``Idefics3MoeForConditionalGeneration`` (``engine_models/rp_idefics3_moe.py``: vLLM's
-  Idefics3 over vLLM's Mixtral), registered by ``vllm_server``. Checked by its keys and shapes here and
-  by the real engine in the tests.
+  Idefics3 over vLLM's Mixtral), registered by ``vllm_server``. Checked tensor by tensor against its
+  sources here, and by the real engine in the tests.
 Greedy generation of dense and MoE is compared with transformers at the end; a mismatch
 fails. The perturbed copy must keep the dense greedy text and shift logprobs within bounds.
 Each output is built in a temp dir next to its target and renamed into place.

@@ -206,43 +206,49 @@ def ensure_vlm_checkpoint(force: bool = False) -> Path:
 
 
 def ensure_vlm_moe_checkpoint(force: bool = False) -> Path:
-    """The vlm's vision tower over the moe's text weights (seconds; no new weights), built once on demand."""
-    moe = ensure_checkpoints()["moe"]
-    vlm = ensure_vlm_checkpoint()
-    out = paths.model_dir("vlm_moe")
-    stamp = "checkpoint-vlm_moe"
-    info = _read_stamp(stamp)
-    sources = {
-        "moe": _read_stamp("checkpoints").get("finished_at"),
-        "vlm": _read_stamp("checkpoint-vlm").get("finished_at"),
-    }
-    current = info.get("format") == VLM_MOE_FORMAT and info.get("sources") == sources and (out / "config.json").exists()
-    if current and not force:
-        return out
-    py = ensure_engine_venv()
-    _stamp(stamp).unlink(missing_ok=True)
-    t0 = time.monotonic()
-    dense = ensure_checkpoints()["dense"]
-    _run([py, BUILD_SCRIPT, "--dense-out", dense, "--moe-out", moe, "--vlm-out", vlm, "--vlm-moe-out", out, "--force"])
-    _write_stamp(stamp, {"format": VLM_MOE_FORMAT, "sources": sources, "seconds": round(time.monotonic() - t0, 1)})
-    return out
+    """The vlm's vision tower over the moe's text weights (seconds; no new weights), built once on demand and
+    again whenever either source is rebuilt."""
+    ensure_vlm_checkpoint()
+    return _derived_checkpoint(
+        "vlm_moe", VLM_MOE_FORMAT, force=force, sources={"moe": "checkpoints", "vlm": "checkpoint-vlm"}
+    )
 
 
-def _derived_checkpoint(name: str, checkpoint_format: int | str, *, force: bool) -> Path:
-    """A checkpoint the build script derives from the dense one (``--<name>-out``), stamped with its format."""
+def _derived_checkpoint(
+    name: str, checkpoint_format: int | str, *, force: bool, sources: dict[str, str] | None = None
+) -> Path:
+    """A checkpoint the build script derives from the dense one (``--<name>-out``), stamped with its format.
+
+    ``sources``: the other built checkpoints it is made from (name -> their stamp; built already), given to the
+    script as ``--<source>-out`` and recorded by their stamps' times: one rebuilt makes this one stale."""
     dense = ensure_checkpoints()["dense"]
     out = paths.model_dir(name)
     stamp = f"checkpoint-{name}"
-    current = _read_stamp(stamp).get("format") == checkpoint_format and (out / "config.json").exists()
+    built_from = {
+        source: _read_stamp(source_stamp).get("finished_at") for source, source_stamp in (sources or {}).items()
+    }
+    info = _read_stamp(stamp)
+    current = (
+        info.get("format") == checkpoint_format
+        and info.get("built_from", {}) == built_from
+        and (out / "config.json").exists()
+    )
     if current and not force:
         return out
     py = ensure_engine_venv()
     _stamp(stamp).unlink(missing_ok=True)
     t0 = time.monotonic()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    _run([py, BUILD_SCRIPT, "--dense-out", dense, f"--{name}-out", out, "--force"], env=env)
-    _write_stamp(stamp, {"format": checkpoint_format, "source": str(dense), "seconds": round(time.monotonic() - t0, 1)})
+    inputs = [arg for source in built_from for arg in (_out_flag(source), str(paths.model_dir(source)))]
+    _run([py, BUILD_SCRIPT, "--dense-out", dense, *inputs, _out_flag(name), out, "--force"], env=env)
+    info = {"format": checkpoint_format, "source": str(dense), "built_from": built_from}
+    _write_stamp(stamp, {**info, "seconds": round(time.monotonic() - t0, 1)})
     return out
+
+
+def _out_flag(name: str) -> str:
+    """The build script's output flag of a checkpoint: ``vlm_moe`` -> ``--vlm-moe-out``."""
+    return f"--{name.replace('_', '-')}-out"
 
 
 def all_paths() -> dict[str, str]:

@@ -26,6 +26,7 @@ from PIL import Image, ImageDraw
 from tests.harness import ProxyHarness
 from tests.integration.conftest import RecordingRelay, TokenAudit, VLLMServers
 from tests.integration.test_streaming_real import StreamRecorder
+from tests.proxy.test_image_turns import read_chat_stream
 
 MAX_TOKENS = 12
 
@@ -331,12 +332,7 @@ async def test_a_streamed_image_turn_is_vllms_own_stream_token_for_token(vlm_ser
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(SKY)}}]},
         ]
         stream = await session.client.chat.completions.create(model="smollm2-vlm", messages=history, stream=True)
-        text, response_id = "", None
-        async for chunk in stream:
-            response_id = chunk.id
-            if chunk.choices and chunk.choices[0].delta.content:
-                text += chunk.choices[0].delta.content
-        assert response_id is not None
+        text, response_id = await read_chat_stream(stream)
         trajectory = await proxy.trajectory(response_id)
     ((request, chunks),) = relay.streams  # the first turn was a plain call; the second, one stream
     assert request["stream"] is True and [part["uuid"] for part in request["content_parts"]] == [

@@ -51,6 +51,17 @@ def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
+async def read_chat_stream(stream: Any) -> tuple[str, str]:
+    """A streamed Chat Completions answer as the client reads it: its text, and its id (every chunk's)."""
+    text, response_id = "", None
+    async for chunk in stream:
+        response_id = chunk.id
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+    assert response_id is not None, "the stream had no chunk"
+    return text, response_id
+
+
 @pytest.fixture
 async def vlm_engine(vlm_dir: Path) -> AsyncIterator[FakeEngine]:
     engine = FakeEngine(vlm_dir)
@@ -138,13 +149,8 @@ async def test_chat_completions_an_image_tool_loop_is_token_exact(proxy: ProxyHa
         },
     ]
     stream = await client.chat.completions.create(model="policy", messages=history, tools=[TOOL], stream=True)
-    text, last_id = "", None
-    async for chunk in stream:
-        last_id = chunk.id
-        if chunk.choices and chunk.choices[0].delta.content:
-            text += chunk.choices[0].delta.content
+    text, last_id = await read_chat_stream(stream)
     assert text == "Blue, tall."
-    assert last_id is not None
     await assert_exact(proxy, last_id, [RED, SCREEN, BLUE])
 
 
@@ -402,12 +408,8 @@ async def test_an_image_conversation_on_a_moe_engine_keeps_a_routing_row_for_eve
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(BLUE)}}]},
     ]
     stream = await session.client.chat.completions.create(model="policy", messages=history, stream=True)
-    text, last_id = "", None
-    async for chunk in stream:
-        last_id = chunk.id
-        if chunk.choices and chunk.choices[0].delta.content:
-            text += chunk.choices[0].delta.content
-    assert text == "Now blue." and last_id is not None
+    text, last_id = await read_chat_stream(stream)
+    assert text == "Now blue."
     trajectory = await assert_exact(proxy, last_id, [RED, BLUE])
     ids = trajectory["total_token_ids"]
     routing = routing_of(trajectory)
