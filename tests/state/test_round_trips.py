@@ -157,6 +157,29 @@ async def test_responses_turns_after_a_previous_response_make_at_most_two_round_
     assert min(per_turn) >= 1 and max(per_turn) <= MAX_ROUND_TRIPS, per_turn
 
 
+async def test_responses_turns_resending_their_input_make_at_most_two_round_trips(
+    proxy: ProxyHarness, sends: Sends
+) -> None:
+    """As Codex sends them (``store: false``, the whole input again each turn, no ``previous_response_id``):
+    the read ahead takes the path-index entries and the parent's path with the session, no second read."""
+    session = await proxy.create_session(USER)
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": USER[0]["content"]}]
+    per_turn, seen = [], []
+    for turn in range(4):
+        sends.reset()
+        status, body = await proxy.request(
+            "POST", "/v1/responses", json={"input": items, "store": False}, token=session.api_key
+        )
+        assert status == 200, body
+        per_turn.append(sends.count)
+        tokens = body["prompt_token_ids"] + body["token_ids"]
+        if turn:  # attached under the last turn, token-exactly
+            assert tokens[: len(seen[-1])] == seen[-1]
+        seen.append(tokens)
+        items += [*body["output"], {"type": "message", "role": "user", "content": f"and {turn}?"}]
+    assert min(per_turn[1:]) >= 1 and max(per_turn[1:]) <= MAX_ROUND_TRIPS, per_turn
+
+
 async def test_a_turn_on_a_new_connection_counts_its_commands_not_the_handshake(
     proxy: ProxyHarness, store: RedisStore, sends: Sends
 ) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from rollout_proxy.core.responses import ResponsesPlacement
+from rollout_proxy.core.tree import match_window
 from rollout_proxy.core.turn_service import Ask
 from rollout_proxy.core.turns import path_tokens
 from rollout_proxy.errors import NotFound
@@ -51,6 +52,17 @@ def _folded(
     return InputConversation(input_to_messages(body.input, images=images), None, images=images)
 
 
+def _read_ahead(body: ResponsesRequest, conversation: InputConversation) -> ReadAhead:
+    """The node ``previous_response_id`` names; else, for a resent input placed as sent (no instructions put
+    first), the path-index entries the tree looks up first, so a store reads them and their path with the
+    session (``core.tree.ResponseTree.locate``)."""
+    if body.previous_response_id is not None:
+        return ReadAhead(response_id=body.previous_response_id)
+    if conversation.hashes is None or body.instructions:
+        return ReadAhead()
+    return ReadAhead(hashes=match_window(conversation.hashes))
+
+
 #: how a Responses request is taken in (``proxy.intake``)
 RESPONSES = Spec(
     model=ResponsesRequest,
@@ -58,7 +70,7 @@ RESPONSES = Spec(
     key="input",
     sampling=RESPONSES_FIELDS,
     normalize=_folded,
-    read_ahead=lambda body, conversation: ReadAhead(response_id=body.previous_response_id),
+    read_ahead=_read_ahead,
 )
 
 
