@@ -133,6 +133,19 @@ async def test_the_streamed_turn_releases_the_message_it_records(rig: Rig):
     assert done.result.node.output_ids.tolist() == rig.engine.sampled[0]
 
 
+async def test_deltas_the_engine_sent_together_say_another_follows(rig: Rig):
+    """The scripted engine hands over every token before the stream reads one: each delta but the last says
+    another is ready (a writer sends them in one write); the last says none is, so it is not held back."""
+    session = session_record(engine=rig.engine.url)
+    await rig.store.create_session(session)
+    rig.engine.queue("Clouds, then sun.")
+    placement = await rig.tree.locate(session, [QUESTION], api="chat")
+    stream = TurnStreamer(rig.runner).stream(session, placement, api="chat", tools=None)
+    deltas = [event async for event in stream if isinstance(event, TurnDelta) and len(event.token_ids)]
+    assert len(deltas) > 2
+    assert [delta.more for delta in deltas] == [True] * (len(deltas) - 1) + [False]
+
+
 async def test_an_engine_that_does_not_echo_the_prompt_is_refused():
     async for rig in rig_with(ScriptedEngine(echo=False)):
         session = session_record(engine=rig.engine.url)

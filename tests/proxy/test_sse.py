@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import aiohttp
 import numpy as np
 import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from rollout_proxy.proxy.sse import encode
+from rollout_proxy.core.streaming import StreamEvent, TurnDelta, TurnDone, TurnStarted
+from rollout_proxy.errors import ProxyError
+from rollout_proxy.proxy.sse import Frame, encode, serve_stream
+from rollout_proxy.tokenization.parsers.incremental import ViewDelta
 
 
 def parse(stream: bytes) -> list[tuple[str | None, str]]:
@@ -42,3 +52,65 @@ def test_numpy_values_and_integer_keys_are_serialized():
 
 def test_no_frames_write_nothing():
     assert encode([]) == b""
+
+
+class OneFramePerEvent:
+    """A ``Framing`` writing each delta's content as one frame."""
+
+    def start(self, started: TurnStarted) -> list[Frame]:
+        return [("start", {"id": started.response_id})]
+
+    def frames(self, event: StreamEvent) -> list[Frame]:
+        if isinstance(event, TurnDelta):
+            return [(None, {"content": event.view.content})]
+        return [(None, "[DONE]")]
+
+    def error(self, error: ProxyError) -> list[Frame]:
+        return [("error", {"message": error.message})]
+
+
+def delta(content: str, *, more: bool) -> TurnDelta:
+    return TurnDelta(np.zeros(1, np.int32), np.zeros(1, np.float32), ViewDelta(content=content), more=more)
+
+
+async def test_deltas_ready_together_go_out_in_one_write_and_none_waits_for_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``more``: another delta was ready with this one; those are one write (one syscall, one chunk). A delta
+    with nothing ready behind it is written before the next event is even asked for."""
+    writes: list[bytes] = []
+    written_before: list[int] = []  # writes done when each event after the first was asked for
+    original = web.StreamResponse.write
+
+    async def counted(self: web.StreamResponse, data: bytes) -> None:
+        writes.append(bytes(data))
+        await original(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", counted)
+    deltas = [delta("a", more=True), delta("b", more=True), delta("c", more=False), delta("d", more=False)]
+    done = TurnDone(result=None)  # type: ignore[arg-type]  # the framing above does not read it
+
+    async def events() -> AsyncGenerator[StreamEvent, None]:
+        yield TurnStarted("resp_1", "policy", np.zeros(0, np.int32), 0.0, {})
+        yield deltas[0]
+        for event in [*deltas[1:], done]:
+            written_before.append(len(writes))
+            yield event
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await serve_stream(request, events(), lambda started: OneFramePerEvent())
+
+    app = web.Application()
+    app.router.add_post("/", handler)
+    async with TestServer(app) as server, aiohttp.ClientSession() as http:
+        async with http.post(server.make_url("/")) as response:
+            body = await response.read()
+    expected: list[tuple[str | None, Any]] = [("start", {"id": "resp_1"})]
+    expected += [(None, {"content": event.view.content}) for event in deltas] + [(None, "[DONE]")]
+    assert body == encode(expected)  # every frame, in order
+    assert [parse(write) for write in writes] == [
+        parse(encode(expected[:4])),  # the start and a, b, c: ready together
+        parse(encode(expected[4:5])),  # d alone
+        parse(encode(expected[5:])),
+    ]
+    assert written_before == [0, 0, 1, 2]  # c's write came before d was asked for, d's before the end

@@ -67,6 +67,7 @@ class TurnDelta:
     token_ids: np.ndarray
     logprobs: np.ndarray
     view: ViewDelta
+    more: bool = False  # another event follows at once: a writer may hold this one back and write both together
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +84,11 @@ class _Relay:
     """The fleet's pieces (a ``PieceSink``), parsed and queued for the consumer."""
 
     def __init__(self, prompt: np.ndarray, parser: IncrementalParser) -> None:
-        self.ready: deque[TurnDelta] = deque()
-        self.changed = asyncio.Event()
+        self.ready: deque[tuple[np.ndarray, np.ndarray, ViewDelta]] = deque()
         self.parser = parser
         self._prompt = prompt
         self._ids: list[np.ndarray] = []
+        self._waiter: asyncio.Future[None] | None = None
         self.count = 0  # tokens relayed
 
     async def begin(self, prompt_ids: np.ndarray) -> None:
@@ -109,8 +110,26 @@ class _Relay:
         if len(token_ids) or view:
             self._ids.append(token_ids)
             self.count += len(token_ids)
-            self.ready.append(TurnDelta(token_ids, logprobs, view))
-            self.changed.set()
+            self.ready.append((token_ids, logprobs, view))
+            self.wake()
+
+    def take(self) -> TurnDelta:
+        """The oldest ready delta, saying whether another is ready too (``TurnDelta.more``)."""
+        token_ids, logprobs, view = self.ready.popleft()
+        return TurnDelta(token_ids, logprobs, view, more=bool(self.ready))
+
+    def wake(self, *_: object) -> None:
+        """A delta is ready, or the sampling ended (its done callback)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until ``wake``: one future, not a task per wait (a streamed turn waits once per engine read)."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
 
 class TurnStreamer:
@@ -139,19 +158,15 @@ class TurnStreamer:
         yield TurnStarted(node_id, turn.info.model, turn.prompt, time.time(), dict(meta or {}))
         relay = _Relay(turn.prompt, IncrementalParser(self._parser, opened=turn.reasoning_opened))
         sampling = asyncio.ensure_future(turns.sample(session, turn, sink=relay, lease=lease))
+        sampling.add_done_callback(relay.wake)
         outcome = "disconnected"
         try:
             while True:
-                relay.changed.clear()
                 while relay.ready:
-                    yield relay.ready.popleft()
+                    yield relay.take()
                 if sampling.done():
                     break
-                changed = asyncio.ensure_future(relay.changed.wait())
-                try:
-                    await asyncio.wait({changed, sampling}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    changed.cancel()
+                await relay.wait()
             try:
                 sampled = sampling.result()
             except BaseException:
@@ -169,7 +184,7 @@ class TurnStreamer:
                     completion.text[len(parser.text) :],
                 )
                 while relay.ready:
-                    yield relay.ready.popleft()
+                    yield relay.take()
             view, rest, agrees = parser.finish(turns.parse(completion.text, opened=turn.reasoning_opened))
             if not agrees:
                 self._metrics.inc("stream_view_mismatch_total")
@@ -192,7 +207,7 @@ class TurnStreamer:
                 raise
             outcome = "completed"
             if rest:
-                yield TurnDelta(_NO_IDS, _NO_LOGPROBS, rest)
+                yield TurnDelta(_NO_IDS, _NO_LOGPROBS, rest, more=True)
             yield TurnDone(result)
         finally:
             if not sampling.done():

@@ -5,6 +5,10 @@ request refused before the engine answered (validation, an unknown ``previous_re
 engine, every failover spent) is an ordinary JSON error with its status. After that, a failure
 is one SSE ``error`` event and the end of the stream (never an error body after a started
 response). A client that goes away ends the turn's iteration, which aborts the engine call.
+
+Deltas the engine sent together (read in one go, or while the loop was busy) are written together: one
+write, one syscall, for what is ready at once (``TurnDelta.more``); nothing waits for a delta not yet
+sampled.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import orjson
 import structlog
 from aiohttp import web
 
-from rollout_proxy.core.streaming import StreamEvent, TurnDone, TurnStarted
+from rollout_proxy.core.streaming import StreamEvent, TurnDelta, TurnDone, TurnStarted
 from rollout_proxy.errors import ProxyError
 
 log = structlog.get_logger(__name__)
 
 _DUMP_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+#: frames of deltas that were ready together written at most this many at a time (a write a syscall)
+MAX_HELD_FRAMES = 256
 
 #: One SSE event: its ``event:`` name (None: none) and its data (``[DONE]`` is sent as is).
 Frame = tuple[str | None, Any]
@@ -74,10 +80,12 @@ async def serve_stream(
             event: StreamEvent = first
             while True:
                 frames += framing.frames(event)
-                await _write(request, response, frames)
                 if isinstance(event, TurnDone):
+                    await _write(request, response, frames)
                     break
-                frames = []
+                if not (isinstance(event, TurnDelta) and event.more) or len(frames) >= MAX_HELD_FRAMES:
+                    await _write(request, response, frames)  # what was ready together, in one write
+                    frames = []
                 event = await anext(events)
         except ConnectionResetError:
             return response  # the client left: closing ``events`` aborts the engine call
