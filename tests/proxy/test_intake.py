@@ -26,6 +26,7 @@ import pytest
 from devtools.fake_engine import FakeEngine
 from rollout_proxy.proxy import keys
 from rollout_proxy.proxy.limits import MAX_STRING_CHARS
+from rollout_proxy.wire.messages import ToolSet
 from tests.conftest import TEMPLATES_DIR
 from tests.harness import ProxyHarness
 
@@ -360,3 +361,10 @@ async def test_tools_checked_once_are_answered_as_tools_checked_every_turn(pair,
     assert not intake.tools_checked([BAD_TOOLS[api]])
     other = "chat" if api != "chat" else "messages"
     assert not memo.intake(other, "messages", "another session", expires_at=1e12).tools_checked([TOOLS[api]])
+    # and split once: the split its turns made is the one handed out, the refused tools' never kept
+    assert memo.held()["tool_sets"] == 1
+
+    def split(tools: Any) -> ToolSet:
+        raise AssertionError(f"split again: {tools}")
+
+    assert intake.tool_set([TOOLS[api]], split).functions[0]["function"]["name"] == "weather"

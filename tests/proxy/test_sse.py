@@ -102,15 +102,21 @@ async def test_deltas_ready_together_go_out_in_one_write_and_none_waits_for_the_
 
     app = web.Application()
     app.router.add_post("/", handler)
-    async with TestServer(app) as server, aiohttp.ClientSession() as http:
-        async with http.post(server.make_url("/")) as response:
-            body = await response.read()
+    async with (
+        TestServer(app) as server,
+        aiohttp.ClientSession() as http,
+        http.post(server.make_url("/")) as response,
+    ):
+        body = await response.read()
     expected: list[tuple[str | None, Any]] = [("start", {"id": "resp_1"})]
     expected += [(None, {"content": event.view.content}) for event in deltas] + [(None, "[DONE]")]
     assert body == encode(expected)  # every frame, in order
-    assert [parse(write) for write in writes] == [
-        parse(encode(expected[:4])),  # the start and a, b, c: ready together
-        parse(encode(expected[4:5])),  # d alone
-        parse(encode(expected[5:])),
-    ]
+    assert (
+        [parse(write) for write in writes]
+        == [
+            parse(encode(expected[:4])),  # the start and a, b, c: ready together
+            parse(encode(expected[4:5])),  # d alone
+            parse(encode(expected[5:])),
+        ]
+    )
     assert written_before == [0, 0, 1, 2]  # c's write came before d was asked for, d's before the end

@@ -38,6 +38,7 @@ from rollout_proxy.proxy.validation import CHECK_ITEMS, TOOLS_CHECKED, M, valida
 from rollout_proxy.records import SessionRecord
 from rollout_proxy.state.store import ReadAhead, SessionLease
 from rollout_proxy.wire.images import ImageSet
+from rollout_proxy.wire.messages import ToolSet
 
 
 class Imaged(Protocol):
@@ -77,10 +78,17 @@ class Taken(Generic[M, C]):
     body: M
     conversation: C
     client_sampling: dict[str, Any]
+    history: HistoryIntake | None = None  # the resent-history memory's view of the request (None: off)
 
     @property
     def session(self) -> SessionRecord:
         return self.lease.session
+
+    def tool_set(self, split: Callable[[Any], ToolSet]) -> ToolSet:
+        """The body's tools as ``split`` (its API's) gives them for the policy; split once per tools JSON
+        where the resent-history memory is on (``HistoryIntake.tool_set``). Shared: never changed."""
+        tools = getattr(self.body, "tools", None)
+        return split(tools) if self.history is None else self.history.tool_set(tools, split)
 
 
 async def take_in(request: web.Request, spec: Spec[M, C]) -> Taken[M, C]:
@@ -121,4 +129,4 @@ async def take_in(request: web.Request, spec: Spec[M, C]) -> Taken[M, C]:
         raise
     if history is not None:  # taken in whole, its session open: remembered for the next turns
         history.commit()
-    return Taken(lease, body, conversation, asked)
+    return Taken(lease, body, conversation, asked, history)

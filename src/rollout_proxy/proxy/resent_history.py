@@ -19,7 +19,10 @@ byte, item by item:
 - **fold** (``take``): only the items past that start, on a copy of the kept fold (or of its start, where
   the fold can tell: Claude Code moves its ``cache_control`` marks to the newest message each turn, so its
   list shares all but the last turn's items), when what else the fold depends on (the Messages API's
-  ``system``: its ``context``) is the same.
+  ``system``: its ``context``) is the same;
+- **split the tools** (``tool_set``): a harness sends the same tools every turn; their split for the
+  policy (``wire.messages.split_tools``, ``wire.anthropic.split_tools``: each schema checked and put in
+  normal form, about 0.13 ms for Codex's) is kept by API and tools JSON and handed out again.
 
 Nothing is remembered before the request is taken in whole, its session checked open (``commit``): the
 list then takes the place of the kept one it went on from, or stands beside it when it is shorter or new.
@@ -42,6 +45,7 @@ from rollout_proxy.proxy.session_conversations import SessionConversations
 from rollout_proxy.tokenization.messages import EMPTY_PATH_HASH, canonical_key, extend_path_hash_by_key
 from rollout_proxy.wire.images import ImageSet
 from rollout_proxy.wire.json_bytes import right_sized, value_at
+from rollout_proxy.wire.messages import ToolSet
 
 #: kept lists: per session and API, ``session_conversations.PER_SESSION`` of them
 MAX_SESSIONS = 16_384
@@ -52,6 +56,11 @@ MAX_ITEM_BYTES = 32 * 1024 * 1024
 #: rolling path hashes, by (parent hash, message key): each about ``_CHAIN_SIZE`` bytes
 MAX_CHAIN_BYTES = 16 * 1024 * 1024
 _CHAIN_SIZE = 200
+#: requests' tools as their API splits them (``ToolSet``), by (API, tools JSON): a harness has a few
+MAX_TOOL_SETS = 1024
+MAX_TOOL_SET_BYTES = 32 * 1024 * 1024
+#: a split's objects against its JSON's length (its schemas are the body's own, shared)
+_TOOL_SET_SIZE_PER_BYTE = 2
 #: the APIs whose lists are kept (a session may use all three; each keeps its own)
 APIS = ("chat", "responses", "messages")
 
@@ -145,6 +154,11 @@ class ResentHistory:
         self._chain: BoundedCache[tuple[str, bytes], str] = BoundedCache(
             max_entries=max_items, max_bytes=max_chain_bytes
         )
+        # (API, tools JSON) -> the tools as split for the policy; shared by the requests that send that JSON,
+        # so never changed by one
+        self._tool_sets: BoundedCache[tuple[str, bytes], ToolSet] = BoundedCache(
+            max_entries=MAX_TOOL_SETS, max_bytes=MAX_TOOL_SET_BYTES
+        )
         self.hits = self.misses = 0  # item memo lookups, of the items past the kept start
         self.resent_bodies = 0  # bodies parsed only past a kept list (``load``)
         self.resent = 0  # lists folded on from a kept one
@@ -165,6 +179,8 @@ class ResentHistory:
             "message_bytes": self._items.bytes,
             "path_hashes": len(self._chain),
             "path_hash_bytes": self._chain.bytes,
+            "tool_sets": len(self._tool_sets),
+            "tool_set_bytes": self._tool_sets.bytes,
         }
 
     def lists(self, api: str, session_id: str) -> tuple[KeptList, ...]:
@@ -183,7 +199,7 @@ class ResentHistory:
 
     def expire(self, now: float) -> int:
         """Drop what only sessions expired by ``now`` used; how many entries went."""
-        return self._lists.expire(now) + self._items.expire(now) + self._chain.expire(now)
+        return self._lists.expire(now) + self._items.expire(now) + self._chain.expire(now) + self._tool_sets.expire(now)
 
     def _path_hash(self, parent: str, key: bytes, until: float, computed: list[tuple[str, bytes, str]]) -> str:
         """``extend_path_hash_by_key``, as remembered, else computed (and added to ``computed``)."""
@@ -282,6 +298,24 @@ class HistoryIntake:
             return True
         self._pending.tools = raw
         return False
+
+    def tool_set(self, tools: Any, split: Callable[[Any], ToolSet]) -> ToolSet:
+        """``split(tools)`` (the API's split of the body's tools), once per API and tools JSON while the memory
+        keeps it: a harness sends the same tools every turn. Asked once the request is taken in (its session
+        checked open); the split returned is shared, never to be changed."""
+        if type(tools) is not list or not tools:
+            return split(tools)
+        try:
+            raw = orjson.dumps(tools)  # microseconds; a split of a harness's tools costs a hundred
+        except (orjson.JSONEncodeError, TypeError):
+            return split(tools)
+        memory, key = self._memory, (self._api, raw)
+        found = memory._tool_sets.get(key, until=self._until)
+        if found is None:
+            found = split(tools)  # refused: nothing remembered
+            size = _TOOL_SET_SIZE_PER_BYTE * len(raw) + _ITEM_OVERHEAD
+            memory._tool_sets.put((self._api, right_sized(raw)), found, size=size, until=self._until)
+        return found
 
     def take(
         self,

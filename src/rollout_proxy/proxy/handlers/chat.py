@@ -111,7 +111,7 @@ def _plan(request: web.Request, call: Taken[ChatRequest, ChatConversation]) -> T
             "logprobs=true alone returns the sampled ones",
             param="top_logprobs",
         )
-    toolset = split_tools(body.tools)
+    toolset = call.tool_set(split_tools)
     meta = turn_meta(request, "chat", call, toolset)
     usage = include_usage(body.model_extra) if body.stream else False
     return TurnPlan(

@@ -127,7 +127,7 @@ def _plan(request: web.Request, call: Taken[MessagesRequest, MessagesConversatio
     session, body, read = call.session, call.body, call.conversation
     key = signing_key(request.app[keys.SETTINGS].token_secret)
     signed = read.signed(key, session.id)
-    toolset = split_tools(body.tools)
+    toolset = call.tool_set(split_tools)
     meta = turn_meta(request, API, call, toolset)
     if body.tool_choice is not None and body.tool_choice.type != "auto":  # asked for, not enforced: recorded
         meta["tool_choice"] = body.tool_choice.model_dump(exclude_none=True)
@@ -164,7 +164,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         signed = read.signed(signing_key(request.app[keys.SETTINGS].token_secret), call.session.id)
         count = await request.app[keys.TURNS].count_tokens(
             call.lease,
-            Ask(read.conversation.messages, tools=split_tools(call.body.tools).functions, images=read.images.checked()),
+            Ask(read.conversation.messages, tools=call.tool_set(split_tools).functions, images=read.images.checked()),
             MessagesPlacement(hashes=read.hashes, signed=signed),
         )
     return json_response({"input_tokens": count})

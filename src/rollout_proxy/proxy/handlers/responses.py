@@ -78,7 +78,7 @@ def _plan(request: web.Request, call: Taken[ResponsesRequest, InputConversation]
     """The turn a Responses request asks for, placed by ``previous_response_id`` or by content
     (``core.responses``)."""
     session, body = call.session, call.body
-    toolset = split_tools(body.tools)
+    toolset = call.tool_set(split_tools)
     tools = toolset.functions
     return TurnPlan(
         Ask(
