@@ -121,6 +121,8 @@ async def test_a_turn_is_one_engine_call_once_the_self_check_passed(engine, temp
     async with proxy_for(engine, chat_template=local_template_for(template_name), render_check_rate=0.0) as proxy:
         await proxy.create_session([USER])  # the engine's self-check runs before this session's probe render
         assert counter(proxy, "render_checks_total", check="startup", outcome="match") == 1
+        # Qwen's template reads the tools in its system turn alone: bridges leave them out (SmolLM2's reads none)
+        assert proxy.app[keys.RENDERERS].bridges_leave_tools_out(engine.url)
         before = engine.tokenizes
         prompts = await tool_chat(proxy, engine.fake, tools=template_name == "qwen3_style")
         assert engine.tokenizes == before  # no /tokenize after start

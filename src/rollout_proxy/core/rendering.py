@@ -52,7 +52,7 @@ from rollout_proxy.tokenization.developer import DeveloperRole
 from rollout_proxy.tokenization.images import ImagePlaceholders, ImagesUnavailable, image_part_hashes
 from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavailable, tokenizer_dir
 from rollout_proxy.tokenization.renderer import ChatRenderer
-from rollout_proxy.tokenization.selfcheck import self_check, token_diff
+from rollout_proxy.tokenization.selfcheck import TOOLS, bridge_check, self_check, token_diff
 from rollout_proxy.wire.images import ImageBlob
 
 log = structlog.get_logger(__name__)
@@ -109,6 +109,12 @@ class Renderers:
         """How this engine's renders are made now (None: not decided yet)."""
         decided = self._by_engine.get(engine_url)
         return decided.source if decided is not None else None
+
+    def bridges_leave_tools_out(self, engine_url: str) -> bool:
+        """Whether this engine's bridges leave out the tools its template reads only in its head (decided with
+        the local rendering: ``tokenization.tools_head``)."""
+        decided = self._by_engine.get(engine_url)
+        return decided is not None and decided.renderer.leaves_tools_out
 
     def warm(self, engines: Iterable[GenerationEngine]) -> None:
         """Decide for each engine in the background, so the first turn finds it done."""
@@ -318,14 +324,25 @@ class Renderers:
             )
             return self._keep(engine, engine_only)
         self._metrics.inc("render_checks_total", check="startup", outcome="match")
+        tools_left_out = await self._bridges_leave_tools_out(engine, local)
         log.info(
             "local_rendering_on",
             engine=engine.url,
             template=local.origin,
             cases=report.rendered,
             refused=report.refused,
+            bridges_without_tools=tools_left_out,
         )
-        return self._keep(engine, _EngineRendering(RenderSource.LOCAL, ChatRenderer(local), by_engine, local))
+        renderer = ChatRenderer(local, bridges_ignore=local.bridges_ignore if tools_left_out else None)
+        return self._keep(engine, _EngineRendering(RenderSource.LOCAL, renderer, by_engine, local))
+
+    async def _bridges_leave_tools_out(self, engine: GenerationEngine, local: LocalTemplate) -> bool:
+        """Whether this engine's bridges leave the tools out where the template reads them only in its head
+        (``tokenization.tools_head``): so where the canonical bridges come out the same both ways."""
+        diffs = await bridge_check(local)
+        for diff in diffs[:LOGGED_DIFFS]:
+            log.warning("bridge_tools_mismatch", engine=engine.url, **diff.log_fields())
+        return not diffs and local.bridges_ignore(TOOLS)
 
     def _keep(self, engine: GenerationEngine, decided: _EngineRendering) -> _EngineRendering:
         self._by_engine[engine.url] = decided

@@ -39,6 +39,7 @@ from rollout_proxy.errors import TemplateRenderError
 from rollout_proxy.tokenization import vllm_chat
 from rollout_proxy.tokenization.images import ImagePlaceholders, ImagesUnavailable, load_placeholders
 from rollout_proxy.tokenization.pieces import PieceEncoder, exact_split_tokens
+from rollout_proxy.tokenization.tools_head import tools_only_shape_the_head
 
 #: Renders of more input characters than this leave the event loop (measured: README, "Rendering").
 OFF_LOOP_CHARS = 4096
@@ -57,6 +58,7 @@ class _Prepared:
     content_format: vllm_chat.ContentFormat
     names_developer: bool
     variables: frozenset[str]
+    tools_in_head_only: bool  # the tools change nothing a bridge is cut from (``tokenization.tools_head``)
 
 
 def _template_error_reason(exc: BaseException) -> str:
@@ -76,8 +78,11 @@ def _template_error_reason(exc: BaseException) -> str:
 def read_chat_template(value: str) -> str:
     """``--chat-template``: a file, or (as vLLM allows) the template text itself."""
     path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # not a file name at all (a template's text longer than a name may be)
+        pass
     if any(char in value for char in "{}\n"):
         return value
     raise LocalTemplateUnavailable(f"chat template file {value!r} not found")
@@ -171,6 +176,7 @@ class LocalTemplate:
             content_format=detected,  # type: ignore[arg-type]
             names_developer=vllm_chat.names_developer_role(text),
             variables=variables,
+            tools_in_head_only=tools_only_shape_the_head(text),
         )
 
     @classmethod
@@ -196,6 +202,15 @@ class LocalTemplate:
         if isinstance(self._images, ImagesUnavailable):
             raise self._images
         return self._images
+
+    def bridges_ignore(self, tools: Sequence[dict[str, Any]] | None) -> bool:
+        """Whether a bridge renders the same without ``tools``: the template chosen is the same with and without
+        them, and it reads them only in its head (``tokenization.tools_head``)."""
+        template = self._tokenizer.get_chat_template(self._template, vllm_chat.vllm_tools(tools or None))
+        if template != self._tokenizer.get_chat_template(self._template, None):
+            return False
+        prepared = self._prepared.get(template)
+        return prepared is not None and prepared.tools_in_head_only
 
     # -- rendering (blocking; thread-safe) ---------------------------------------------------------
 

@@ -20,9 +20,9 @@ from typing import Any, Literal, overload
 
 import numpy as np
 
-from rollout_proxy.errors import TemplateRenderError
+from rollout_proxy.errors import EngineError, InvalidRequest, TemplateRenderError
 from rollout_proxy.tokenization.local import LocalTemplate
-from rollout_proxy.tokenization.renderer import ANCHOR_ASSISTANT, TemplateSource, anchor_conversation
+from rollout_proxy.tokenization.renderer import ANCHOR_ASSISTANT, ChatRenderer, TemplateSource, anchor_conversation
 
 #: ids shown on each side of the first difference in a logged diff
 DIFF_WINDOW = 8
@@ -105,6 +105,18 @@ def canonical_cases() -> list[Case]:
         cases.append(Case(f"anchor_{role}_then_user", [*anchor, _FOLLOW_UP]))
     cases.append(Case("anchor_tool_then_tool", [*anchor_conversation("tool"), _RESULTS[1]], tools=TOOLS))
     return cases
+
+
+#: (the role a parent ends with, the new messages) of the bridges ``bridge_check`` renders with and without tools
+BRIDGES = (
+    ("user", [_CALLS]),
+    ("assistant", [_FOLLOW_UP]),
+    ("assistant", [*_RESULTS]),
+    ("tool", [_RESULTS[1], _FOLLOW_UP]),
+    ("tool", [_THOUGHT, _LAST]),
+    ("system", [_USER]),
+    ("developer", [_SKILLS, _USER]),
+)
 
 
 CHECKED_TEXTS = (ANCHOR_ASSISTANT, _FOLLOW_UP["content"], "  two  spaces\n\nand <|im_end|> inside")
@@ -257,3 +269,36 @@ async def self_check(local: LocalTemplate, engine: TemplateSource, cases: Sequen
         if text_diff is not None:
             report.diffs.append(text_diff)
     return report
+
+
+async def bridge_check(local: LocalTemplate) -> list[TokenDiff]:
+    """The bridges of ``BRIDGES`` (with and without the generation prompt, after a closed parent) rendered with
+    the tools and with them left out where ``local.bridges_ignore`` says they change nothing: the differences
+    (a template whose syntax ``tokenization.tools_head`` read wrong). Local only; the self-check compares
+    the whole renders these are cut from with the engine's."""
+    if not local.bridges_ignore(TOOLS):
+        return []
+    with_tools, without = ChatRenderer(local), ChatRenderer(local, bridges_ignore=local.bridges_ignore)
+    diffs = []
+    for role, messages in BRIDGES:
+        for flag in (True, False):
+            name = f"bridge_after_{role}_{len(messages)}/{'generation_prompt' if flag else 'no_generation_prompt'}"
+            outcomes: list[np.ndarray | str] = []
+            for renderer in (with_tools, without):
+                try:
+                    outcomes.append(
+                        await renderer.bridge(
+                            messages,
+                            after_role=role,
+                            after_closed=True,
+                            tools=TOOLS,
+                            chat_template_kwargs=None,
+                            add_generation_prompt=flag,
+                        )
+                    )
+                except (InvalidRequest, EngineError) as exc:  # refused, or the template's shape not learnt
+                    outcomes.append(exc.message)
+            _, diff = _compare(name, outcomes[1], outcomes[0], local)
+            if diff is not None:
+                diffs.append(dataclasses.replace(diff, note=f"{diff.note} (left: tools left out; right: rendered)"))
+    return diffs
