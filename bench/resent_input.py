@@ -3,7 +3,8 @@ Messages API side by side, alone and interleaved with a subagent and side calls,
 (``--baseline``) another checkout.
 
     python -m bench.resent_input [--turns 100] [--sessions 8] [--rounds 3] [--apis responses,chat,messages]
-                                 [--cases main,interleaved] [--baseline CHECKOUT] [--out out/bench]
+                                 [--cases main,interleaved] [--stores memory,redis] [--baseline CHECKOUT]
+                                 [--out out/bench]
 
 Codex CLI resends its whole history on every turn (``store: false``, no ``previous_response_id``): at its
 first turn ~27 KB of JSON, a 17.7k-character developer prompt and a second developer message, its
@@ -23,11 +24,11 @@ Messages API; new text each time), so a session sends far more lists than the pr
 main turns are measured.
 
 ``--sessions`` sessions take turn k together (lock step) against one ``rollout-proxy serve`` process
-(memory store) in front of the engine double (``load_tests.engine``, 0 ms); each turn's CPU is the proxy
+per store (``--stores``: memory, and Redis on a private redis-server) in front of the engine double (``load_tests.engine``, 0 ms); each turn's CPU is the proxy
 process's, read from the scheduler's nanosecond counters (``bench.harness.cpu_seconds``), per session, the
 median over ``--rounds`` rounds. ``--baseline CHECKOUT`` starts a second proxy from another checkout
 (``git worktree add /tmp/rp-main main``: its ``src`` first on ``PYTHONPATH``, the same interpreter and
-engine) and runs every case against both; each round runs every (proxy, API, case) once, in an order
+engine) and runs every case against both; each round runs every (proxy, store, API, case) once, in an order
 rotated round by round (``bench.harness.rotated``). Reported per run: the CPU per turn over turns 2-6 and
 over the last five, their ratio, and the least-squares line through every turn read at turn 2 and at the
 last (the goal: turn 100 at most 1.2x turn 2). Writes ``resent_input.json`` under ``--out``. A benchmark,
@@ -62,6 +63,7 @@ from bench.harness import (
     revision,
     rotated,
     start_engine,
+    start_redis,
     write_report,
 )
 
@@ -72,6 +74,7 @@ TEMPLATE = ROOT / "devtools" / "templates" / "qwen3_style.jinja"
 
 APIS = ("responses", "chat", "messages")
 CASES = ("main", "interleaved")
+STORES = ("memory", "redis")
 #: main turns each subagent lives; then the next one starts (a new conversation)
 SUBAGENT_TURNS = 10
 SUBAGENT_PROMPT = (
@@ -267,10 +270,13 @@ def summary(cpu: list[float]) -> dict[str, float]:
     }
 
 
-def start_proxy(services: Services, name: str, engine_url: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+def start_proxy(
+    services: Services, name: str, engine_url: str, env: dict[str, str] | None = None, store: str = "memory"
+) -> tuple[int, str]:
+    """A ``rollout-proxy serve`` on ``store`` (``memory`` or a Redis URL): (its pid, its URL)."""
     port = free_port()
     argv = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(port), "--engine", engine_url]
-    argv += ["--admin-key", ADMIN_KEY, "--chat-template", str(TEMPLATE), "--log-level", "warning"]
+    argv += ["--store", store, "--admin-key", ADMIN_KEY, "--chat-template", str(TEMPLATE), "--log-level", "warning"]
     argv += ["--log-format", "json", "--session-ttl", "3600"]
     proxy = services.start(name, argv, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -282,20 +288,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     trees = {"this": ROOT} | ({"baseline": args.baseline} if args.baseline else {})
     envs = {name: None if name == "this" else baseline_env(tree) for name, tree in trees.items()}
     revisions = {name: revision(tree) for name, tree in trees.items()}  # what each proxy starts from
-    targets = [(proxy, api, case) for proxy in trees for api in args.apis for case in args.cases]
-    cpu: dict[tuple[str, str, str], list[list[float]]] = {target: [] for target in targets}
+    targets = [
+        (proxy, store, api, case)
+        for proxy in trees
+        for store in args.stores
+        for api in args.apis
+        for case in args.cases
+    ]
+    cpu: dict[tuple[str, str, str, str], list[list[float]]] = {target: [] for target in targets}
     services = Services(Path(tempfile.mkdtemp(prefix="rp-bench-input-")))
     try:
         _, engine_url = start_engine(services, extra=["--chat-template", str(TEMPLATE)])
-        started = {name: start_proxy(services, f"proxy-{name}", engine_url, env) for name, env in envs.items()}
+        stores = {store: start_redis(services) if store == "redis" else store for store in args.stores}
+        started = {
+            (name, store): start_proxy(services, f"proxy-{name}-{store}", engine_url, env, stores[store])
+            for name, env in envs.items()
+            for store in args.stores
+        }
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
             for pid, base in started.values():  # warm: tokenizer, local rendering decided, connections
                 for api in args.apis:
                     await lockstep(http, base, pid, api, "interleaved", 2, 3)
             for round_index in range(args.rounds):
                 for target in rotated(targets, round_index):
-                    pid, base = started[target[0]]
-                    cpu[target].append(await lockstep(http, base, pid, *target[1:], args.sessions, args.turns))
+                    pid, base = started[target[:2]]
+                    cpu[target].append(await lockstep(http, base, pid, *target[2:], args.sessions, args.turns))
                     print(f"  round {round_index + 1}/{args.rounds}: {' '.join(target)} done", flush=True)
     finally:
         services.stop()
@@ -305,21 +322,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "proxies": {name: {"revision": revisions[name]} for name in trees},
         "runs": [],
     }
-    for (proxy, api, case), rounds in cpu.items():
+    for (proxy, store, api, case), rounds in cpu.items():
         median = [statistics.median(values) for values in zip(*rounds, strict=True)]
-        report["runs"].append({"proxy": proxy, "api": api, "case": case, "cpu_per_turn": median, **summary(median)})
+        run = {"proxy": proxy, "store": store, "api": api, "case": case, "cpu_per_turn": median}
+        report["runs"].append({**run, **summary(median)})
     return report
 
 
 def table(report: dict[str, Any]) -> str:
     turns = report["settings"]["turns"]
-    header = ["API", "case", "proxy", "CPU/turn, turns 2-6", f"turns {turns - 4}-{turns}", "ratio"]
+    header = ["API", "case", "store", "proxy", "CPU/turn, turns 2-6", f"turns {turns - 4}-{turns}", "ratio"]
     header += ["line at 2", f"line at {turns}", "line ratio"]
     revisions = {name: proxy["revision"] for name, proxy in report["proxies"].items()}
     rows = [
         [
             run["api"],
             run["case"],
+            run.get("store", "memory"),  # runs saved before there was a choice: memory
             f"{run['proxy']} ({revisions[run['proxy']]})",
             f"{run['turn_2_ms']:.2f} ms",
             f"{run['last_ms']:.2f} ms",
@@ -329,7 +348,13 @@ def table(report: dict[str, Any]) -> str:
             f"{run['line_ratio']:.2f}x",
         ]
         for run in sorted(
-            report["runs"], key=lambda run: (APIS.index(run["api"]), CASES.index(run["case"]), run["proxy"] != "this")
+            report["runs"],
+            key=lambda run: (
+                APIS.index(run["api"]),
+                CASES.index(run["case"]),
+                STORES.index(run.get("store", "memory")),
+                run["proxy"] != "this",
+            ),
         )
     ]
     return markdown_table(header, rows)
@@ -342,6 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each target once, rotated (default 3)")
     parser.add_argument("--apis", type=comma_choices(APIS), default=list(APIS), help="default responses,chat,messages")
     parser.add_argument("--cases", type=comma_choices(CASES), default=list(CASES), help="default main,interleaved")
+    parser.add_argument(
+        "--stores", type=comma_choices(STORES), default=["memory"], help="memory and/or redis (default memory)"
+    )
     parser.add_argument(
         "--baseline", type=Path, help="another checkout (e.g. a git worktree of main), run side by side"
     )

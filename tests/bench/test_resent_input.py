@@ -38,7 +38,19 @@ def test_a_tiny_run_measures_each_api_alone_and_interleaved_against_a_baseline(t
     for each in report["runs"]:
         assert len(each["cpu_per_turn"]) == 7 and all(cpu > 0 for cpu in each["cpu_per_turn"])
         assert each["ratio"] > 0
-    assert all(f"| {api} | interleaved | baseline (" in run.stdout for api in ("responses", "chat", "messages"))
+    assert all(f"| {api} | interleaved | memory | baseline (" in run.stdout for api in ("responses", "chat", "messages"))
+
+
+def test_a_tiny_run_on_both_stores_measures_each(tmp_path: Path) -> None:
+    """``--stores memory,redis``: a proxy per store (the Redis one on a private redis-server), each measured."""
+    command = [sys.executable, "-m", "bench.resent_input", "--turns", "7", "--sessions", "1", "--rounds", "1"]
+    command += ["--apis", "responses", "--cases", "main", "--stores", "memory,redis"]
+    run = subprocess.run([*command, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "resent_input.json").read_text())
+    assert sorted(each["store"] for each in report["runs"]) == ["memory", "redis"]
+    assert all(len(each["cpu_per_turn"]) == 7 and min(each["cpu_per_turn"]) > 0 for each in report["runs"])
+    assert "| responses | main | redis | this (" in run.stdout
 
 
 def test_a_baseline_that_is_no_checkout_is_refused(tmp_path: Path) -> None:
