@@ -498,6 +498,8 @@ class TurnRunner:
         and of the bridge, at its place in ``prompt``, with its image (the parent's read from the session's
         image store); the prompt collapsed to one marker per image is checked here (a marker where no image is
         would be taken for one: a 400 in words)."""
+        if not delta_images and not any(node.images for node in placement.parent):
+            return None  # the common case, checked without walking every node's offsets (every turn, a long path)
         spans: list[ImageSpan] = []
         offset = 0
         for node in placement.parent:
