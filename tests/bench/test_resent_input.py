@@ -38,7 +38,9 @@ def test_a_tiny_run_measures_each_api_alone_and_interleaved_against_a_baseline(t
     for each in report["runs"]:
         assert len(each["cpu_per_turn"]) == 7 and all(cpu > 0 for cpu in each["cpu_per_turn"])
         assert each["ratio"] > 0
-    assert all(f"| {api} | interleaved | memory | baseline (" in run.stdout for api in ("responses", "chat", "messages"))
+    assert all(
+        f"| {api} | interleaved | memory | baseline (" in run.stdout for api in ("responses", "chat", "messages")
+    )
 
 
 def test_a_tiny_run_on_both_stores_measures_each(tmp_path: Path) -> None:

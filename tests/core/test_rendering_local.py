@@ -21,12 +21,14 @@ from structlog.testing import capture_logs
 
 from devtools.fake_engine import FakeEngine
 from rollout_proxy.app import create_app
+from rollout_proxy.core.rendering import RenderSource
 from rollout_proxy.embedded import serve_app
 from rollout_proxy.proxy import keys
 from rollout_proxy.settings import Settings
 from rollout_proxy.tokenization.local import LocalTemplate
 from tests.conftest import TEMPLATES, TEMPLATES_DIR, free_port
 from tests.harness import ADMIN_KEY, WEATHER_TOOL, ProxyHarness, store_snapshot
+from tests.tokenization.test_tools_head import BEFORE_THE_LAST_USER_MESSAGE
 
 QWEN_FILE = str(TEMPLATES_DIR / "qwen3_style.jinja")
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -155,6 +157,32 @@ async def test_another_template_is_caught_at_start_and_the_engine_renders(engine
     fake = engine.fake
     expected = fake.encode(fake.render([{"role": "system", "content": "Be brief."}, USER], add_generation_prompt=True))
     assert prompts[0] == expected  # the engine's template, not the one the proxy was wrongly given
+
+
+async def test_a_template_read_wrong_keeps_the_tools_in_its_bridges(
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tools before the last user message (Mistral's shape), as if read as head-only: the canonical bridges,
+    rendered both ways when rendering goes local, disagree, so the tools stay in every bridge, said in the
+    log, and a tool chat's prompts are the engine's own. (The template is given as its text, as vLLM allows.)"""
+    monkeypatch.setattr(LocalTemplate, "bridges_ignore", lambda self, tools: True)
+    fake = FakeEngine(tokenizer_dir, chat_template=BEFORE_THE_LAST_USER_MESSAGE)
+    with capture_logs() as logs:
+        async with (
+            watched(fake) as served,
+            proxy_for(served, chat_template=BEFORE_THE_LAST_USER_MESSAGE, render_check_rate=0.0) as proxy,
+        ):
+            prompts = await tool_chat(proxy, fake, tools=True)
+            renderers = proxy.app[keys.RENDERERS]
+            assert renderers.source(served.url) is RenderSource.LOCAL
+            assert not renderers.bridges_leave_tools_out(served.url)
+    assert any(entry["event"] == "bridge_tools_mismatch" for entry in logs)
+    (on,) = [entry for entry in logs if entry["event"] == "local_rendering_on"]
+    assert on["bridges_without_tools"] is False
+    # the third turn's bridge ends with a user message: the tools are rendered before it, as the engine does
+    assert fake.decode(prompts[2]).count("[TOOLS]") == 2
+    async with watched(fake) as served, proxy_for(served, rendering="engine") as by_engine:
+        assert await tool_chat(by_engine, fake, tools=True) == prompts
 
 
 @pytest.mark.parametrize("template_name", ["qwen3_style"])

@@ -339,7 +339,11 @@ class Renderers:
     async def _bridges_leave_tools_out(self, engine: GenerationEngine, local: LocalTemplate) -> bool:
         """Whether this engine's bridges leave the tools out where the template reads them only in its head
         (``tokenization.tools_head``): so where the canonical bridges come out the same both ways."""
-        diffs = await bridge_check(local)
+        try:
+            diffs = await bridge_check(local)
+        except Exception as exc:  # a template this check cannot drive: the tools stay in, rendering goes on
+            log.warning("bridge_tools_check_failed", engine=engine.url, error=f"{type(exc).__name__}: {exc}")
+            return False
         for diff in diffs[:LOGGED_DIFFS]:
             log.warning("bridge_tools_mismatch", engine=engine.url, **diff.log_fields())
         return not diffs and local.bridges_ignore(TOOLS)
