@@ -15,10 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rollout_proxy.errors import EngineError, InvalidRequest
 from rollout_proxy.tokenization.local import LocalTemplate
 from rollout_proxy.tokenization.renderer import ChatRenderer
-from rollout_proxy.tokenization.selfcheck import BRIDGES, TOOLS, bridge_check
+from rollout_proxy.tokenization.selfcheck import TOOLS, bridge_check, canonical_bridges
 from rollout_proxy.tokenization.tools_head import tools_only_shape_the_head
 from tests.conftest import TEMPLATES
 
@@ -119,23 +118,8 @@ def local(tokenizer_dir: Path, template: str) -> LocalTemplate:
 
 
 async def bridges(renderer: ChatRenderer) -> list[Any]:
-    """Every canonical bridge, or the refusal's words."""
-    rendered: list[Any] = []
-    for role, messages in BRIDGES:
-        for flag in (True, False):
-            try:
-                ids = await renderer.bridge(
-                    messages,
-                    after_role=role,
-                    after_closed=True,
-                    tools=TOOLS,
-                    chat_template_kwargs=None,
-                    add_generation_prompt=flag,
-                )
-                rendered.append(ids.tolist())
-            except (InvalidRequest, EngineError) as exc:
-                rendered.append(exc.message)
-    return rendered
+    """Every canonical bridge's ids, or the refusal's words."""
+    return [ids if isinstance(ids, str) else ids.tolist() for _, ids in await canonical_bridges(renderer)]
 
 
 @pytest.mark.parametrize("name", sorted(HEAD_ONLY))

@@ -271,34 +271,41 @@ async def self_check(local: LocalTemplate, engine: TemplateSource, cases: Sequen
     return report
 
 
-async def bridge_check(local: LocalTemplate) -> list[TokenDiff]:
-    """The bridges of ``BRIDGES`` (with and without the generation prompt, after a closed parent) rendered with
-    the tools and with them left out where ``local.bridges_ignore`` says they change nothing: the differences
-    (a template whose syntax ``tokenization.tools_head`` read wrong). Local only; the self-check compares
-    the whole renders these are cut from with the engine's."""
-    if not local.bridges_ignore(TOOLS):
-        return []
-    with_tools, without = ChatRenderer(local), ChatRenderer(local, bridges_ignore=local.bridges_ignore)
-    diffs = []
+async def canonical_bridges(renderer: ChatRenderer) -> list[tuple[str, np.ndarray | str]]:
+    """``BRIDGES`` rendered by ``renderer``, with ``TOOLS``, with and without the generation prompt, after a
+    closed parent: (the case's name, its ids or the refusal's words)."""
+    rendered: list[tuple[str, np.ndarray | str]] = []
     for role, messages in BRIDGES:
         for flag in (True, False):
             name = f"bridge_after_{role}_{len(messages)}/{'generation_prompt' if flag else 'no_generation_prompt'}"
-            outcomes: list[np.ndarray | str] = []
-            for renderer in (with_tools, without):
-                try:
-                    outcomes.append(
-                        await renderer.bridge(
-                            messages,
-                            after_role=role,
-                            after_closed=True,
-                            tools=TOOLS,
-                            chat_template_kwargs=None,
-                            add_generation_prompt=flag,
-                        )
-                    )
-                except (InvalidRequest, EngineError) as exc:  # refused, or the template's shape not learnt
-                    outcomes.append(exc.message)
-            _, diff = _compare(name, outcomes[1], outcomes[0], local)
-            if diff is not None:
-                diffs.append(dataclasses.replace(diff, note=f"{diff.note} (left: tools left out; right: rendered)"))
+            try:
+                ids = await renderer.bridge(
+                    messages,
+                    after_role=role,
+                    after_closed=True,
+                    tools=TOOLS,
+                    chat_template_kwargs=None,
+                    add_generation_prompt=flag,
+                )
+            except (InvalidRequest, EngineError) as exc:  # refused, or the template's shape not learnt
+                rendered.append((name, exc.message))
+            else:
+                rendered.append((name, ids))
+    return rendered
+
+
+async def bridge_check(local: LocalTemplate) -> list[TokenDiff]:
+    """The canonical bridges (``canonical_bridges``) rendered with the tools and with them left out where
+    ``local.bridges_ignore`` says they change nothing: the differences (a template whose syntax
+    ``tokenization.tools_head`` read wrong). Local only; the self-check compares the whole renders these are
+    cut from with the engine's."""
+    if not local.bridges_ignore(TOOLS):
+        return []
+    left_out = await canonical_bridges(ChatRenderer(local, bridges_ignore=local.bridges_ignore))
+    rendered = await canonical_bridges(ChatRenderer(local))
+    diffs = []
+    for (name, ours), (_, theirs) in zip(left_out, rendered, strict=True):
+        _, diff = _compare(name, ours, theirs, local)
+        if diff is not None:
+            diffs.append(dataclasses.replace(diff, note=f"{diff.note} (left: tools left out; right: rendered)"))
     return diffs
