@@ -333,7 +333,7 @@ class Renderers:
             refused=report.refused,
             bridges_without_tools=tools_left_out,
         )
-        renderer = ChatRenderer(local, bridges_ignore=local.bridges_ignore if tools_left_out else None)
+        renderer = ChatRenderer(local, leave_tools_out=tools_left_out)
         return self._keep(engine, _EngineRendering(RenderSource.LOCAL, renderer, by_engine, local))
 
     async def _bridges_leave_tools_out(self, engine: GenerationEngine, local: LocalTemplate) -> bool:

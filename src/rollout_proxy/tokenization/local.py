@@ -205,7 +205,8 @@ class LocalTemplate:
 
     def bridges_ignore(self, tools: Sequence[dict[str, Any]] | None) -> bool:
         """Whether a bridge renders the same without ``tools``: the template chosen is the same with and without
-        them, and it reads them only in its head (``tokenization.tools_head``)."""
+        them, and it reads them only in its head (``tokenization.tools_head``). The same for any tools given
+        (the choice only asks whether there are any): a renderer asks once (``ChatRenderer(leave_tools_out)``)."""
         template = self._tokenizer.get_chat_template(self._template, vllm_chat.vllm_tools(tools or None))
         if template != self._tokenizer.get_chat_template(self._template, None):
             return False

@@ -21,7 +21,7 @@ same over both.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -96,15 +96,14 @@ def _cache_key(*parts: Any) -> bytes:
 
 
 class ChatRenderer:
-    """Renders with one chat template (one engine's); learns the template's shape once. ``bridges_ignore``:
-    whether a bridge renders the same without the given tools (``LocalTemplate.bridges_ignore``); bridges then
-    leave them out (a harness's tools rendered in every bridge are most of its cost, for text the cut drops)."""
+    """Renders with one chat template (one engine's); learns the template's shape once. ``leave_tools_out``:
+    bridges render without the tools, for a template where a bridge is the same without them
+    (``LocalTemplate.bridges_ignore``: decided once per template, whatever the tools); a harness's tools
+    rendered in every bridge are most of its cost, for text the cut drops."""
 
-    def __init__(
-        self, source: TemplateSource, *, bridges_ignore: Callable[[Sequence[dict[str, Any]]], bool] | None = None
-    ) -> None:
+    def __init__(self, source: TemplateSource, *, leave_tools_out: bool = False) -> None:
         self._source = source
-        self._bridges_ignore = bridges_ignore
+        self.leaves_tools_out = leave_tools_out
         self._end_of_turn: int | None = None
         self._anchors: BoundedCache[bytes, np.ndarray] = BoundedCache(
             max_entries=_MAX_CACHED_SHAPES, max_bytes=_MAX_CACHED_SHAPE_BYTES
@@ -112,11 +111,6 @@ class ChatRenderer:
         self._generation_prompts: BoundedCache[bytes, str] = BoundedCache(
             max_entries=_MAX_CACHED_SHAPES, max_bytes=_MAX_CACHED_SHAPE_BYTES
         )
-
-    @property
-    def leaves_tools_out(self) -> bool:
-        """Whether bridges may leave the tools out (``bridges_ignore`` given)."""
-        return self._bridges_ignore is not None
 
     async def end_of_turn_id(self) -> int:
         """The token the template closes every message with (``<|im_end|>`` for ChatML)."""
@@ -176,7 +170,7 @@ class ChatRenderer:
 
         ``after_closed`` says whether the parent's tokens end with the end-of-turn token.
         """
-        if tools and self._bridges_ignore is not None and self._bridges_ignore(tools):
+        if self.leaves_tools_out:
             tools = None
         end_of_turn = await self.end_of_turn_id()
         anchor = anchor_conversation(after_role)

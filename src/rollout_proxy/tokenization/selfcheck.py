@@ -301,7 +301,7 @@ async def bridge_check(local: LocalTemplate) -> list[TokenDiff]:
     cut from with the engine's."""
     if not local.bridges_ignore(TOOLS):
         return []
-    left_out = await canonical_bridges(ChatRenderer(local, bridges_ignore=local.bridges_ignore))
+    left_out = await canonical_bridges(ChatRenderer(local, leave_tools_out=True))
     rendered = await canonical_bridges(ChatRenderer(local))
     diffs = []
     for (name, ours), (_, theirs) in zip(left_out, rendered, strict=True):

@@ -75,6 +75,13 @@ class _Reading:
         self._parents = _parents(tree)
         self._macros = {macro.name: macro for macro in tree.find_all(nodes.Macro)}
         self._namespaces = {ref.name for ref in tree.find_all(nodes.NSRef)}
+        self._set_at_top = {  # names a top-level ``set`` assigns
+            target.name
+            for statement in self._body
+            if isinstance(statement, nodes.Assign | nodes.AssignBlock)
+            for target in _walk(statement.target)
+            if isinstance(target, nodes.Name)
+        }
 
     def tools_only_shape_the_head(self) -> bool:
         reading = [index for index, statement in enumerate(self._body) if _reads(statement, "tools")]
@@ -110,7 +117,7 @@ class _Reading:
             if node.name == "messages":
                 if not self._first_message_read(node):
                     return False
-            elif node.name in self._namespaces or (self._set_at_top(node.name) and node.name not in safe | local):
+            elif node.name in self._namespaces or (node.name in self._set_at_top and node.name not in safe | local):
                 return False
         return True
 
@@ -160,11 +167,4 @@ class _Reading:
     def _shared(self, name: str) -> bool:
         """A name whose value a macro would not get from its arguments: the conversation, a namespace, a name
         set at the top."""
-        return name == "messages" or name in self._namespaces or self._set_at_top(name)
-
-    def _set_at_top(self, name: str) -> bool:
-        return any(
-            isinstance(statement, nodes.Assign | nodes.AssignBlock)
-            and any(isinstance(t, nodes.Name) and t.name == name for t in _walk(statement.target))
-            for statement in self._body
-        )
+        return name == "messages" or name in self._namespaces or name in self._set_at_top
