@@ -77,16 +77,23 @@ async def test_deltas_ready_together_go_out_in_one_write_and_none_waits_for_the_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``more``: another delta was ready with this one; those are one write (one syscall, one chunk). A delta
-    with nothing ready behind it is written before the next event is even asked for."""
+    with nothing ready behind it is written before the next event is even asked for. The last frames go
+    with the end of the body, in the same write."""
     writes: list[bytes] = []
+    ends: list[bytes] = []  # what each ``write_eof`` wrote with the end of the body
     written_before: list[int] = []  # writes done when each event after the first was asked for
-    original = web.StreamResponse.write
+    original, original_eof = web.StreamResponse.write, web.StreamResponse.write_eof
 
     async def counted(self: web.StreamResponse, data: bytes) -> None:
         writes.append(bytes(data))
         await original(self, data)
 
+    async def counted_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        ends.append(bytes(data))
+        await original_eof(self, data)
+
     monkeypatch.setattr(web.StreamResponse, "write", counted)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", counted_eof)
     deltas = [delta("a", more=True), delta("b", more=True), delta("c", more=False), delta("d", more=False)]
     done = TurnDone(result=None)  # type: ignore[arg-type]  # the framing above does not read it
 
@@ -116,7 +123,7 @@ async def test_deltas_ready_together_go_out_in_one_write_and_none_waits_for_the_
         == [
             parse(encode(expected[:4])),  # the start and a, b, c: ready together
             parse(encode(expected[4:5])),  # d alone
-            parse(encode(expected[5:])),
         ]
     )
+    assert parse(ends[0]) == parse(encode(expected[5:]))  # the end of the body, with the last frames
     assert written_before == [0, 0, 1, 2]  # c's write came before d was asked for, d's before the end

@@ -8,7 +8,8 @@ response). A client that goes away ends the turn's iteration, which aborts the e
 
 Deltas the engine sent together (read in one go, or while the loop was busy) are written together: one
 write, one syscall, for what is ready at once (``TurnDelta.more``); nothing waits for a delta not yet
-sampled.
+sampled. The turn's last frames go out with the end of the body (a write each syscall costs more here
+than framing a delta does).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ async def serve_stream(
             while True:
                 frames += framing.frames(event)
                 if isinstance(event, TurnDone):
-                    await _write(request, response, frames)
+                    await _write(request, response, frames, last=True)  # with the end of the body: one write
                     break
                 if not (isinstance(event, TurnDelta) and event.more) or len(frames) >= MAX_HELD_FRAMES:
                     await _write(request, response, frames)  # what was ready together, in one write
@@ -101,13 +102,20 @@ async def serve_stream(
     return response
 
 
-async def _write(request: web.Request, response: web.StreamResponse, frames: list[Frame]) -> None:
+async def _write(
+    request: web.Request, response: web.StreamResponse, frames: list[Frame], *, last: bool = False
+) -> None:
+    """``frames`` in one write; ``last``: the body's end (the chunked encoding's last chunk) goes with them."""
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client closed the connection")
-    await response.write(encode(frames))
+    if last:
+        await response.write_eof(encode(frames))
+    else:
+        await response.write(encode(frames))
 
 
 async def _write_quietly(request: web.Request, response: web.StreamResponse, frames: list[Frame]) -> None:
+    """The error event, and the end of the body with it."""
     with contextlib.suppress(ConnectionResetError):
-        await _write(request, response, frames)
+        await _write(request, response, frames, last=True)
