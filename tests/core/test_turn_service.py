@@ -56,9 +56,8 @@ async def test_a_streamed_turn_records_what_a_whole_one_does(turns, api):
     service = TurnService(tree=turns.tree, turns=turns.runner)
     turns.fake.queue("Four.", "Four.")
     whole = await service.complete(await lease(turns), Ask([QUESTION], meta={"k": 1}), PLACEMENTS[api])
-    events = [
-        event async for event in service.stream(await lease(turns), Ask([QUESTION], meta={"k": 1}), PLACEMENTS[api])
-    ]
+    stream = await service.stream(await lease(turns), Ask([QUESTION], meta={"k": 1}), PLACEMENTS[api])
+    events = [event async for event in stream]
     assert isinstance(events[-1], TurnDone)
     streamed = events[-1].result.node
     for field in ("api", "messages", "prompt_ids", "output_ids", "output_logprobs", "finish_reason", "meta"):

@@ -47,7 +47,7 @@ async def serve_turn(request: web.Request, spec: Spec[M, C], plan: Planner[M, C]
         planned = plan(request, call)
         turns = request.app[keys.TURNS]
         if planned.stream:
-            events = turns.stream(call.lease, planned.ask, planned.placing)
+            events = await turns.stream(call.lease, planned.ask, planned.placing)
             return await serve_stream(request, events, planned.framing)
         result = await turns.complete(call.lease, planned.ask, planned.placing)
     structlog.contextvars.bind_contextvars(response_id=result.node.id)
