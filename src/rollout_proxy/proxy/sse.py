@@ -8,8 +8,8 @@ response). A client that goes away ends the turn's iteration, which aborts the e
 
 Deltas the engine sent together (read in one go, or while the loop was busy) are written together: one
 write, one syscall, for what is ready at once (``TurnDelta.more``); nothing waits for a delta not yet
-sampled. The turn's last frames go out with the end of the body (a write each syscall costs more here
-than framing a delta does).
+sampled. The turn's last frames go out with the end of the body: each write is a syscall, which costs
+more than framing a delta.
 """
 
 from __future__ import annotations
