@@ -97,9 +97,7 @@ async def serve_stream(
             log.exception("stream_failed_unexpectedly", path=request.path)
             error = ProxyError("internal error; see the proxy's log for the request id")
             await _write_quietly(request, response, framing.error(error))
-        with contextlib.suppress(ConnectionResetError):
-            await response.write_eof()
-    return response
+    return response  # every path above ended the body with its last write, or found the client gone
 
 
 async def _write(
