@@ -17,7 +17,7 @@ from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.core.rendering import Renderers, RenderingConfig, RenderSource
 from rollout_proxy.core.trajectory import assemble
 from rollout_proxy.core.tree import ResponseTree
-from rollout_proxy.core.turns import TurnRunner, path_tokens
+from rollout_proxy.core.turns import TurnRunner, path_holds_images, path_tokens
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.errors import EngineError, ImagesUnsupported, InvalidRequest
@@ -174,6 +174,36 @@ async def test_a_fork_off_an_image_turn_keeps_the_parents_images(turns: Turns):
     assert fork.node.parent_id == one.node.id
     assert [part["uuid"] for part in fake.generate_requests[-1]["content_parts"]] == [red.sha256, blue.sha256]
     assert np.array_equal(fork.prompt_ids, fake.generations[-1].prompt)
+
+
+async def test_a_turn_after_an_appended_note_still_sends_the_images_before_it(turns: Turns):
+    """Whether a path holds images is kept on its leaf (asked every turn); an appended node's is found by walking
+    the path once, a generated node's is its prompt's."""
+    fake = turns.fake
+    red = blob(64, 64)
+    session = await open_session(turns)
+    fake.queue("Red.")
+    first = [user("Describe.", red)]
+    one = await turns.runner.generate(
+        session, await turns.tree.locate(session, first, api="chat"), api="chat", tools=None, images=(red,)
+    )
+    assert one.node.path_holds_images is True
+    note = await turns.runner.inject(
+        session, await turns.tree.after(session, one.node.id, [{"role": "user", "content": "A note."}]), api="chat"
+    )
+    fake.queue("Noted.")
+    after = await turns.runner.generate(session, await turns.tree.after(session, note.id, []), api="chat", tools=None)
+    assert [part["uuid"] for part in fake.generate_requests[-1]["content_parts"]] == [red.sha256]
+    assert np.array_equal(after.prompt_ids, fake.generations[-1].prompt)
+    assert after.node.path_holds_images is True
+
+    text = await open_session(turns)
+    fake.queue("Hello.")
+    plain = await turns.runner.generate(
+        text, await turns.tree.locate(text, [{"role": "user", "content": "Hi."}], api="chat"), api="chat", tools=None
+    )
+    assert plain.node.path_holds_images is False and not path_holds_images([plain.node])
+    assert path_holds_images([one.node, note]) and not path_holds_images([])
 
 
 async def test_an_engine_that_expands_images_otherwise_is_drift(turns: Turns):

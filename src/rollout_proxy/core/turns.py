@@ -97,6 +97,17 @@ def path_tokens(path: Sequence[ResponseNode]) -> np.ndarray:
     return leaf.path_ids
 
 
+def path_holds_images(path: Sequence[ResponseNode]) -> bool:
+    """Whether any node of a root-to-leaf path holds an image, kept on the leaf: every turn asks, and walking
+    the path each time would make a conversation's turns quadratic in its length."""
+    if not path:
+        return False
+    leaf = path[-1]
+    if leaf.path_holds_images is None:
+        leaf.path_holds_images = any(node.images for node in path)
+    return leaf.path_holds_images
+
+
 class TurnRunner:
     def __init__(
         self,
@@ -373,6 +384,7 @@ class TurnRunner:
         # the node, its images and the move: one round trip
         await self._save(session, node, hashes, engine=moved_to, lease=lease, images=images)
         node.path_ids = np.concatenate([turn.prompt, output_ids]).astype(np.int32, copy=False)
+        node.path_holds_images = turn.images is not None  # the prompt's images; the output holds none
         if placement.parent:  # the conversation moved on: only its latest node keeps its path's ids
             placement.parent[-1].path_ids = None
         self._follow(session, sampled.engine)
@@ -498,8 +510,8 @@ class TurnRunner:
         and of the bridge, at its place in ``prompt``, with its image (the parent's read from the session's
         image store); the prompt collapsed to one marker per image is checked here (a marker where no image is
         would be taken for one: a 400 in words)."""
-        if not delta_images and not any(node.images for node in placement.parent):
-            return None  # the common case, checked without walking every node's offsets (every turn, a long path)
+        if not delta_images and not path_holds_images(placement.parent):
+            return None  # the common case, checked without walking the path (every turn, a long path)
         spans: list[ImageSpan] = []
         offset = 0
         for node in placement.parent:
