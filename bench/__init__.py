@@ -10,6 +10,7 @@
     python -m bench.memory_soak        # does a proxy give its memory back once sessions pass their TTL?
     python -m bench.policy_update      # sessions on other policies while a LoRA adapter is updated under load
     python -m bench.profile_turn       # where a turn's proxy CPU goes: py-spy's flame graph and top costs
+    python -m bench.count_turn         # a turn's instructions or own Python calls, counted: early against late
     python -m bench.pages              # the docs' benchmark pages, from the JSON under docs/bench/
 
 Each writes its JSON under ``--out`` (default ``out/bench/``); what they share is ``bench.harness``. Benchmarks,

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from bench.harness import (
     ROOT,
     Services,
     baseline_env,
+    child_env,
     cpu_seconds,
     free_port,
     markdown_table,
@@ -69,16 +71,27 @@ def py_spy() -> str:
 
 
 def start_proxy(
-    services: Services, engine_url: str, store: str, tree: Path | None, extra: list[str]
+    services: Services,
+    engine_url: str,
+    store: str,
+    tree: Path | None,
+    extra: list[str],
+    *,
+    launcher: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    ready_within: float = 120.0,
 ) -> tuple[int, str]:
+    """``rollout-proxy serve`` (from ``tree``'s checkout, else this one's) on the engine double; ``launcher``:
+    what runs the interpreter (``valgrind ...``), ``env``: added to its environment."""
     port = free_port()
-    argv = [sys.executable, "-m", "rollout_proxy", "serve", "--port", str(port), "--engine", engine_url]
+    argv = [*launcher, sys.executable, "-m", "rollout_proxy", "serve", "--port", str(port), "--engine", engine_url]
     argv += ["--store", store, "--admin-key", ADMIN_KEY, "--chat-template", str(resent_input.TEMPLATE)]
     argv += ["--log-level", "warning", "--log-format", "json", "--session-ttl", "3600", *extra]
-    env = None if tree is None else baseline_env(tree)
-    process = services.start("proxy", argv, env=env)
+    process = services.start(
+        "proxy", argv, env={**(child_env() if tree is None else baseline_env(tree)), **(env or {})}
+    )
     base = f"http://127.0.0.1:{port}"
-    services.wait_http("proxy", f"{base}/readyz")
+    services.wait_http("proxy", f"{base}/readyz", timeout=ready_within)
     return process.pid, base
 
 
