@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import (
+    count_turn,
     fleet_faults,
     images,
     policy_update,
@@ -49,6 +50,8 @@ DATA = DOCS / "bench"
 Report = dict[str, Any]
 #: the published profiles (``bench.profile_turn``: SHAPE-STORE)
 PROFILED = ("codex-memory", "short-redis")
+#: the published counts (``bench.count_turn``: MEASURE-SHAPE-STORE)
+COUNTED = ("instructions-short-memory", "instructions-short-redis", "calls-short-redis")
 
 
 def _fleet(report: Report) -> str:
@@ -83,6 +86,7 @@ TABLES: dict[str, Callable[[Report], str]] = {
     "proxy_overhead_vs_70c855b.json": proxy_overhead.table,
     "resent_input_vs_70c855b.json": resent_input.table,
     **{f"profile_turn-{shape}.json": profile_turn.table for shape in PROFILED},
+    **{f"count_turn-{counted}.json": count_turn.table for counted in COUNTED},
 }
 
 #: Runs published before the benches recorded their own command line (``bench.harness.write_report``).
