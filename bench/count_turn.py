@@ -180,7 +180,22 @@ async def count(args: argparse.Namespace, tree: Path | None) -> dict[str, Any]:
                 )
     finally:
         services.stop()
+    kept = notable(windows)
+    for window in windows:
+        window["functions"] = {name: value for name, value in window["functions"].items() if name in kept}
     return {"tree": str(tree) if tree else None, "revision": revision(tree or ROOT), "windows": windows}
+
+
+def notable(windows: list[dict[str, Any]], limit: int = 30) -> set[str]:
+    """The functions worth keeping in the JSON: the costliest in any window and those that grew most from
+    the first window to the last (callgrind names a few thousand)."""
+    names: set[str] = set()
+    for window in windows:
+        functions = window["functions"]
+        names |= set(sorted(functions, key=functions.__getitem__, reverse=True)[:limit])
+    if len(windows) > 1:
+        names |= {name for name, _, _ in grew({"windows": windows}, limit)}
+    return names
 
 
 def grew(target: dict[str, Any], limit: int = 8) -> list[tuple[str, float, float]]:
