@@ -6,8 +6,9 @@ other on the same load.
     python -m bench.count_turn --measure instructions --at 2,100 --baseline /tmp/rp-base-70c855b
     python -m bench.count_turn --measure calls --shape codex --at 5,30
 
-CPU seconds on shared cores move by tens of percent between runs; these counts move by a fraction of one, so
-a turn 100 against a turn 2, or one tree against another, can be compared where the timed benchmarks cannot.
+CPU seconds on shared cores move by tens of percent between runs; these counts move by a percent or two (what
+the collector and the background tasks do inside a window), so a turn 100 against a turn 2, or one tree against
+another, can be compared where the timed benchmarks cannot.
 Counts are not time: a call or an instruction costs what it costs (an instruction that misses the cache
 costs more, and callgrind counts a copy's ``rep movsb`` once per byte: a share of ``memcpy`` says bytes
 copied), and the kernel's work is in neither. Read them beside ``bench.proxy_overhead``, not instead.
@@ -15,9 +16,9 @@ copied), and the kernel's work is in neither. Read them beside ``bench.proxy_ove
 The shapes are ``bench.profile_turn``'s (``short``: a short chat turn; ``codex``, ``codex-chat``, ``claude``:
 the harness conversations). ``--sessions`` sessions take their turns in lock step; before each window of
 ``--window`` turns starting after turn N (``--at``), the proxy is told to count (``callgrind_control``, or a
-signal to ``devtools/call_count.py``, which ``--measure calls`` runs it under), and the count is read when the window ends. The
-instructions mode adds, per tree, the functions whose instructions grew most from the first window to the
-last. valgrind must be installed for it (``apt install valgrind``).
+signal to ``devtools/call_count.py``, which ``--measure calls`` runs it under), and the count is read when the
+window ends. The instructions mode adds, per tree, the functions whose instructions grew most from the first
+window to the last. valgrind must be installed for it (``apt install valgrind``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -96,7 +98,9 @@ def read_callgrind(dump: Path) -> tuple[int, dict[str, int]]:
     totals = re.search(r"^totals:\s*(\d+)", text, re.MULTILINE)
     if totals is None:
         raise SystemExit(f"{dump}: no totals line")
-    annotated = os.popen(f"callgrind_annotate --threshold=100 {dump} 2>/dev/null").read()
+    annotated = subprocess.run(
+        ["callgrind_annotate", "--threshold=100", str(dump)], capture_output=True, text=True, check=True
+    ).stdout
     functions: dict[str, int] = {}
     for line in annotated.splitlines():
         found = _ANNOTATED.match(line)
