@@ -39,6 +39,9 @@ still held after expiry beyond the warm proxy's. Its snapshots go to files, so t
 baseline), ``trim-every=S`` (``malloc_trim(0)`` each S seconds, in a thread; the detail says how long it took),
 ``arena-max=N`` (``MALLOC_ARENA_MAX=N`` in its environment).
 
+``--slope-windows N`` adds a table of the time after the warm-up in N equal stretches, each one's RSS and slopes:
+growth that slows from one stretch to the next is caches filling to their bounds, growth at one pace a leak.
+
 A benchmark, not a test (tests/bench/test_memory_soak_smoke.py runs it tiny): its numbers are in
 docs/operations/memory.md.
 """
@@ -611,6 +614,32 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join([settings, "", *lines])
 
 
+def stretches(results: dict[str, dict[str, Any]], warmup: float, count: int) -> str:
+    """The time after the warm-up in ``count`` equal stretches, each one's RSS (first and last minute's
+    median) and slopes: growth that slows from one to the next is caches filling to their bounds; growth at
+    the same pace is a leak."""
+    head = "| store | minutes | RSS | RSS slope (95% CI) | malloc in use: slope |"
+    lines = [head, "|---|---|---|---|---|"]
+    for name, r in results.items():
+        end = r["samples"][-1][0]
+        step = (end - warmup) / count
+        for index in range(count):
+            low, high = warmup + index * step, warmup + (index + 1) * step
+            samples = [(t, rss) for t, rss in r["samples"] if low <= t <= high]
+            rss = slope_of_minutes(samples)
+            in_use = slope_of_minutes(
+                [(s["t"], s["malloc"]["in_use"]) for s in r["stats"] if low <= s["t"] <= high], STATS_EVERY
+            )
+            first = statistics.median(value for t, value in samples if t < low + 60)
+            last = statistics.median(value for t, value in samples if t > high - 60)
+            lines.append(
+                f"| {name} | {low / 60:.0f}-{high / 60:.0f} | {first:.1f} → {last:.1f} MiB "
+                f"| {rss.slope * 1024:+.1f} ± {rss.margin * 1024:.1f} KiB/min "
+                f"| {in_use.slope * 1024:+.1f} ± {in_use.margin * 1024:.1f} KiB/min |"
+            )
+    return "\n".join(lines)
+
+
 def detail(results: dict[str, dict[str, Any]]) -> str:
     """What each proxy held, at the end of the load and once every session had expired."""
     out = []
@@ -671,6 +700,13 @@ def main() -> None:
         "warm baseline), trim-every=S (malloc_trim(0) each S seconds, in a thread), arena-max=N "
         "(MALLOC_ARENA_MAX=N)",
     )
+    parser.add_argument(
+        "--slope-windows",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the time after the warm-up in N equal stretches, each one's slopes (default 1: none apart)",
+    )
     parser.add_argument("--out", type=Path, help="write memory_soak.json there")
     args = parser.parse_args()
     args.variants = parse_variants(args.variant)
@@ -703,6 +739,9 @@ def main() -> None:
     finally:
         services.stop()
     print(table(results, args))
+    if args.slope_windows > 1:
+        print()
+        print(stretches(results, args.warmup, args.slope_windows))
     print()
     print(detail(results))
     if args.out:

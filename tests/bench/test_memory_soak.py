@@ -15,6 +15,7 @@ from bench.memory_soak import (
     novel_words,
     parse_variants,
     slope_of_minutes,
+    stretches,
     t_975,
 )
 
@@ -39,6 +40,24 @@ def test_a_slow_climb_is_told_apart_from_noise() -> None:
     slope = slope_of_minutes(samples)
     assert not slope.flat
     assert slope.slope == pytest.approx(1.2, abs=slope.margin)
+
+
+def test_stretches_tell_a_climb_that_levels_off_from_one_that_goes_on() -> None:
+    """A bounded cache filling: RSS climbs 1 MiB/min for 20 minutes, then stays; a leak climbs all along."""
+    noise = random.Random(3)
+    levels = {"cache": lambda t: 400 + min(t, 1200) / 60, "leak": lambda t: 400 + t / 60}
+    results = {
+        name: {
+            "samples": [(float(t), level(t) + noise.gauss(0, 0.05)) for t in range(3600)],
+            "stats": [{"t": float(t), "malloc": {"in_use": level(t) / 4}} for t in range(0, 3600, 10)],
+        }
+        for name, level in levels.items()
+    }
+    rows = [line.split(" | ") for line in stretches(results, 0.0, 3).splitlines()[2:]]
+    slopes = {(row[0].strip("| "), row[1]): float(row[3].split(" ± ")[0]) for row in rows}
+    assert slopes[("cache", "0-20")] == pytest.approx(1024, rel=0.05)
+    assert abs(slopes[("cache", "40-60")]) < 20  # KiB/min: levelled off
+    assert slopes[("leak", "40-60")] == pytest.approx(1024, rel=0.05)
 
 
 def test_minutes_start_at_the_first_sample_and_partial_ones_are_left_out() -> None:
