@@ -450,6 +450,11 @@ def slope_of_minutes(samples: list[tuple[float, float]], every: float = 1.0) -> 
     return Slope(fit.slope, t_975(len(whole) - 2) * error, len(whole))
 
 
+def in_use_slope(stats: list[dict[str, Any]], low: float, high: float = math.inf) -> Slope:
+    """The slope of glibc's bytes in use (a proxy's reports, one each ``STATS_EVERY`` s) from ``low`` to ``high``."""
+    return slope_of_minutes([(s["t"], s["malloc"]["in_use"]) for s in stats if low <= s["t"] <= high], STATS_EVERY)
+
+
 async def rollout(http: aiohttp.ClientSession, proxy: Proxy, index: int, args: argparse.Namespace) -> None:
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     messages: list[dict[str, Any]] = [{"role": "user", "content": f"Rollout {index}: think of a word and a number."}]
@@ -553,9 +558,7 @@ async def soak(proxies: list[Proxy], args: argparse.Namespace) -> dict[str, dict
             if args.tracemalloc:
                 at_end["grown_since_midway"] = (await stats(http, proxy, since="midway")).get("grown", [])
             slope = proxy.slope_after(args.warmup)
-            in_use = slope_of_minutes(
-                [(r["t"], r["malloc"]["in_use"]) for r in proxy.stats if r["t"] >= args.warmup], STATS_EVERY
-            )
+            in_use = in_use_slope(proxy.stats, args.warmup)
             result |= {
                 "ttl": proxy.ttl,
                 "warmup_rss": proxy.rss_at(args.warmup),
@@ -627,9 +630,7 @@ def stretches(results: dict[str, dict[str, Any]], warmup: float, count: int) -> 
             low, high = warmup + index * step, warmup + (index + 1) * step
             samples = [(t, rss) for t, rss in r["samples"] if low <= t <= high]
             rss = slope_of_minutes(samples)
-            in_use = slope_of_minutes(
-                [(s["t"], s["malloc"]["in_use"]) for s in r["stats"] if low <= s["t"] <= high], STATS_EVERY
-            )
+            in_use = in_use_slope(r["stats"], low, high)
             first = statistics.median(value for t, value in samples if t < low + 60)
             last = statistics.median(value for t, value in samples if t > high - 60)
             lines.append(
