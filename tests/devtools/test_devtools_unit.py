@@ -63,6 +63,43 @@ def test_outdated_checkpoint_stamp_forces_rebuild(cache, monkeypatch):
     assert json.loads(engine_env._stamp("checkpoints").read_text())["format"] == engine_env.CHECKPOINT_FORMAT
 
 
+RACING_BUILD = """
+import pathlib, sys, time
+from devtools import engine_env, paths
+
+def run(cmd, **kw):  # each step of the build, logged, slow enough for the other process to come
+    with open(sys.argv[1], "a") as log:
+        log.write(" ".join(str(part) for part in cmd[1:3]) + "\\n")
+    if [str(part) for part in cmd[1:3]] == ["-m", "venv"]:
+        paths.engine_python().parent.mkdir(parents=True)
+        paths.engine_python().touch()
+    time.sleep(1.0)
+
+engine_env._run = run
+print(engine_env.ensure_engine_venv())
+"""
+
+
+def test_two_processes_setting_up_at_once_build_the_engine_venv_once(cache, tmp_path):
+    """Two pip installs into one venv broke it (a `make test` beside a pytest run): the second process waits for
+    the first's build and finds it done."""
+    log = tmp_path / "steps.log"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACING_BUILD, str(log)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(2)
+    ]
+    outs = [racer.communicate(timeout=60) for racer in racers]
+    assert [racer.returncode for racer in racers] == [0, 0], outs
+    assert {out.decode().strip() for out, _ in outs} == {str(paths.engine_python())}
+    steps = log.read_text().splitlines()  # one build: the venv made, pip install, pip uninstall, the import check
+    assert [step.split()[0] for step in steps] == ["-m", "-m", "-m", "-c"] and steps[0] == "-m venv", steps
+    assert sum(b"waiting for another process building" in err for _, err in outs) == 1
+    assert engine_env.all_paths()["engine_ready"] == "true"
+
+
 def test_paths_cli_prints_json(cache):
     out = subprocess.run(
         [sys.executable, "-m", "devtools.engine_env", "paths"],
