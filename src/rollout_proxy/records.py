@@ -251,8 +251,9 @@ class ResponseNode:
     #: the token ids of the whole root-to-here path, kept on the latest node of a conversation so the next
     #: turn's prompt is not concatenated from every node again (``core.turns.path_tokens``); not stored
     path_ids: np.ndarray | None = field(default=None, compare=False, repr=False)
-    #: whether the root-to-here path holds an image, once asked (``core.turns.path_holds_images``); not stored
-    path_holds_images: bool | None = field(default=None, compare=False, repr=False)
+    #: the images of the whole root-to-here path, each span at its place in ``path_ids``, once asked
+    #: (``core.turns.path_image_spans``); not stored
+    path_images: tuple[ImageSpan, ...] | None = field(default=None, compare=False, repr=False)
 
     def with_routing(self, rows: RoutingRows | None) -> ResponseNode:
         self.routing, self.routing_span = rows, None if rows is None else rows.span

@@ -4,6 +4,7 @@ its prompt again (the parents' read from the session's image store) with the spa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 from collections.abc import AsyncIterator
@@ -17,7 +18,7 @@ from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.core.rendering import Renderers, RenderingConfig, RenderSource
 from rollout_proxy.core.trajectory import assemble
 from rollout_proxy.core.tree import ResponseTree
-from rollout_proxy.core.turns import TurnRunner, path_holds_images, path_tokens
+from rollout_proxy.core.turns import TurnRunner, path_image_spans, path_tokens
 from rollout_proxy.engines.fleet import Fleet
 from rollout_proxy.engines.vllm_http import VLLMEngine
 from rollout_proxy.errors import EngineError, ImagesUnsupported, InvalidRequest
@@ -177,17 +178,17 @@ async def test_a_fork_off_an_image_turn_keeps_the_parents_images(turns: Turns):
 
 
 async def test_a_turn_after_an_appended_note_still_sends_the_images_before_it(turns: Turns):
-    """Whether a path holds images is kept on its leaf (asked every turn); an appended node's is found by walking
-    the path once, a generated node's is its prompt's."""
+    """The images of a path are kept on its leaf (asked every turn); an appended node's are found by walking the
+    path once, a generated node's are its prompt's."""
     fake = turns.fake
-    red = blob(64, 64)
+    red, blue = blob(64, 64), blob(90, 30, (0, 0, 250))
     session = await open_session(turns)
     fake.queue("Red.")
     first = [user("Describe.", red)]
     one = await turns.runner.generate(
         session, await turns.tree.locate(session, first, api="chat"), api="chat", tools=None, images=(red,)
     )
-    assert one.node.path_holds_images is True
+    assert one.node.path_images == one.node.images
     note = await turns.runner.inject(
         session, await turns.tree.after(session, one.node.id, [{"role": "user", "content": "A note."}]), api="chat"
     )
@@ -195,15 +196,34 @@ async def test_a_turn_after_an_appended_note_still_sends_the_images_before_it(tu
     after = await turns.runner.generate(session, await turns.tree.after(session, note.id, []), api="chat", tools=None)
     assert [part["uuid"] for part in fake.generate_requests[-1]["content_parts"]] == [red.sha256]
     assert np.array_equal(after.prompt_ids, fake.generations[-1].prompt)
-    assert after.node.path_holds_images is True
+    assert after.node.path_images == one.node.images
+
+    fake.queue("Blue.")
+    then = await turns.runner.generate(
+        session,
+        await turns.tree.after(session, after.node.id, [user("And this?", blue)]),
+        api="chat",
+        tools=None,
+        images=(blue,),
+    )
+    assert [part["uuid"] for part in fake.generate_requests[-1]["content_parts"]] == [red.sha256, blue.sha256]
+    path = [one.node, note, after.node, then.node]
+    walked = path_image_spans([*path[:-1], dataclasses.replace(then.node, path_images=None)])
+    assert then.node.path_images == walked and [span.sha256 for span in walked] == [red.sha256, blue.sha256]
+    tokens = path_tokens(path)
+    for span, (node, own) in zip(
+        walked, [(one.node, one.node.images[0]), (then.node, then.node.images[0])], strict=True
+    ):
+        assert np.array_equal(tokens[span.start : span.end], node.prompt_ids[own.start : own.end])
+    assert walked[1].start == len(path_tokens(path[:-1])) + then.node.images[0].start
 
     text = await open_session(turns)
     fake.queue("Hello.")
     plain = await turns.runner.generate(
         text, await turns.tree.locate(text, [{"role": "user", "content": "Hi."}], api="chat"), api="chat", tools=None
     )
-    assert plain.node.path_holds_images is False and not path_holds_images([plain.node])
-    assert path_holds_images([one.node, note]) and not path_holds_images([])
+    assert plain.node.path_images == () and path_image_spans([plain.node]) == ()
+    assert path_image_spans([one.node, note]) == one.node.images and path_image_spans([]) == ()
 
 
 async def test_an_engine_that_expands_images_otherwise_is_drift(turns: Turns):

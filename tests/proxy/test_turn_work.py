@@ -1,4 +1,5 @@
-"""A conversation's turns cost the proxy the same Python work at turn 60 as at turn 3, on every API and store.
+"""A conversation's turns cost the proxy the same Python work at turn 60 as at turn 3, on every API and store,
+with or without an image in the conversation.
 
 A client resends its whole history each turn, so the bytes grow with the conversation; the proxy's own Python
 work must not (the history it has seen is not checked, parsed or walked again). Counted, not timed: the calls
@@ -10,18 +11,20 @@ walk over the path or the history per turn adds a call or a generator step per i
 from __future__ import annotations
 
 import asyncio
+import base64
 import gc
-from collections.abc import Awaitable, Callable
+import io
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 
 import rollout_proxy
 from devtools.call_count import CallCounter
+from devtools.fake_engine import FakeEngine, FakeEngineServer
 from tests.harness import ProxyHarness
-
-pytestmark = pytest.mark.parametrize("template_name", ["qwen3_style"], indirect=False)
 
 OWN_CODE = Path(rollout_proxy.__file__).parent
 EARLY, LATE, WINDOW = 3, 60, 5
@@ -68,8 +71,32 @@ def messages(proxy: ProxyHarness, key: str) -> Callable[[int], Awaitable[None]]:
     return turn
 
 
-@pytest.mark.parametrize("api", [chat, responses, messages], ids=["chat", "responses", "messages"])
-async def test_a_turns_own_python_work_does_not_grow_with_the_conversation(proxy: ProxyHarness, api: Any):
+def chat_with_an_image(proxy: ProxyHarness, key: str) -> Callable[[int], Awaitable[None]]:
+    """A Chat conversation whose first message holds an image: every later turn's prompt holds it too (its span
+    found, its bytes read and sent again), and the rest of the conversation is text."""
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), "red").save(out, "PNG")
+    image = {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()},
+    }
+    messages: list[dict[str, Any]] = []
+
+    async def turn(k: int) -> None:
+        text = {"type": "text", "text": f"Turn {k}: and then?"}
+        messages.append({"role": "user", "content": [text, image] if k == 0 else [text]})
+        status, body = await proxy.request(
+            "POST", "/v1/chat/completions", json={"model": "m", "messages": messages}, token=key
+        )
+        assert status == 200, body
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+
+    return turn
+
+
+async def assert_flat(
+    proxy: ProxyHarness, api: Callable[[ProxyHarness, str], Callable[[int], Awaitable[None]]]
+) -> None:
     session = await proxy.create_session([], max_new_tokens=8)
     turn = api(proxy, session.api_key)
     counter, k = CallCounter(OWN_CODE), 0
@@ -100,3 +127,25 @@ async def test_a_turns_own_python_work_does_not_grow_with_the_conversation(proxy
     late = await calls_a_turn()
     assert early > 100  # the counter saw the proxy's turns
     assert late <= early * 1.03 + 3, f"{early:.0f} calls a turn at turn {EARLY}, {late:.0f} at turn {LATE}"
+
+
+@pytest.mark.parametrize("template_name", ["qwen3_style"], indirect=False)
+@pytest.mark.parametrize("api", [chat, responses, messages], ids=["chat", "responses", "messages"])
+async def test_a_turns_own_python_work_does_not_grow_with_the_conversation(proxy: ProxyHarness, api: Any):
+    await assert_flat(proxy, api)
+
+
+@pytest.fixture
+async def image_proxy(vlm_dir: Path, store: Any) -> AsyncIterator[ProxyHarness]:
+    """The proxy in front of the fake vLLM serving the tiny Idefics3 model's files (it takes images)."""
+    engine = FakeEngine(vlm_dir)
+    async with (
+        FakeEngineServer(engine) as url,
+        ProxyHarness.running(engine_urls=[url], store=store, fake=engine) as harness,
+    ):
+        yield harness
+
+
+async def test_a_conversation_that_holds_an_image_does_not_grow_either(image_proxy: ProxyHarness):
+    """Where the prompt's images are is kept on the path's last node, not found by walking the path each turn."""
+    await assert_flat(image_proxy, chat_with_an_image)

@@ -84,6 +84,8 @@ class PreparedTurn:
     images: PromptImages | None = None
     #: where the images of ``delta`` are in it (the node records them)
     delta_images: tuple[ImageSpan, ...] = ()
+    #: where the images of the whole prompt are in it (the node's ``path_images``: its output holds none)
+    prompt_images: tuple[ImageSpan, ...] = ()
 
 
 def path_tokens(path: Sequence[ResponseNode]) -> np.ndarray:
@@ -97,15 +99,20 @@ def path_tokens(path: Sequence[ResponseNode]) -> np.ndarray:
     return leaf.path_ids
 
 
-def path_holds_images(path: Sequence[ResponseNode]) -> bool:
-    """Whether any node of a root-to-leaf path holds an image, kept on the leaf: every turn asks, and walking
-    the path each time would make a conversation's turns quadratic in its length."""
+def path_image_spans(path: Sequence[ResponseNode]) -> tuple[ImageSpan, ...]:
+    """The images of a root-to-leaf path, each span at its place in the path's tokens, kept on the leaf: every
+    turn asks, and walking the path each time would make a conversation's turns quadratic in its length."""
     if not path:
-        return False
+        return ()
     leaf = path[-1]
-    if leaf.path_holds_images is None:
-        leaf.path_holds_images = any(node.images for node in path)
-    return leaf.path_holds_images
+    if leaf.path_images is None:
+        spans: list[ImageSpan] = []
+        offset = 0
+        for node in path:
+            spans += [span.shifted(offset) for span in node.images]
+            offset += len(node.prompt_ids) + len(node.output_ids)
+        leaf.path_images = tuple(spans)
+    return leaf.path_images
 
 
 class TurnRunner:
@@ -209,7 +216,10 @@ class TurnRunner:
                 engine, session, placement, tools, generation_prompt=True, images=images
             )
         prompt = np.concatenate([path_tokens(placement.parent), delta]).astype(np.int32, copy=False)
-        prompt_images = await self._prompt_images(session, engine, placement, prompt, delta_images, images)
+        spans = path_image_spans(placement.parent)
+        if delta_images:
+            spans = (*spans, *(span.shifted(len(prompt) - len(delta)) for span in delta_images))
+        prompt_images = await self._prompt_images(session, engine, prompt, spans, images) if spans else None
         opened = self._parser.reasons and self._parser.reasoning.opened_by(
             await self._renderers.generation_prompt_text(engine, delta)
         )
@@ -241,6 +251,7 @@ class TurnRunner:
             policy=session.policy,
             images=prompt_images,
             delta_images=delta_images,
+            prompt_images=spans,
         )
 
     async def prompt_tokens(
@@ -384,7 +395,7 @@ class TurnRunner:
         # the node, its images and the move: one round trip
         await self._save(session, node, hashes, engine=moved_to, lease=lease, images=images)
         node.path_ids = np.concatenate([turn.prompt, output_ids]).astype(np.int32, copy=False)
-        node.path_holds_images = turn.images is not None  # the prompt's images; the output holds none
+        node.path_images = turn.prompt_images  # the prompt's; the output holds none
         if placement.parent:  # the conversation moved on: only its latest node keeps its path's ids
             placement.parent[-1].path_ids = None
         self._follow(session, sampled.engine)
@@ -501,25 +512,14 @@ class TurnRunner:
         self,
         session: SessionRecord,
         engine: GenerationEngine,
-        placement: Placement,
         prompt: np.ndarray,
-        delta_images: Sequence[ImageSpan],
+        spans: Sequence[ImageSpan],
         given: Sequence[ImageBlob],
-    ) -> PromptImages | None:
-        """The images of the whole prompt for the engine (None: it holds none): every span of the parent's path
-        and of the bridge, at its place in ``prompt``, with its image (the parent's read from the session's
-        image store); the prompt collapsed to one marker per image is checked here (a marker where no image is
-        would be taken for one: a 400 in words)."""
-        if not delta_images and not path_holds_images(placement.parent):
-            return None  # the common case, checked without walking the path (every turn, a long path)
-        spans: list[ImageSpan] = []
-        offset = 0
-        for node in placement.parent:
-            spans += [span.shifted(offset) for span in node.images]
-            offset += len(node.prompt_ids) + len(node.output_ids)
-        spans += [span.shifted(offset) for span in delta_images]
-        if not spans:
-            return None
+    ) -> PromptImages:
+        """The images of the whole prompt for the engine: each of ``spans`` (the parent's path's and the bridge's,
+        at their places in ``prompt``) with its image (the parent's read from the session's image store); the
+        prompt collapsed to one marker per image is checked here (a marker where no image is would be taken for
+        one: a 400 in words)."""
         rule = await self._renderers.image_rule(engine)
         try:
             rule.collapse(prompt, spans)
