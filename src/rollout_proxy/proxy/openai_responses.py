@@ -85,7 +85,7 @@ def response_body(
         "previous_response_id": node.meta.get("previous_response_id"),
         "output": output_items(node),
         "parallel_tool_calls": True,
-        "tool_choice": "auto",
+        "tool_choice": node.meta.get("tool_choice", "auto"),
         "tools": flat_tools(tools),
         "temperature": generation.temperature,
         "top_p": generation.top_p,

@@ -59,7 +59,7 @@ class ResponseEvents:
             "previous_response_id": started.meta.get("previous_response_id"),
             "output": [],
             "parallel_tool_calls": True,
-            "tool_choice": "auto",
+            "tool_choice": started.meta.get("tool_choice", "auto"),
             "tools": flat_tools(self._tools),
             "temperature": generation.temperature,
             "top_p": generation.top_p,

@@ -6,6 +6,7 @@ Messages, tools and Responses input are checked against their exact shapes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -132,6 +133,25 @@ class SessionCreate(BaseModel):
     policy: str = Field(BASE_POLICY, min_length=1, max_length=64)
 
 
+TOOL_CHOICE_WORDS = ("none", "auto", "required")
+
+
+def checked_tool_choice(value: Any, *, function_name: Callable[[dict[str, Any]], Any]) -> Any:
+    """``tool_choice`` as OpenAI takes it: a word, or an object with a ``type`` (a ``function`` one names the
+    function, ``function_name`` says where); accepted, not enforced (the policy samples freely), and recorded
+    on the node when it asks for more than ``auto`` (``handlers.turn.turn_meta``)."""
+    if value is None or value in TOOL_CHOICE_WORDS:
+        return value
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise field_error(
+            "tool_choice", "tool_choice is 'none', 'auto', 'required' or an object with a type, e.g. a function's"
+        )
+    name = function_name(value)
+    if value["type"] == "function" and not (isinstance(name, str) and name):
+        raise field_error("tool_choice", "a tool_choice of type 'function' names the function")
+    return value
+
+
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # unknown OpenAI fields are ignored, as OpenAI does
 
@@ -143,6 +163,11 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:  # {"type": "function", "function": {"name": ...}}
+        return checked_tool_choice(value, function_name=lambda choice: (choice.get("function") or {}).get("name"))
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatRequest:
@@ -168,6 +193,11 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     stream: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:  # {"type": "function", "name": ...}
+        return checked_tool_choice(value, function_name=lambda choice: choice.get("name"))
 
 
 class AppendMessages(BaseModel):

@@ -129,8 +129,6 @@ def _plan(request: web.Request, call: Taken[MessagesRequest, MessagesConversatio
     signed = read.signed(key, session.id)
     toolset = call.tool_set(split_tools)
     meta = turn_meta(request, API, call, toolset)
-    if body.tool_choice is not None and body.tool_choice.type != "auto":  # asked for, not enforced: recorded
-        meta["tool_choice"] = body.tool_choice.model_dump(exclude_none=True)
     thread = None
     if body.previous_message_id is not None:
         system = system_message(body.system)

@@ -10,6 +10,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from pydantic import BaseModel
 
 from rollout_proxy.core.branches import BRANCH_HEADER, BRANCH_METADATA_KEY, branch_label
 from rollout_proxy.core.streaming import TurnStarted
@@ -69,9 +70,15 @@ def _branch_label(request: web.Request, body: Any) -> str | None:
 def turn_meta(request: web.Request, api: str, call: Taken[Any, Any], tools: ToolSet) -> dict[str, Any]:
     """What a turn's node records of its request beyond its messages, counted: the generation parameters
     the session ignored (``client_sampling``), the tools left out of the prompt (``tools_left_out``) and
-    which rendered functions belong to a namespace (``tool_namespaces``: their calls go back with it)."""
+    which rendered functions belong to a namespace (``tool_namespaces``: their calls go back with it), and a
+    ``tool_choice`` that asks for more than ``auto`` (accepted, not enforced: the policy samples freely)."""
     metrics = request.app[keys.METRICS]
     meta: dict[str, Any] = {}
+    choice = getattr(call.body, "tool_choice", None)
+    if isinstance(choice, BaseModel):  # the Messages API's, checked by its model
+        choice = choice.model_dump(exclude_none=True)
+    if choice is not None and (choice if isinstance(choice, str) else choice.get("type")) != "auto":
+        meta["tool_choice"] = choice
     label = _branch_label(request, call.body)
     if label is not None:
         meta["branch_label"] = label
