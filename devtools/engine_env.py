@@ -105,19 +105,15 @@ def _exclusive(name: str) -> Iterator[None]:
         yield
 
 
-def _built_once(name: str, ready: Callable[[], bool], force: bool) -> contextlib.AbstractContextManager[bool]:
+@contextlib.contextmanager
+def _built_once(name: str, ready: Callable[[], bool], force: bool) -> Iterator[bool]:
     """Whether ``name`` must be built here (``ready`` false, or ``force``), the lock held while it is: a process
     that waited for another's build finds it ready and builds nothing."""
-
-    @contextlib.contextmanager
-    def build() -> Iterator[bool]:
-        if ready() and not force:
-            yield False
-            return
-        with _exclusive(name):
-            yield force or not ready()
-
-    return build()
+    if ready() and not force:
+        yield False
+        return
+    with _exclusive(name):
+        yield force or not ready()
 
 
 def _venv_stamp_name() -> str:
