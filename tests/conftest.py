@@ -199,6 +199,15 @@ async def fake_engine(tokenizer_dir: Path, template_name: str) -> AsyncIterator[
 
 
 @pytest.fixture
+async def vlm_engine(vlm_dir: Path) -> AsyncIterator[FakeEngine]:
+    """The fake vLLM serving the tiny Idefics3 model's files (it takes images), at its ``url``."""
+    engine = FakeEngine(vlm_dir)
+    async with FakeEngineServer(engine) as url:
+        engine.url = url  # type: ignore[attr-defined]
+        yield engine
+
+
+@pytest.fixture
 async def proxy(fake_engine: FakeEngine, store, template_name: str) -> AsyncIterator[ProxyHarness]:
     # the proxy is given the template file the engine runs, as an operator would: local rendering is on
     template = TEMPLATES_DIR / f"{template_name}.jinja" if TEMPLATES[template_name] is not None else None

@@ -63,14 +63,6 @@ async def read_chat_stream(stream: Any) -> tuple[str, str]:
 
 
 @pytest.fixture
-async def vlm_engine(vlm_dir: Path) -> AsyncIterator[FakeEngine]:
-    engine = FakeEngine(vlm_dir)
-    async with FakeEngineServer(engine) as url:
-        engine.url = url  # type: ignore[attr-defined]
-        yield engine
-
-
-@pytest.fixture
 async def proxy(vlm_engine: FakeEngine, store) -> AsyncIterator[ProxyHarness]:
     """The proxy renders with the model's own files (the engine's model root): the template and the processor
     config of the engine."""

@@ -23,7 +23,7 @@ from PIL import Image
 
 import rollout_proxy
 from devtools.call_count import CallCounter
-from devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine
 from tests.harness import ProxyHarness
 
 OWN_CODE = Path(rollout_proxy.__file__).parent
@@ -136,13 +136,9 @@ async def test_a_turns_own_python_work_does_not_grow_with_the_conversation(proxy
 
 
 @pytest.fixture
-async def image_proxy(vlm_dir: Path, store: Any) -> AsyncIterator[ProxyHarness]:
+async def image_proxy(vlm_engine: FakeEngine, store: Any) -> AsyncIterator[ProxyHarness]:
     """The proxy in front of the fake vLLM serving the tiny Idefics3 model's files (it takes images)."""
-    engine = FakeEngine(vlm_dir)
-    async with (
-        FakeEngineServer(engine) as url,
-        ProxyHarness.running(engine_urls=[url], store=store, fake=engine) as harness,
-    ):
+    async with ProxyHarness.running(engine_urls=[vlm_engine.url], store=store, fake=vlm_engine) as harness:
         yield harness
 
 

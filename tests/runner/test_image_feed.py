@@ -8,7 +8,6 @@ import base64
 import hashlib
 import io
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,7 +16,7 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
-from devtools.fake_engine import FakeEngine, FakeEngineServer
+from devtools.fake_engine import FakeEngine
 from rollout_proxy.runner.admin import AdminClient, Finished
 from rollout_proxy.runner.publish import GradedGroup
 from rollout_proxy.sdk.types import ChatCompletionSample
@@ -48,14 +47,6 @@ def sha(data: bytes) -> str:
 
 def image_url(data: bytes, mime: str = "image/png") -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
-
-
-@pytest.fixture
-async def vlm_engine(vlm_dir: Path) -> AsyncIterator[FakeEngine]:
-    engine = FakeEngine(vlm_dir)
-    async with FakeEngineServer(engine) as url:
-        engine.url = url  # type: ignore[attr-defined]
-        yield engine
 
 
 @pytest.fixture

@@ -267,14 +267,6 @@ def picture(width: int, height: int, colour: str, kind: str = "PNG") -> bytes:
     return out.getvalue()
 
 
-@pytest.fixture
-async def vlm_engine(vlm_dir: Path) -> AsyncIterator[FakeEngine]:
-    fake = FakeEngine(vlm_dir)
-    async with FakeEngineServer(fake) as url:
-        fake.url = url  # type: ignore[attr-defined]
-        yield fake
-
-
 async def test_the_viewer_draws_each_image_where_its_span_is(vlm_engine, browser):
     red, green = picture(200, 120, "red"), picture(64, 48, "green", "JPEG")
     urls = [f"data:image/png;base64,{base64.b64encode(red).decode()}"]
