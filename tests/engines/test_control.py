@@ -253,3 +253,44 @@ async def test_a_probe_between_an_engines_new_version_and_the_resume_does_not_ca
         assert result.versions[0].version == 2
     finally:
         await fleet.close()
+
+
+async def test_a_probe_that_heard_the_old_version_before_the_resume_does_not_make_the_engine_stale(fakes: FakeFleet):
+    """A probe reads the engine's version before the resume sets the new one, and is judged while the resume is
+    under way: it heard the old version of an engine just given the new one. Judged as it was, that made the engine
+    stale at the version the resume had just set (CI: the turns queued in the pause got 503, "1 stale"). The probe
+    asks again instead."""
+    fleet = await started(fakes)
+    try:
+        await control.pause(fleet, "abort")
+        member = fleet.members[fakes.urls[0]]
+        read_version, resume_engine = member.client.weight_version, member.client.resume
+        heard, resuming = asyncio.Event(), asyncio.Event()
+        reads = []
+
+        async def read_early() -> str | None:
+            version = await read_version()
+            reads.append(version)
+            if len(reads) == 1:  # the probe started before the new version: its answer comes in the resume
+                heard.set()
+                await resuming.wait()
+            return version
+
+        async def resumed_while_judged(*, within: float) -> None:
+            resuming.set()
+            await asyncio.sleep(0.05)  # the probe is judged now, the member paused at the new version
+            await resume_engine(within=within)
+
+        member.client.weight_version = read_early  # type: ignore[method-assign]
+        member.client.resume = resumed_while_judged  # type: ignore[method-assign]
+        probing = asyncio.ensure_future(fleet.probe(member))
+        await heard.wait()
+        answer = await control.resume(fleet, 2)
+        await probing
+        assert [engine["state"] for engine in answer["engines"]] == ["healthy", "healthy"], answer
+        assert member.state is EngineState.HEALTHY and member.version == 2
+        assert reads == ["default", "2"]  # the old version heard, then asked again
+        result = await sample(fleet, fleet.engines[0], PROMPT, PARAMS)
+        assert result.versions[0].version == 2
+    finally:
+        await fleet.close()

@@ -463,7 +463,14 @@ class Fleet:
         return member.probing
 
     async def _probe_once(self, member: Member) -> None:
-        self._judge(member, await self._fetch(member))
+        while True:
+            epoch = member.epoch
+            report = await self._fetch(member)
+            if member.epoch == epoch or isinstance(report, BaseException):
+                break
+            # its version was set while this probe ran (a resume, a readmit): the version it heard may be the old
+            # one, which judged now would make the engine stale at the version it was just given; asked again
+        self._judge(member, report)
 
     def _start_prober(self, member: Member) -> None:
         if member.prober is None:

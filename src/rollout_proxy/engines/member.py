@@ -26,7 +26,8 @@ class Member:
     reports_version: bool = False
     in_flight: int = 0
     last_error: str | None = None
-    #: bumped when its weights change (a resume): a call that saw it change cannot say which tokens came before
+    #: bumped when its weights change (a resume, a readmit): a call that saw it change cannot say which tokens
+    #: came before, and a probe that saw it change may have heard the old version (it asks again)
     epoch: int = 0
     #: set (and replaced) when it is declared down: calls on it stop waiting and fail over
     down: asyncio.Event = field(default_factory=asyncio.Event)
