@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+
 import pytest
 
 from rollout_proxy.cli import main
 from rollout_proxy.settings import Settings
+from tests.conftest import free_port
 
 
 def test_settings_read_the_environment_and_flags_win(settings_environ):
@@ -42,6 +49,9 @@ def test_session_token_secret_is_stable_for_an_admin_key():
         (["--port", "eighty"], "--port: Input should be a valid integer"),
         (["--workers", "2", "--port", "8090"], "--workers 2 needs a Redis store"),
         (["--engine-hang-timeout", "0"], "--engine-hang-timeout: Input should be greater than 0"),
+        (["--engine", "localhost:8000"], "--engine: 'localhost:8000' must be an engine's base URL"),
+        (["--engine", "http://a:1", "--engine", "ftp://b"], "--engine: 'ftp://b' must be an engine's base URL"),
+        (["--teacher", "t=127.0.0.1:8001"], "teacher 't': '127.0.0.1:8001' must be an engine's base URL"),
     ],
     ids=[
         "unknown-store",
@@ -51,6 +61,9 @@ def test_session_token_secret_is_stable_for_an_admin_key():
         "port",
         "workers",
         "hang",
+        "engine-without-scheme",
+        "engine-scheme",
+        "teacher-url",
     ],
 )
 def test_bad_serve_options_are_refused_before_serving(options, message, capsys, monkeypatch):
@@ -75,3 +88,47 @@ def test_serve_runs_on_the_event_loop_asked_for(choice: str, loop_module: str):
 
     _run_loop(serve(), choice)
     assert seen == [loop_module]
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_PROXY_ADMIN_KEY", "k")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", "--port", str(port), "--event-loop", "asyncio", "--log-level", "error"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"rollout-proxy serve: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert "Traceback" not in err and "listening on" not in err
+
+
+def test_serve_without_its_redis_says_so_in_one_line(capsys, monkeypatch, redis_gives_up_fast):
+    """The store cannot be reached: after the start-up's retries (cut short here), one line, exit 1, nothing
+    announced as listening, the password not printed."""
+    monkeypatch.setenv("ROLLOUT_PROXY_ADMIN_KEY", "k")
+    port = free_port()
+    store = f"redis://:hunter2@127.0.0.1:{port}/0"
+    code = main(["serve", "--port", "0", "--store", store, "--event-loop", "asyncio", "--log-level", "error"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"rollout-proxy serve: cannot reach Redis at redis://:***@127.0.0.1:{port}/0 (3 tries in " in err
+    assert "hunter2" not in err and "Traceback" not in err and "listening on" not in err
+
+
+def test_serve_announces_the_port_it_listens_on():
+    """``--port 0``: the banner, printed once the port is open, names the port the system chose."""
+    env = {**os.environ, "ROLLOUT_PROXY_ADMIN_KEY": "k"}
+    command = [sys.executable, "-m", "rollout_proxy", "serve", "--port", "0", "--log-level", "error"]
+    with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as serve:
+        try:
+            assert serve.stderr is not None
+            first = serve.stderr.readline()
+            assert first.startswith("rollout-proxy listening on http://127.0.0.1:"), first
+            port = int(first.rsplit(":", 1)[1])
+            assert port != 0
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+        finally:
+            serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0

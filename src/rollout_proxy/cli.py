@@ -43,6 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
     from rollout_proxy.app import create_app
     from rollout_proxy.proxy.server import serve_until_stopped
     from rollout_proxy.proxy.workers import run_workers, worker_index
+    from rollout_proxy.state.connection import shown_url
 
     overrides = {name: getattr(args, name) for name in Settings.model_fields}
     settings = Settings.from_env(**overrides)
@@ -63,18 +64,32 @@ def _serve(args: argparse.Namespace) -> int:
         serving = serve_until_stopped(
             app, settings.host, settings.port, reuse_port=True, gc_threshold=settings.gc_threshold
         )
-        _run_loop(serving, settings.event_loop)
-        return 0
-    print(f"rollout-proxy listening on http://{settings.host}:{settings.port}", file=sys.stderr)
-    print(f"  engines: {', '.join(settings.engines)}", file=sys.stderr)
-    print(f"  store:   {settings.store}", file=sys.stderr)
-    print(f"  parsers: tools={settings.tool_parser} reasoning={settings.reasoning_parser}", file=sys.stderr)
-    print(f"  rendering: {settings.rendering} (check rate {settings.render_check_rate:g})", file=sys.stderr)
-    if generated_key:
-        print(f"  admin key (generated, pass --admin-key to fix it): {settings.admin_key}", file=sys.stderr)
-    _run_loop(
-        serve_until_stopped(app, settings.host, settings.port, gc_threshold=settings.gc_threshold), settings.event_loop
+        return _serve_loop(serving, settings.event_loop)
+
+    def announce(port: int) -> None:
+        print(f"rollout-proxy listening on http://{settings.host}:{port}", file=sys.stderr)
+        print(f"  engines: {', '.join(settings.engines)}", file=sys.stderr)
+        print(f"  store:   {shown_url(settings.store)}", file=sys.stderr)
+        print(f"  parsers: tools={settings.tool_parser} reasoning={settings.reasoning_parser}", file=sys.stderr)
+        print(f"  rendering: {settings.rendering} (check rate {settings.render_check_rate:g})", file=sys.stderr)
+        if generated_key:
+            print(f"  admin key (generated, pass --admin-key to fix it): {settings.admin_key}", file=sys.stderr)
+
+    serving = serve_until_stopped(
+        app, settings.host, settings.port, gc_threshold=settings.gc_threshold, on_listening=announce
     )
+    return _serve_loop(serving, settings.event_loop)
+
+
+def _serve_loop(serving: Coroutine[Any, Any, None], event_loop: str) -> int:
+    """``serving`` run to its end: 1, with the reason on one line, where it could not start."""
+    from rollout_proxy.proxy.server import CannotServe
+
+    try:
+        _run_loop(serving, event_loop)
+    except CannotServe as exc:
+        print(f"rollout-proxy serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -127,7 +142,9 @@ def _run(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
+    from rollout_proxy.errors import StoreUnavailable
     from rollout_proxy.runner import JobConfig, JobError, JobFailed, run_job
+    from rollout_proxy.sdk.transport import ProxyUnreachable
 
     settings = RunSettings.from_env(**{name: getattr(args, name) for name in RunSettings.model_fields})
     configure_logging(settings.log_format, settings.log_level)
@@ -161,6 +178,13 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     except JobFailed as exc:
         print(f"rollout-proxy run: job failed: {exc}", file=sys.stderr)
+        return 1
+    except ProxyUnreachable as exc:
+        where = f"the proxy at {settings.proxy_url}" if settings.proxy_url else "the in-process proxy"
+        print(f"rollout-proxy run: no answer from {where}: {exc}", file=sys.stderr)
+        return 1
+    except StoreUnavailable as exc:  # the in-process proxy's store, or the trainer feed
+        print(f"rollout-proxy run: {exc.message}", file=sys.stderr)
         return 1
     print(summary.render())
     if settings.summary_json:

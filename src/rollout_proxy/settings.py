@@ -26,7 +26,9 @@ import hashlib
 import hmac
 import os
 import sys
+from collections.abc import Iterable
 from typing import Any, ClassVar, Literal, Self, TypeVar, get_args, get_origin
+from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
@@ -61,6 +63,36 @@ def setting(
     extra: dict[str, Any] = {"section": section, "flag": flag, "metavar": metavar, "separator": separator}
     extra.update(choices=list(choices) if choices else None, show_default=show_default, env_prefix=env_prefix)
     return Field(default, description=help, json_schema_extra=extra, **bounds)
+
+
+def check_engine_url(url: str) -> str:
+    """An engine's base URL: http(s)://host[:port][/path], no query, fragment or credentials."""
+    parts = urlsplit(url)
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+        or any(char.isspace() for char in url)
+    ):
+        raise ValueError("must be an engine's base URL: http(s)://host[:port][/path]")
+    try:
+        parts.port  # noqa: B018 (parsing the port is the check)
+    except ValueError:
+        raise ValueError("has a port that is not a number in 0-65535") from None
+    return url.rstrip("/")
+
+
+def check_engine_urls(urls: Iterable[str]) -> tuple[str, ...]:
+    """Each of ``urls`` (blank ones dropped) checked by ``check_engine_url``; the error quotes the one refused."""
+    checked = []
+    for url in filter(None, (url.strip() for url in urls)):
+        try:
+            checked.append(check_engine_url(url))
+        except ValueError as exc:
+            raise ValueError(f"{url!r} {exc}") from None
+    return tuple(checked)
 
 
 class DeclaredSettings(BaseSettings):
@@ -596,7 +628,7 @@ class Settings(DeclaredSettings):
     @field_validator("engines")
     @classmethod
     def _some_engine(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        engines = tuple(url.strip() for url in value if url.strip())
+        engines = check_engine_urls(value)
         if not engines:
             raise ValueError("name at least one engine")
         return engines

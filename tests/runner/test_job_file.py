@@ -8,9 +8,11 @@ import sys
 import pytest
 import yaml
 
+from rollout_proxy.cli import main
 from rollout_proxy.runner import JobConfig, JobError
 from rollout_proxy.runner.runner import JobRunner
 from rollout_proxy.state.feed import JsonlFeed
+from tests.conftest import free_port
 from tests.runner.conftest import write_dataset, write_job
 
 
@@ -54,6 +56,14 @@ def test_a_valid_job_loads(job_path):
         (lambda d: d["data"]["training_set"].update(local_files=["missing.jsonl"]), "no such file"),
         (lambda d: d.pop("data"), "data: Field required"),
         (lambda d: d.setdefault("proxy", {}).update(client_sampling="allow"), "proxy.client_sampling"),
+        (
+            lambda d: d.setdefault("proxy", {}).update(engines=["localhost:8000"]),
+            "proxy.engines: 'localhost:8000' must be an engine's base URL",
+        ),
+        (
+            lambda d: d.setdefault("proxy", {}).update(teachers={"t": {"engines": ["http://a:1", "ftp://b"]}}),
+            "proxy.teachers.t.engines: 'ftp://b' must be an engine's base URL",
+        ),
     ],
 )
 def test_problems_are_reported_with_their_path(job_path, change, expected):
@@ -107,6 +117,29 @@ def test_cli_reports_job_problems_and_exits_2(job_path):
         [sys.executable, "-m", "rollout_proxy", "run", str(job_path)], capture_output=True, text=True
     )
     assert result.returncode == 2 and "bogus: unknown field" in result.stderr
+
+
+def test_cli_run_says_in_one_line_that_the_proxy_did_not_answer(job_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout_proxy", "run", str(job_path), "--proxy-url", url, "--admin-key", "k"],
+        capture_output=True,
+        text=True,
+        cwd=job_path.parent,
+    )
+    assert result.returncode == 1, result.stderr
+    assert f"rollout-proxy run: no answer from the proxy at {url}: " in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_run_says_in_one_line_that_its_store_cannot_be_reached(job_path, redis_gives_up_fast, capsys):
+    """The in-process proxy's Redis store down: one line and exit 1, after the start-up's retries (cut short)."""
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    out = job_path.parent / "out"
+    assert main(["run", str(job_path), "--store", url, "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"rollout-proxy run: cannot reach Redis at redis://:***@127.0.0.1:{url.rsplit(':', 1)[1]} (3 tries" in err
+    assert "hunter2" not in err and "Traceback" not in err
 
 
 def test_cli_run_help_explains():

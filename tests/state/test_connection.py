@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from rollout_proxy.state.connection import connect_redis, is_redis_url
+from rollout_proxy.errors import StoreUnavailable
+from rollout_proxy.state.connection import connect_redis, is_redis_url, shown_url
 from tests.conftest import free_port
 
 
@@ -56,9 +57,31 @@ async def test_waits_for_a_server_that_comes_up_late(late_redis):
         await client.aclose()
 
 
-async def test_gives_up_when_nothing_listens():
-    with pytest.raises((RedisConnectionError, OSError)):
-        await connect_redis(f"redis://127.0.0.1:{free_port()}/0", retries=2, delay=0.01)
+async def test_gives_up_when_nothing_listens_saying_where_and_why():
+    port = free_port()
+    with pytest.raises(StoreUnavailable) as raised:
+        await connect_redis(f"redis://:hunter2@127.0.0.1:{port}/0", retries=2, delay=0.01)
+    message = raised.value.message
+    assert message.startswith(f"cannot reach Redis at redis://:***@127.0.0.1:{port}/0 (3 tries in ")
+    assert "Connection refused" in message or "Connect call failed" in message
+    assert "hunter2" not in message
+    assert isinstance(raised.value.__cause__, RedisConnectionError | OSError)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://:s3cret@host:6379/0", "redis://:***@host:6379/0"),
+        ("rediss://user:s3cret@host:6380/1", "rediss://user:***@host:6380/1"),
+        ("redis://user@host/0", "redis://user@host/0"),
+        ("redis+cluster://:s3cret@host:7000", "redis+cluster://:***@host:7000"),
+        ("redis://host/0?password=s3cret&db=2", "redis://host/0?password=***&db=2"),
+        ("unix:///run/redis.sock?db=0&password=s3cret", "unix:///run/redis.sock?db=0&password=***"),
+    ],
+)
+def test_a_url_is_shown_without_its_password(url, shown):
+    assert shown_url(url) == shown
 
 
 @pytest.mark.parametrize("url", ["memory", "http://127.0.0.1:6379", "127.0.0.1:6379", ""])

@@ -35,6 +35,7 @@ from rollout_proxy.engines.health import EngineState
 from rollout_proxy.errors import EngineTimeout, EngineUnavailable, ImagesUnsupported, InvalidRequest, NotFound
 from rollout_proxy.ids import session_of_response
 from rollout_proxy.records import ImageSpan, ResponseNode, SessionRecord
+from rollout_proxy.settings import check_engine_urls
 from rollout_proxy.state.store import StateStore
 from rollout_proxy.tokenization.images import ImagePlaceholders
 from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavailable, read_chat_template, tokenizer_dir
@@ -49,7 +50,10 @@ def parse_teachers(spec: str) -> dict[str, tuple[str, ...]]:
     teachers: dict[str, tuple[str, ...]] = {}
     for item in filter(None, (part.strip() for part in spec.split(";"))):
         name, _, urls = item.partition("=")
-        engines = tuple(url.strip() for url in urls.split(",") if url.strip())
+        try:
+            engines = check_engine_urls(urls.split(","))
+        except ValueError as exc:
+            raise ValueError(f"teacher {name.strip()!r}: {exc}") from None
         if not name.strip() or not engines:
             raise ValueError(f"a teacher is name=URL[,URL...], not {item!r}")
         if name.strip() in teachers:

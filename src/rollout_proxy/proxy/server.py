@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,7 +26,7 @@ import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 
-from rollout_proxy.errors import InvalidRequest, ProxyError, UnsupportedMediaType
+from rollout_proxy.errors import InvalidRequest, ProxyError, StoreUnavailable, UnsupportedMediaType
 from rollout_proxy.proxy.http import json_response
 
 log = structlog.get_logger(__name__)
@@ -115,7 +116,11 @@ async def start_app(app: web.Application, *, shutdown_timeout: float = 60.0, **h
     ``RequestHandler`` (``access_log=None``, ``max_line_size``, ...), as ``web.AppRunner``'s keywords do; an
     application's own ``handler_args`` are not read (aiohttp keeps them private)."""
     made = web.AppRunner(app, **handler_args)
-    await made.setup()  # starts the app and makes aiohttp's server for it: its handler and request factory
+    try:
+        await made.setup()  # starts the app and makes aiohttp's server for it: its handler and request factory
+    except BaseException:  # a part that could not start (its store unreachable): close those started before it
+        await app.cleanup()
+        raise
     # ``made`` serves nothing and is never cleaned up: the ProxyRunner shuts the app down, once
     assert made.server is not None
     server = JsonServer(
@@ -152,6 +157,11 @@ def tune_gc(threshold: int) -> None:
     gc.set_threshold(threshold, middle, oldest)
 
 
+class CannotServe(Exception):
+    """The app could not start serving: a store it cannot reach, an address it cannot listen on (the command
+    line prints the message, not a traceback)."""
+
+
 async def serve_until_stopped(
     app: web.Application,
     host: str,
@@ -160,9 +170,11 @@ async def serve_until_stopped(
     shutdown_timeout: float = 60.0,
     reuse_port: bool = False,
     gc_threshold: int = 0,
+    on_listening: Callable[[int], None] | None = None,
 ) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (``reuse_port``: share the port with
-    the other workers of ``serve --workers``, SO_REUSEPORT; ``gc_threshold``: ``tune_gc``, once started).
+    the other workers of ``serve --workers``, SO_REUSEPORT; ``gc_threshold``: ``tune_gc``, once started;
+    ``on_listening``: called with the port once it is open, the one the system chose for ``port`` 0).
 
     Graceful: stop accepting, give requests in flight up to ``shutdown_timeout`` seconds to
     finish, then close the store and engines (the app's cleanup contexts).
@@ -171,13 +183,25 @@ async def serve_until_stopped(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    runner = await start_app(app, access_log=None, shutdown_timeout=shutdown_timeout)
+    runner: ProxyRunner | None = None
     try:
+        try:
+            runner = await start_app(app, access_log=None, shutdown_timeout=shutdown_timeout)
+        except StoreUnavailable as exc:
+            raise CannotServe(exc.message) from exc
         tune_gc(gc_threshold)  # after the app's start-up, before the first request
-        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port or None).start()
+        site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port or None)
+        try:
+            await site.start()
+        except OSError as exc:  # the port taken, an address not this machine's
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise CannotServe(f"cannot listen on {host}:{port}: {reason}") from exc
+        if on_listening is not None:
+            on_listening(runner.addresses[0][1])
         await stop.wait()
         log.info("shutting_down", grace_s=shutdown_timeout)
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
-        await runner.cleanup()
+        if runner is not None:
+            await runner.cleanup()

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rollout_proxy.engines.adapters import DEFAULT_LORA_MODULES, lora_problems
 from rollout_proxy.engines.policies import POLICY_NAME
 from rollout_proxy.sdk.types import ChatCompletionSample, PluginContext
+from rollout_proxy.settings import check_engine_urls
 from rollout_proxy.wire.generation import BASE_POLICY
 
 
@@ -155,10 +156,18 @@ class Hyperparameters(BaseModel):
     num_steps: int | None = Field(None, ge=1)
 
 
+def _engine_urls(urls: list[str]) -> list[str]:
+    return list(check_engine_urls(urls))
+
+
+#: engine base URLs, each checked as the proxy checks them (``engines.base.check_engine_url``)
+EngineUrls = Annotated[list[str], AfterValidator(_engine_urls)]
+
+
 class TeacherSpec(Strict):
     """An on-policy distillation teacher: a vLLM engine group of its own, sharing the student's tokenizer."""
 
-    engines: list[str] = Field(min_length=1)
+    engines: EngineUrls = Field(min_length=1)
     #: the chat template file the teacher's contexts are rendered with (default: its engine's own)
     chat_template: str | None = None
 
@@ -166,7 +175,7 @@ class TeacherSpec(Strict):
 class ProxySection(Strict):
     """Where the rollouts run (ours, not the seed's): engines, store, feed, output."""
 
-    engines: list[str] = Field(default_factory=list)
+    engines: EngineUrls = Field(default_factory=list)
     #: the teachers ``config["teachers"]`` may name, for a proxy the runner starts (an external proxy: --teacher)
     teachers: dict[str, TeacherSpec] = Field(default_factory=dict)
     store: str = "memory"

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from pydantic import field_validator
 from pydantic_settings import SettingsConfigDict
 
 from rollout_proxy.logs import LOG_FORMATS
-from rollout_proxy.settings import ENV_PREFIX, DeclaredSettings, setting
+from rollout_proxy.settings import ENV_PREFIX, DeclaredSettings, check_engine_urls, setting
 
 
 class RunSettings(DeclaredSettings):
@@ -64,3 +65,8 @@ class RunSettings(DeclaredSettings):
         "auto", "auto = pretty on a terminal, JSON otherwise", section="logs", choices=LOG_FORMATS
     )
     log_level: str = setting("warning", "the runner's log level (warning: retries and discards)", section="logs")
+
+    @field_validator("engines")
+    @classmethod
+    def _engine_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return check_engine_urls(value)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar, cast
@@ -107,6 +108,23 @@ def is_redis_url(url: str) -> bool:
 
 def is_cluster_url(url: str) -> bool:
     return url.startswith(CLUSTER_SCHEMES)
+
+
+def shown_url(url: str) -> str:
+    """``url`` as it may be printed or logged: a password in it (``redis://:secret@host``, ``?password=``)
+    masked."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None and "password=" not in parts.query:
+        return url
+    if parts.password is not None:
+        user = f"{parts.username}:" if parts.username else ":"
+        parts = parts._replace(netloc=f"{user}***@{parts.netloc.rpartition('@')[2]}")
+    if "password=" in parts.query:
+        pairs = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        shown = [(name, "***" if name == "password" else value) for name, value in pairs]
+        parts = parts._replace(query=urllib.parse.urlencode(shown, safe="*"))
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{parts.scheme}://{parts.netloc}{parts.path}{query}"
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -218,19 +236,25 @@ def cluster_client(url: str, options: RedisOptions) -> RedisCluster:
 async def connect_redis(
     url: str, *, retries: int = 5, delay: float = 0.5, options: RedisOptions | None = None
 ) -> aioredis.Redis:
-    """A client of ``url`` that has answered a ping, retrying (with backoff) while the server comes up."""
+    """A client of ``url`` that has answered a ping, retrying (with backoff) while the server comes up;
+    ``StoreUnavailable``, saying where and why, once it has tried ``retries`` times more."""
     if not is_redis_url(url):
         raise ValueError(
             f"not a Redis URL: {url!r} (use redis://HOST:PORT/DB, rediss://..., unix://PATH or redis+cluster://HOST:PORT)"
         )
     client = client_for(url, options or RedisOptions())
+    started = asyncio.get_running_loop().time()
     for attempt in range(retries + 1):
         try:
             await client.ping()
             return client
-        except (RedisConnectionError, RedisTimeoutError, OSError):
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             if attempt == retries:
                 await client.aclose()
-                raise
+                waited = asyncio.get_running_loop().time() - started
+                raise StoreUnavailable(
+                    f"cannot reach Redis at {shown_url(url)} ({attempt + 1} tries in {waited:.1f} s): "
+                    f"{str(exc).rstrip('.')}; is redis-server running there?"
+                ) from exc
             await asyncio.sleep(delay * (2**attempt))
     raise AssertionError("unreachable")

@@ -14,8 +14,8 @@ from rollout_proxy.proxy.handlers.fleet_admin import (
     EngineIn,
     PauseIn,
     ResumeIn,
-    check_engine_url,
 )
+from rollout_proxy.settings import check_engine_url
 
 
 @pytest.mark.parametrize(

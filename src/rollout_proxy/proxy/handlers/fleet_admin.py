@@ -5,7 +5,6 @@ pausing and resuming them around a weight update. The core is ``engines.fleet`` 
 from __future__ import annotations
 
 from typing import Literal
-from urllib.parse import urlsplit
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -15,29 +14,11 @@ from rollout_proxy.errors import InvalidRequest
 from rollout_proxy.proxy import keys, validation
 from rollout_proxy.proxy.handlers.common import request_caller
 from rollout_proxy.proxy.http import json_response, read_json_object
+from rollout_proxy.settings import check_engine_url
 
 #: Policy versions are the trainer's integer steps; JSON's safe integers (what every client reads exactly).
 MAX_POLICY_VERSION = 2**53 - 1
 MAX_URL_CHARS = 2048
-
-
-def check_engine_url(url: str) -> str:
-    """An engine's base URL: http(s)://host[:port][/path], no query, fragment or credentials."""
-    parts = urlsplit(url)
-    if (
-        parts.scheme not in ("http", "https")
-        or not parts.hostname
-        or parts.query
-        or parts.fragment
-        or parts.username is not None
-        or any(char.isspace() for char in url)
-    ):
-        raise ValueError("must be an engine's base URL: http(s)://host[:port][/path]")
-    try:
-        parts.port  # noqa: B018 (parsing the port is the check)
-    except ValueError:
-        raise ValueError("has a port that is not a number in 0-65535") from None
-    return url.rstrip("/")
 
 
 class EngineIn(BaseModel):
