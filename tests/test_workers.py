@@ -23,6 +23,7 @@ import pytest
 
 from devtools.fake_engine import FakeEngine, FakeEngineServer
 from rollout_proxy.cli import main
+from rollout_proxy.proxy import workers as supervision
 from rollout_proxy.proxy.workers import WORKER_HEADER
 from rollout_proxy.state.redis import RedisStore
 from tests.conftest import TEMPLATES, free_port
@@ -105,6 +106,34 @@ def test_workers_need_a_redis_store(capsys: pytest.CaptureFixture[str]) -> None:
         main(["serve", "--workers", "2", "--store", "memory", "--admin-key", "k"])
     assert exit_.value.code == 2
     assert "needs a Redis store" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("code", "status"), [(supervision.EXIT_CANNOT_SERVE, 1), (0, 0)])
+def test_a_worker_that_could_not_start_is_not_restarted_however_long_it_tried(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, code: int, status: int
+) -> None:
+    """A worker whose store did not answer gives up after ~16 s of retries, longer than ``MIN_UPTIME_S``: its
+    exit status, not its uptime, tells the parent not to start it again (the parent stops, exit 1). Any other
+    exit is a worker that died while serving: started again."""
+    monkeypatch.setattr(supervision, "MIN_UPTIME_S", 0.0)  # every worker here "served" long enough
+    started: list[int] = []
+    supervisor = supervision.Supervisor(2, [], {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}, grace_s=5)
+
+    def start(index: int) -> tuple[subprocess.Popen[bytes], float]:
+        started.append(index)
+        if len(started) > 4:  # the workers were started again, thrice: end the run as a SIGTERM does
+            os.kill(os.getpid(), signal.SIGTERM)
+        exits = f"import sys, time; time.sleep(0.3); sys.exit({code})"
+        return subprocess.Popen([sys.executable, "-c", exits]), time.monotonic()
+
+    monkeypatch.setattr(supervisor, "_start", start)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert supervisor.run() == status
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert len(started) == (2 if code == supervision.EXIT_CANNOT_SERVE else 5)
 
 
 async def test_serve_with_two_workers_answers_from_both_processes_on_one_port(

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout_proxy import __version__
 from rollout_proxy.logs import configure_logging
-from rollout_proxy.proxy.workers import WORKER_HEADER
+from rollout_proxy.proxy.workers import EXIT_CANNOT_SERVE, WORKER_HEADER
 from rollout_proxy.runner.settings import RunSettings
 from rollout_proxy.settings import Settings
 
@@ -64,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
         serving = serve_until_stopped(
             app, settings.host, settings.port, reuse_port=True, gc_threshold=settings.gc_threshold
         )
-        return _serve_loop(serving, settings.event_loop)
+        return _serve_loop(serving, settings.event_loop, cannot_serve=EXIT_CANNOT_SERVE)
 
     def announce(port: int) -> None:
         print(f"rollout-proxy listening on http://{settings.host}:{port}", file=sys.stderr)
@@ -81,15 +81,16 @@ def _serve(args: argparse.Namespace) -> int:
     return _serve_loop(serving, settings.event_loop)
 
 
-def _serve_loop(serving: Coroutine[Any, Any, None], event_loop: str) -> int:
-    """``serving`` run to its end: 1, with the reason on one line, where it could not start."""
+def _serve_loop(serving: Coroutine[Any, Any, None], event_loop: str, *, cannot_serve: int = 1) -> int:
+    """``serving`` run to its end: ``cannot_serve``, with the reason on one line, where it could not start (a
+    worker of ``serve --workers`` tells its parent so: not one to restart)."""
     from rollout_proxy.proxy.server import CannotServe
 
     try:
         _run_loop(serving, event_loop)
     except CannotServe as exc:
         print(f"rollout-proxy serve: {exc}", file=sys.stderr)
-        return 1
+        return cannot_serve
     return 0
 
 

@@ -38,6 +38,9 @@ WORKER_ENV = "ROLLOUT_PROXY_WORKER"
 WORKER_HEADER = "X-Rollout-Proxy-Worker"
 #: A worker that dies sooner than this after its start is not restarted in a loop: the parent stops.
 MIN_UPTIME_S = 5.0
+#: A worker's exit status when it could not start serving (its store unreachable after its retries, the port
+#: taken): the parent stops rather than restart it, however long it tried.
+EXIT_CANNOT_SERVE = 3
 
 
 def worker_index() -> int | None:
@@ -93,9 +96,9 @@ class Supervisor:
                 mark_process_dead(
                     process.pid, self._env.get("PROMETHEUS_MULTIPROC_DIR")
                 )  # its live gauges (in-flight, open sessions) leave the sum
-                if time.monotonic() - started < MIN_UPTIME_S:
+                if code == EXIT_CANNOT_SERVE or time.monotonic() - started < MIN_UPTIME_S:
                     log.error("worker_failed_at_start", worker=index, code=code)
-                    self._stopping, status = True, code or 1
+                    self._stopping, status = True, 1 if code == EXIT_CANNOT_SERVE else code or 1
                     break
                 self._workers[index] = self._start(index)
         self._shutdown()
