@@ -52,6 +52,7 @@ def test_session_token_secret_is_stable_for_an_admin_key():
         (["--engine", "localhost:8000"], "--engine: 'localhost:8000' must be an engine's base URL"),
         (["--engine", "http://a:1", "--engine", "ftp://b"], "--engine: 'ftp://b' must be an engine's base URL"),
         (["--teacher", "t=127.0.0.1:8001"], "teacher 't': '127.0.0.1:8001' must be an engine's base URL"),
+        (["--chat-template", "/nowhere/tool_use.jinja"], "--chat-template: chat template file '/nowhere/tool_use"),
     ],
     ids=[
         "unknown-store",
@@ -64,6 +65,7 @@ def test_session_token_secret_is_stable_for_an_admin_key():
         "engine-without-scheme",
         "engine-scheme",
         "teacher-url",
+        "chat-template-missing",
     ],
 )
 def test_bad_serve_options_are_refused_before_serving(options, message, capsys, monkeypatch):
@@ -132,3 +134,14 @@ def test_serve_announces_the_port_it_listens_on():
         finally:
             serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0
+
+
+def test_serve_with_a_feed_file_it_cannot_write_says_so_in_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("ROLLOUT_PROXY_ADMIN_KEY", "k")
+    code = main(
+        ["serve", "--port", "0", "--feed", f"jsonl:{tmp_path}", "--event-loop", "asyncio", "--log-level", "error"]
+    )
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"rollout-proxy serve: cannot write the feed file {str(tmp_path)!r}: Is a directory" in err
+    assert "Traceback" not in err and "listening on" not in err

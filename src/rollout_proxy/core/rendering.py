@@ -50,7 +50,7 @@ from rollout_proxy.records import ImageSpan, NodeKind
 from rollout_proxy.settings import from_setting
 from rollout_proxy.tokenization.developer import DeveloperRole
 from rollout_proxy.tokenization.images import ImagePlaceholders, ImagesUnavailable, image_part_hashes
-from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavailable, tokenizer_dir
+from rollout_proxy.tokenization.local import LocalTemplate, LocalTemplateUnavailable, read_chat_template, tokenizer_dir
 from rollout_proxy.tokenization.renderer import ChatRenderer
 from rollout_proxy.tokenization.selfcheck import TOOLS, bridge_check, self_check, token_diff
 from rollout_proxy.wire.images import ImageBlob
@@ -84,6 +84,11 @@ class RenderingConfig:
             raise ValueError(f"rendering must be one of {RENDERING_MODES}, got {self.mode!r}")
         if not 0.0 <= self.check_rate <= 1.0:
             raise ValueError(f"the render check rate must be within [0, 1], got {self.check_rate}")
+        if self.chat_template:  # a file named that is not there: a typo, refused as vLLM refuses it
+            try:
+                read_chat_template(self.chat_template)
+            except LocalTemplateUnavailable as exc:
+                raise ValueError(f"--chat-template: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)

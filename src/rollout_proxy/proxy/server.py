@@ -194,7 +194,8 @@ async def serve_until_stopped(
         try:
             await site.start()
         except OSError as exc:  # the port taken, an address not this machine's
-            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            # a bind's error says its errno in a sentence of its own; a name that does not resolve, its own words
+            reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or str(exc)
             raise CannotServe(f"cannot listen on {host}:{port}: {reason}") from exc
         if on_listening is not None:
             on_listening(runner.addresses[0][1])

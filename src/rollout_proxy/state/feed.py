@@ -15,7 +15,7 @@ from typing import Protocol
 
 import orjson
 
-from rollout_proxy.errors import BadCursor
+from rollout_proxy.errors import BadCursor, StoreUnavailable
 from rollout_proxy.state.connection import is_redis_url
 from rollout_proxy.wire.feed import FeedEntry, FeedGroup
 
@@ -58,6 +58,15 @@ class JsonlFeed:
             self._ids = {record["group_id"]: record["id"] for record in records}
         return self._ids
 
+    def check_writable(self) -> None:
+        """The file opened for appending (made, with its directory, if missing), so that a path that cannot be
+        written is refused when the feed is opened, not when the first group is published."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.open("ab").close()
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot write the feed file {str(self.path)!r}: {exc.strerror or exc}") from exc
+
     def _append(self, line: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("ab") as out:
@@ -99,7 +108,9 @@ class JsonlFeed:
 async def open_feed(url: str, *, stream: str = "trajectories") -> Feed:
     """``jsonl:PATH`` or a Redis URL (the stream name is ``stream``)."""
     if url.startswith("jsonl:"):
-        return JsonlFeed(url.removeprefix("jsonl:"))
+        feed = JsonlFeed(url.removeprefix("jsonl:"))
+        await asyncio.to_thread(feed.check_writable)
+        return feed
     if is_redis_url(url):
         from rollout_proxy.state.redis_feed import RedisStreamFeed
 
