@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -145,3 +146,25 @@ def test_serve_with_a_feed_file_it_cannot_write_says_so_in_one_line(capsys, monk
     assert code == 1
     assert f"rollout-proxy serve: cannot write the feed file {str(tmp_path)!r}: Is a directory" in err
     assert "Traceback" not in err and "listening on" not in err
+
+
+def test_serve_stopped_while_it_waits_for_its_redis_stops_at_once():
+    """SIGTERM (Ctrl-C) during the start-up's retries of an unreachable store ends the start, not after it."""
+    env = {**os.environ, "ROLLOUT_PROXY_ADMIN_KEY": "k"}
+    store = f"redis://127.0.0.1:{free_port()}/0"
+    command = [sys.executable, "-m", "rollout_proxy", "serve", "--port", "0", "--store", store]
+    command += ["--log-format", "json", "--log-level", "warning"]
+    with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as serve:
+        assert serve.stderr is not None
+        try:
+            lines = [serve.stderr.readline()]
+            while lines[-1] and '"event":"redis_waiting"' not in lines[-1]:
+                lines.append(serve.stderr.readline())
+            waiting = json.loads(lines[-1])
+            assert (waiting["url"], waiting["tried"], waiting["of"]) == (store, 1, 6), lines
+        finally:
+            serve.send_signal(signal.SIGTERM)
+        code = serve.wait(timeout=60)
+        rest = serve.stderr.read()
+    assert code == 0, rest
+    assert "cannot reach Redis" not in rest and "listening on" not in rest

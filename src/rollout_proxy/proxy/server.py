@@ -162,6 +162,29 @@ class CannotServe(Exception):
     line prints the message, not a traceback)."""
 
 
+async def _started_unless_stopped(
+    app: web.Application, stop: asyncio.Event, shutdown_timeout: float
+) -> ProxyRunner | None:
+    """``app`` started, or None where ``stop`` was set first (a Ctrl-C while the store is retried: the start is
+    cancelled and what it had opened closed, not waited for)."""
+    starting = asyncio.ensure_future(start_app(app, access_log=None, shutdown_timeout=shutdown_timeout))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((starting, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.wait((starting,))
+    if starting.cancelled():
+        log.info("stopped_while_starting")
+        return None
+    try:
+        return starting.result()
+    except StoreUnavailable as exc:
+        raise CannotServe(exc.message) from exc
+
+
 async def serve_until_stopped(
     app: web.Application,
     host: str,
@@ -185,10 +208,9 @@ async def serve_until_stopped(
         loop.add_signal_handler(signum, stop.set)
     runner: ProxyRunner | None = None
     try:
-        try:
-            runner = await start_app(app, access_log=None, shutdown_timeout=shutdown_timeout)
-        except StoreUnavailable as exc:
-            raise CannotServe(exc.message) from exc
+        runner = await _started_unless_stopped(app, stop, shutdown_timeout)
+        if runner is None:
+            return
         tune_gc(gc_threshold)  # after the app's start-up, before the first request
         site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, reuse_port=reuse_port or None)
         try:

@@ -256,5 +256,9 @@ async def connect_redis(
                     f"cannot reach Redis at {shown_url(url)} ({attempt + 1} tries in {waited:.1f} s): "
                     f"{str(exc).rstrip('.')}; is redis-server running there?"
                 ) from exc
-            await asyncio.sleep(delay * (2**attempt))
+            wait = delay * (2**attempt)
+            log.warning(
+                "redis_waiting", url=shown_url(url), tried=attempt + 1, of=retries + 1, again_in_s=wait, error=str(exc)
+            )
+            await asyncio.sleep(wait)
     raise AssertionError("unreachable")
