@@ -160,7 +160,7 @@ def _engine_urls(urls: list[str]) -> list[str]:
     return list(check_engine_urls(urls))
 
 
-#: engine base URLs, each checked as the proxy checks them (``engines.base.check_engine_url``)
+#: engine base URLs, each checked as the proxy checks them (``settings.check_engine_url``)
 EngineUrls = Annotated[list[str], AfterValidator(_engine_urls)]
 
 
