@@ -89,7 +89,6 @@ TESTED_IN: dict[str, str] = {
     "sdk/proxy.py": "tests/sdk/test_inference_proxy.py",
     "sdk/runtime.py": "tests/sdk/test_decorators.py",
     "sdk/types.py": "tests/sdk/test_local.py",
-    "state/feed.py": "tests/runner/test_feed.py",
     "state/instrumented.py": "tests/test_metrics.py",
     "state/listing.py": "tests/state/test_store_listing.py",
     "state/memory.py": "tests/state/test_store_contract.py",

@@ -109,6 +109,8 @@ def sample_value(model: type[DeclaredSettings], name: str) -> tuple[str, object]
         return "http://a:1,http://b:2", ("http://a:1", "http://b:2")
     if name == "feed" and model is TrainerSettings:
         return "redis://other:2/1", "redis://other:2/1"
+    if name == "chat_template":  # a file that is there, or the template's text itself (as vLLM takes it)
+        return "{{ messages }}", "{{ messages }}"
     return "x-value", "x-value"
 
 

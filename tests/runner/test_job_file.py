@@ -125,7 +125,6 @@ def test_cli_run_says_in_one_line_that_the_proxy_did_not_answer(job_path):
         [sys.executable, "-m", "rollout_proxy", "run", str(job_path), "--proxy-url", url, "--admin-key", "k"],
         capture_output=True,
         text=True,
-        cwd=job_path.parent,
     )
     assert result.returncode == 1, result.stderr
     assert f"rollout-proxy run: no answer from the proxy at {url}: " in result.stderr
