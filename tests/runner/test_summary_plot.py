@@ -80,6 +80,18 @@ def test_a_single_reward_group_has_no_signal():
     assert "0 of 1 group(s)" in summary.render() and "step 0" not in summary.render()
 
 
+@pytest.mark.parametrize(
+    ("feed", "shown"),
+    [("redis://:hunter2@r:6379/0", "redis://:***@r:6379/0"), ("jsonl:out/j/feed.jsonl", "jsonl:out/j/feed.jsonl")],
+)
+def test_the_summary_names_its_feed_without_a_password(feed, shown):
+    summary = JobProgress(total=1, enabled=False).summary(
+        job_id="j", steps=1, elapsed=1.0, drift=0, forks=0, step_metrics={}
+    )
+    summary.feed = feed
+    assert f"  feed          {shown}\n" in summary.render() + "\n" and "hunter2" not in summary.render()
+
+
 def test_the_plot_is_a_png_of_the_steps(tmp_path):
     steps = progress_of_two_steps().steps()
     path = write_step_plot(steps, tmp_path / "out" / "job" / "steps.png", title="job")

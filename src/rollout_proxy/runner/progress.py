@@ -11,6 +11,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rollout_proxy.sdk.types import Trajectory
+from rollout_proxy.state.connection import shown_url
 
 #: an advantage this close to 0 carries no learning signal (GRPO's rewards were all equal)
 SIGNAL_EPSILON = 1e-9
@@ -125,7 +126,7 @@ class JobSummary:
         if len(self.steps_stats) > 1:
             lines += [f"  step {s.step:<8} {_step_line(s)}" for s in self.steps_stats]
         if self.feed:
-            lines.append(f"  feed          {self.feed}")
+            lines.append(f"  feed          {shown_url(self.feed)}")  # a Redis feed's password masked
         if self.plot:
             lines.append(f"  plot          {self.plot}")
         if self.viewer:
