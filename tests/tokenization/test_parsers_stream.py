@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -144,3 +145,38 @@ def test_random_texts_and_chunkings(tools: str, reasoning: str, opened: bool) ->
         assert "".join(d.content for d in deltas) == (final.content or ""), (text, pieces)
         calls = [call["function"] for d in deltas for call in d.tool_calls]
         assert calls == [call["function"] for call in final.tool_calls], (text, pieces)
+
+
+@pytest.mark.parametrize("opened", [False, True])
+@pytest.mark.parametrize(("tools", "reasoning"), PARSERS)
+def test_long_texts_in_many_small_pieces(tools: str, reasoning: str, opened: bool) -> None:
+    """Long reasonings, answers and calls (what the parser keeps of them is trimmed as it goes), cut into
+    pieces of a few characters: a tag, a newline run or a whitespace run falls across many pieces."""
+    rng = random.Random(4242)
+    parser = OutputParser.named(tools, reasoning)
+    long_fragments = [
+        *FRAGMENTS,
+        " word" * 40,
+        "\n" * 9,
+        " " * 9,
+        '{"name": "f", "arguments": {"x": "' + "y" * 300 + '"}}',
+    ]
+    for _ in range(60):
+        text = "".join(rng.choice(long_fragments) for _ in range(rng.randint(20, 80)))
+        final = parser.parse(text, opened=opened)
+        cuts = [0]
+        while cuts[-1] < len(text):
+            cuts.append(min(len(text), cuts[-1] + rng.randint(1, 7)))
+        incremental = IncrementalParser(parser, opened=opened)
+        deltas = [incremental.feed(text[a:b]) for a, b in itertools.pairwise(cuts)]
+        whole = IncrementalParser(parser, opened=opened).feed(text)  # the same text in one piece
+        assert "".join(d.reasoning for d in deltas) == whole.reasoning, text  # as much released before the end
+        assert "".join(d.content for d in deltas) == whole.content, text
+        assert [c["function"] for d in deltas for c in d.tool_calls] == [c["function"] for c in whole.tool_calls]
+        _view, rest, agrees = incremental.finish(final)
+        assert agrees, text
+        assert "".join(d.reasoning for d in deltas) + rest.reasoning == (final.reasoning or ""), text
+        assert "".join(d.content for d in deltas) + rest.content == (final.content or ""), text
+        got_calls = [call for d in deltas for call in d.tool_calls] + rest.tool_calls
+        assert [c["function"] for c in got_calls] == [c["function"] for c in final.tool_calls], text
+        assert incremental.text == text

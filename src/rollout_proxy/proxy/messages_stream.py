@@ -31,7 +31,7 @@ class MessageEvents:
         self._prompt_tokens = len(started.prompt_ids)
         self._index = -1  # the open block's index
         self._open: str | None = None  # its type
-        self._thinking = ""  # the open thinking block's text so far
+        self._thinking: list[str] = []  # the open thinking block's text so far, in pieces
 
     @staticmethod
     def _event(kind: str, **fields: Any) -> Frame:
@@ -57,7 +57,7 @@ class MessageEvents:
             view = event.view
             if view.reasoning:
                 frames += self._open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                self._thinking += view.reasoning
+                self._thinking.append(view.reasoning)
                 frames.append(self._delta({"type": "thinking_delta", "thinking": view.reasoning}))
             if view.content:
                 frames += self._open_block("text", {"type": "text", "text": ""})
@@ -103,9 +103,9 @@ class MessageEvents:
             return []
         frames: list[Frame] = []
         if self._open == "thinking":
-            signature = sign(self._key, self._id, self._thinking)
+            signature = sign(self._key, self._id, "".join(self._thinking))
             frames.append(self._delta({"type": "signature_delta", "signature": signature}))
-            self._thinking = ""
+            self._thinking = []
         self._open = None
         return [*frames, self._event("content_block_stop", index=self._index)]
 

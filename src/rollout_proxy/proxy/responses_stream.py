@@ -36,8 +36,9 @@ class ResponseEvents:
         self._suffix = started.response_id.removeprefix("resp_")
         self._sequence = 0
         self._next_index = 0
-        self._reasoning: tuple[int, str] | None = None  # (output index, text so far) while open
-        self._message: tuple[int, str] | None = None
+        # (output index, the text so far in pieces: a long turn is not copied at every delta) once open
+        self._reasoning: tuple[int, list[str]] | None = None
+        self._message: tuple[int, list[str]] | None = None
         self._reasoning_done = False
 
     def _event(self, kind: str, **fields: Any) -> Frame:
@@ -96,7 +97,7 @@ class ResponseEvents:
         if self._reasoning is None:
             index = self._next_index
             self._next_index += 1
-            self._reasoning = (index, "")
+            self._reasoning = (index, [])
             item = {
                 "type": "reasoning",
                 "id": f"rs_{self._suffix}",
@@ -106,7 +107,7 @@ class ResponseEvents:
             }
             frames.append(self._event("response.output_item.added", output_index=index, item=item))
         index, so_far = self._reasoning
-        self._reasoning = (index, so_far + text)
+        so_far.append(text)
         frames.append(
             self._event(
                 "response.reasoning_text.delta",
@@ -122,7 +123,8 @@ class ResponseEvents:
         if self._reasoning is None or self._reasoning_done:
             return []
         self._reasoning_done = True
-        index, text = self._reasoning
+        index, pieces = self._reasoning
+        text = "".join(pieces)
         item_id = f"rs_{self._suffix}"
         item = final or {
             "type": "reasoning",
@@ -144,7 +146,7 @@ class ResponseEvents:
         if self._message is None:
             index = self._next_index
             self._next_index += 1
-            self._message = (index, "")
+            self._message = (index, [])
             item = {"type": "message", "id": item_id, "role": "assistant", "status": "in_progress", "content": []}
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             frames.append(self._event("response.output_item.added", output_index=index, item=item))
@@ -154,7 +156,7 @@ class ResponseEvents:
                 )
             )
         index, so_far = self._message
-        self._message = (index, so_far + text)
+        so_far.append(text)
         frames.append(
             self._event(
                 "response.output_text.delta",
@@ -174,7 +176,8 @@ class ResponseEvents:
         by_type: dict[str, dict[str, Any]] = {item["type"]: item for item in items if item["type"] != "function_call"}
         frames = self._close_reasoning(by_type.get("reasoning"))
         if self._message is not None:
-            index, text = self._message
+            index, pieces = self._message
+            text = "".join(pieces)
             item_id = f"msg_{self._suffix}"
             final = by_type.get("message") or {}
             part = (final.get("content") or [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])[

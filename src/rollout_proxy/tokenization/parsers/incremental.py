@@ -68,18 +68,19 @@ class IncrementalParser:
         self._hermes = isinstance(parser.tools, HermesToolParser)
         self._in_reasoning = self._think
         self._prompt_opened = opened and self._think
-        # reasoning phase
-        self._buffer = ""  # all text of the reasoning phase
+        # reasoning phase (positions count characters of the phase's text, which is all the text fed)
+        self._tail = ""  # the phase's text from ``_tail_at`` on: what the next piece may still need
+        self._tail_at = 0
         self._scanned = 0  # where the search for </think> resumes
         self._body_start = -1  # where the reasoning text starts (after <think> if any); -1: not known yet
         self._reasoning_end = -1  # end of the reasoning released so far
         # content phase
         self._strip_newlines = False  # drop the newlines right after </think>
         self._in_call = False
-        self._pending = ""  # text not classified yet (a possible start of <tool_call>, or a call's body)
-        self._call_scanned = 0
+        self._pending = ""  # text not classified yet: a possible start of <tool_call>, or a call's last characters
+        self._call: list[str] = []  # the open call's text before ``_pending``
         self._tag_seen = False
-        self._held = ""  # content not released yet
+        self._held: list[str] = []  # content not released yet
         # released so far (pieces: a long turn is not copied at every chunk)
         self._reasoning: list[str] = []
         self._content_parts: list[str] = []
@@ -115,49 +116,59 @@ class IncrementalParser:
 
     def _feed_reasoning(self, text: str, delta: ViewDelta) -> str:
         """Consume reasoning-phase text; returns what belongs to the content phase once it is known: what
-        follows ``</think>``, or the whole text when it turns out to be a plain answer (else "")."""
-        buffer = self._buffer = self._buffer + text
-        if self._body_start < 0:
-            stripped = buffer.lstrip()
+        follows ``</think>``, or the whole text when it turns out to be a plain answer (else "").
+
+        Only the phase's unreleased tail is kept as one string (what is released, and what ``</think>`` can
+        no longer start in, is dropped from it), so a long reasoning is not copied at every piece."""
+        tail = self._tail = self._tail + text
+        at = self._tail_at
+        length = at + len(tail)
+        if self._body_start < 0:  # nothing was dropped yet: ``tail`` is the whole phase
+            stripped = tail.lstrip()
             if not stripped or OPEN.startswith(stripped):
                 return ""  # only whitespace, or maybe the start of <think>: the next text tells
             if stripped.startswith(OPEN):
-                self._body_start = len(buffer) - len(stripped) + len(OPEN)
+                self._body_start = len(tail) - len(stripped) + len(OPEN)
             elif self._prompt_opened:
-                self._body_start = len(buffer) - len(stripped)
+                self._body_start = len(tail) - len(stripped)
             else:  # a plain answer (the prompt left no <think> open): all content, from its first character
                 self._in_reasoning = False
-                self._buffer = ""
-                return buffer
-        close = buffer.find(CLOSE, max(0, self._scanned - len(CLOSE) + 1))
-        self._scanned = len(buffer)
+                self._tail = ""
+                return tail
+        close = tail.find(CLOSE, max(0, self._scanned - len(CLOSE) + 1 - at))
+        self._scanned = length
         if close >= 0:
-            reasoning, _ = self._parser.reasoning.split(buffer[: close + len(CLOSE)], opened=self._prompt_opened)
+            whole = self.text  # the reasoning phase's text is all the text fed so far
+            close += at + len(CLOSE)
+            reasoning, _ = self._parser.reasoning.split(whole[:close], opened=self._prompt_opened)
             self._release_reasoning(reasoning or "", delta)
             self._in_reasoning = False
             self._strip_newlines = True
-            self._buffer = ""
-            return buffer[close + len(CLOSE) :]
-        start = self._reasoning_start(buffer)
+            self._tail, self._tail_at = "", 0
+            return whole[close:]
+        start = self._reasoning_start(tail)
         if start < 0:
             return ""
-        end = len(buffer) - _partial_suffix(buffer, CLOSE)
-        while end > start and buffer[end - 1] == "\n":
+        end = length - _partial_suffix(tail, CLOSE)
+        while end > start and tail[end - at - 1] == "\n":
             end -= 1
         released = max(self._reasoning_end, start)
         if end > released:
-            self._emit_reasoning(buffer[released:end], delta)
+            self._emit_reasoning(tail[released - at : end - at], delta)
             self._reasoning_end = end
+        if self._reasoning_end > at:  # what is left is held: trailing newlines, a possible start of </think>
+            self._tail, self._tail_at = tail[self._reasoning_end - at :], self._reasoning_end
         return ""
 
-    def _reasoning_start(self, buffer: str) -> int:
-        """Where the reasoning text begins: after ``<think>`` and the newlines after it (-1: only newlines yet)."""
+    def _reasoning_start(self, tail: str) -> int:
+        """Where the reasoning text begins: after ``<think>`` and the newlines after it (-1: only newlines yet).
+        Until it is known, nothing was dropped from ``tail``."""
         if self._reasoning_end >= 0:
             return self._reasoning_end
         start = self._body_start
-        while start < len(buffer) and buffer[start] == "\n":
+        while start < len(tail) and tail[start] == "\n":
             start += 1
-        if start == len(buffer):
+        if start == len(tail):
             return -1
         self._reasoning_end = start
         return start
@@ -184,11 +195,15 @@ class IncrementalParser:
         self._pending += text
         while True:
             if self._in_call:
-                close = self._pending.find(CALL_CLOSE, max(0, self._call_scanned - len(CALL_CLOSE) + 1))
-                self._call_scanned = len(self._pending)
-                if close < 0:
-                    return  # an unfinished call is held back
-                block = CALL_OPEN + self._pending[: close + len(CALL_CLOSE)]
+                close = self._pending.find(CALL_CLOSE)
+                if close < 0:  # an unfinished call is held back; only a possible </tool_call> stays unsearched
+                    keep = len(CALL_CLOSE) - 1
+                    if len(self._pending) > keep:
+                        self._call.append(self._pending[:-keep])
+                        self._pending = self._pending[-keep:]
+                    return
+                block = CALL_OPEN + "".join(self._call) + self._pending[: close + len(CALL_CLOSE)]
+                self._call = []
                 self._pending = self._pending[close + len(CALL_CLOSE) :]
                 self._in_call = False
                 _, calls, _ = self._parser.tools.extract(block)
@@ -203,7 +218,7 @@ class IncrementalParser:
                 self._tag_seen = True
                 self._content(self._pending[:start], delta)
                 self._pending = self._pending[start + len(CALL_OPEN) :]
-                self._in_call, self._call_scanned = True, 0
+                self._in_call = True
                 continue
             keep = _partial_suffix(self._pending, CALL_OPEN)
             self._content(self._pending[: len(self._pending) - keep], delta)
@@ -212,15 +227,14 @@ class IncrementalParser:
 
     def _content(self, text: str, delta: ViewDelta) -> None:
         """Release content that no later text can change (see the module docstring)."""
-        held = self._held + text
-        if not self._content_parts:
-            if self._tag_seen:
-                held = held.lstrip()  # with calls the content is stripped
-            elif held[:1].isspace():
-                self._held = held  # stripped or not: only the rest of the text tells
-                return
+        if not self._content_parts and not self._tag_seen and (self._held or text[:1].isspace()):
+            self._held.append(text)  # content that starts with whitespace: stripped or not, only the rest tells
+            return
+        held = "".join(self._held) + text
+        if not self._content_parts and self._tag_seen:
+            held = held.lstrip()  # with calls the content is stripped
         released = held.rstrip()
-        self._held = held[len(released) :]
+        self._held = [held[len(released) :]] if len(released) < len(held) else []
         if released:
             self._content_parts.append(released)
         delta.content += released
