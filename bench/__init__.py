@@ -3,6 +3,7 @@
     python -m bench.proxy_overhead     # direct vs rollout-proxy (memory, Redis) vs LiteLLM, side by side
     python -m bench.fleet_faults       # engines killed and restarted under load: failed turns, failover's p99
     python -m bench.streaming_ttft     # time to first token and per-chunk overhead, proxy vs the engine direct
+    python -m bench.long_output        # a streamed turn's per-token work at 1k, 8k and 32k output tokens
     python -m bench.storage_footprint  # bytes per stored token and per open session, Redis and memory stores
     python -m bench.workers            # serve --workers 2 against one worker
     python -m bench.resent_input       # a Codex-shaped conversation's CPU per turn, turn 100 against turn 2
