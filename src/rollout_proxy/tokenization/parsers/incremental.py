@@ -118,8 +118,8 @@ class IncrementalParser:
         """Consume reasoning-phase text; returns what belongs to the content phase once it is known: what
         follows ``</think>``, or the whole text when it turns out to be a plain answer (else "").
 
-        Only the phase's unreleased tail is kept as one string (what is released, and what ``</think>`` can
-        no longer start in, is dropped from it), so a long reasoning is not copied at every piece."""
+        Only the phase's unreleased tail is kept as one string (what is released is dropped from it), so a
+        long reasoning is not copied at every piece."""
         tail = self._tail = self._tail + text
         at = self._tail_at
         length = at + len(tail)
