@@ -71,7 +71,6 @@ class IncrementalParser:
         # reasoning phase (positions count characters of the phase's text, which is all the text fed)
         self._tail = ""  # the phase's text from ``_tail_at`` on: what the next piece may still need
         self._tail_at = 0
-        self._scanned = 0  # where the search for </think> resumes
         self._body_start = -1  # where the reasoning text starts (after <think> if any); -1: not known yet
         self._reasoning_end = -1  # end of the reasoning released so far
         # content phase
@@ -120,8 +119,9 @@ class IncrementalParser:
 
         Only the phase's unreleased tail is kept as one string (what is released is dropped from it), so a
         long reasoning is not copied at every piece."""
-        tail = self._tail = self._tail + text
         at = self._tail_at
+        before = at + len(self._tail)  # the text before this piece holds no </think>, only maybe its start
+        tail = self._tail = self._tail + text
         length = at + len(tail)
         if self._body_start < 0:  # nothing was dropped yet: ``tail`` is the whole phase
             stripped = tail.lstrip()
@@ -135,8 +135,7 @@ class IncrementalParser:
                 self._in_reasoning = False
                 self._tail = ""
                 return tail
-        close = tail.find(CLOSE, max(0, self._scanned - len(CLOSE) + 1 - at))
-        self._scanned = length
+        close = tail.find(CLOSE, max(0, before - len(CLOSE) + 1 - at))
         if close >= 0:
             whole = self.text  # the reasoning phase's text is all the text fed so far
             close += at + len(CLOSE)
@@ -174,8 +173,9 @@ class IncrementalParser:
         return start
 
     def _release_reasoning(self, final: str, delta: ViewDelta) -> None:
-        if final.startswith(self.reasoning):
-            self._emit_reasoning(final[len(self.reasoning) :], delta)
+        sent = self.reasoning
+        if final.startswith(sent):
+            self._emit_reasoning(final[len(sent) :], delta)
 
     def _emit_reasoning(self, text: str, delta: ViewDelta) -> None:
         if text:
