@@ -94,9 +94,7 @@ def _run_tree(env: dict[str, str], sizes: Sequence[int], repeats: int) -> dict[s
 
 
 def run(sizes: Sequence[int], rounds: int, repeats: int, baseline: Path | None) -> dict[str, Any]:
-    trees: dict[str, tuple[str, dict[str, str]]] = {
-        "this tree": (revision(ROOT), {**child_env(), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"})
-    }
+    trees: dict[str, tuple[str, dict[str, str]]] = {"this tree": (revision(ROOT), child_env())}
     if baseline is not None:
         trees["baseline"] = (revision(baseline), baseline_env(baseline))
     measured: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
