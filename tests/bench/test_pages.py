@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,9 +40,13 @@ def test_a_changed_measurement_changes_its_page():
     changed = copy.deepcopy(report)
     first = next(iter(changed["phases"].values()))
     first["proxy"]["ttft_p50_ms"] += 1000.0
-    text = page.read_text()  # its other blocks (long_output.json) read as published
-    assert pages.render(text, lambda name: report if name == "streaming_ttft.json" else pages.load(name)) == text
-    assert pages.render(text, lambda name: changed if name == "streaming_ttft.json" else pages.load(name)) != text
+    text = page.read_text()
+
+    def reading(streaming: dict) -> Callable[[str], dict]:  # the page's other blocks read as published
+        return lambda name: streaming if name == "streaming_ttft.json" else pages.load(name)
+
+    assert pages.render(text, reading(report)) == text
+    assert pages.render(text, reading(changed)) != text
 
 
 def test_a_hand_edit_inside_a_block_or_a_replaced_json_fails_the_check(tmp_path: Path):
