@@ -69,8 +69,7 @@ class IncrementalParser:
         self._in_reasoning = self._think
         self._prompt_opened = opened and self._think
         # reasoning phase (positions count characters of the phase's text, which is all the text fed)
-        self._tail = ""  # the phase's text from ``_tail_at`` on: what the next piece may still need
-        self._tail_at = 0
+        self._tail = ""  # the phase's text after the reasoning released so far: what the next piece may still need
         self._body_start = -1  # where the reasoning text starts (after <think> if any); -1: not known yet
         self._reasoning_end = -1  # end of the reasoning released so far
         # content phase
@@ -119,7 +118,7 @@ class IncrementalParser:
 
         Only the phase's unreleased tail is kept as one string (what is released is dropped from it), so a
         long reasoning is not copied at every piece."""
-        at = self._tail_at
+        at = max(self._reasoning_end, 0)  # where ``_tail`` starts
         before = at + len(self._tail)  # the text before this piece holds no </think>, only maybe its start
         tail = self._tail = self._tail + text
         length = at + len(tail)
@@ -143,7 +142,7 @@ class IncrementalParser:
             self._release_reasoning(reasoning or "", delta)
             self._in_reasoning = False
             self._strip_newlines = True
-            self._tail, self._tail_at = "", 0
+            self._tail = ""
             return whole[close:]
         start = self._reasoning_start(tail)
         if start < 0:
@@ -156,7 +155,7 @@ class IncrementalParser:
             self._emit_reasoning(tail[released - at : end - at], delta)
             self._reasoning_end = end
         if self._reasoning_end > at:  # what is left is held: trailing newlines, a possible start of </think>
-            self._tail, self._tail_at = tail[self._reasoning_end - at :], self._reasoning_end
+            self._tail = tail[self._reasoning_end - at :]
         return ""
 
     def _reasoning_start(self, tail: str) -> int:
