@@ -8,7 +8,8 @@ import random
 import pytest
 
 from rollout_proxy.tokenization.parsers import OutputParser
-from rollout_proxy.tokenization.parsers.incremental import IncrementalParser
+from rollout_proxy.tokenization.parsers.base import AssistantView
+from rollout_proxy.tokenization.parsers.incremental import IncrementalParser, ViewDelta
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL2 = '<tool_call>{"name": "get_weather", "arguments": {"city": "Berlin", "unit": "C"}}</tool_call>'
@@ -34,6 +35,17 @@ TEXTS = [
     "héllo wörld ✓ <think>not at start</think> tail",
 ]
 PARSERS = [("hermes", "think"), ("hermes", "none"), ("none", "think"), ("none", "none")]
+
+
+def released(deltas: list[ViewDelta]) -> tuple[str, str, list[dict]]:
+    """What the deltas release together: the reasoning, the content and the calls' functions."""
+    calls = [call["function"] for delta in deltas for call in delta.tool_calls]
+    return "".join(delta.reasoning for delta in deltas), "".join(delta.content for delta in deltas), calls
+
+
+def parsed(final: AssistantView) -> tuple[str, str, list[dict]]:
+    """The same of the final parse."""
+    return final.reasoning or "", final.content or "", [call["function"] for call in final.tool_calls]
 
 
 def chunkings(text: str, rng: random.Random) -> list[list[str]]:
@@ -141,10 +153,7 @@ def test_random_texts_and_chunkings(tools: str, reasoning: str, opened: bool) ->
         _view, rest, agrees = incremental.finish(final)
         deltas.append(rest)
         assert agrees, (text, pieces)
-        assert "".join(d.reasoning for d in deltas) == (final.reasoning or ""), (text, pieces)
-        assert "".join(d.content for d in deltas) == (final.content or ""), (text, pieces)
-        calls = [call["function"] for d in deltas for call in d.tool_calls]
-        assert calls == [call["function"] for call in final.tool_calls], (text, pieces)
+        assert released(deltas) == parsed(final), (text, pieces)
 
 
 @pytest.mark.parametrize("opened", [False, True])
@@ -170,13 +179,8 @@ def test_long_texts_in_many_small_pieces(tools: str, reasoning: str, opened: boo
         incremental = IncrementalParser(parser, opened=opened)
         deltas = [incremental.feed(text[a:b]) for a, b in itertools.pairwise(cuts)]
         whole = IncrementalParser(parser, opened=opened).feed(text)  # the same text in one piece
-        assert "".join(d.reasoning for d in deltas) == whole.reasoning, text  # as much released before the end
-        assert "".join(d.content for d in deltas) == whole.content, text
-        assert [c["function"] for d in deltas for c in d.tool_calls] == [c["function"] for c in whole.tool_calls]
+        assert released(deltas) == released([whole]), text  # as much released before the end
         _view, rest, agrees = incremental.finish(final)
         assert agrees, text
-        assert "".join(d.reasoning for d in deltas) + rest.reasoning == (final.reasoning or ""), text
-        assert "".join(d.content for d in deltas) + rest.content == (final.content or ""), text
-        got_calls = [call for d in deltas for call in d.tool_calls] + rest.tool_calls
-        assert [c["function"] for c in got_calls] == [c["function"] for c in final.tool_calls], text
+        assert released([*deltas, rest]) == parsed(final), text
         assert incremental.text == text
